@@ -1,0 +1,9 @@
+"""Federated algorithms. Importing a module registers its algorithms."""
+from fedjax_sparse.algorithms.base import (Algorithm, ClientContext, ServerContext, Task, client_metrics,
+                                           replicate, tree_weighted_mean)
+from fedjax_sparse.algorithms.registry import (algorithm_defaults, algorithm_names, make_algorithm,
+                                               register_algorithm)
+from fedjax_sparse.algorithms import fedavg  # noqa: F401
+
+__all__ = ["Algorithm", "ClientContext", "ServerContext", "Task", "algorithm_defaults", "algorithm_names",
+           "client_metrics", "make_algorithm", "register_algorithm", "replicate", "tree_weighted_mean"]

@@ -1,0 +1,101 @@
+"""What an algorithm is: data plus pure functions the round engine calls.
+
+State is explicit. ``server_state`` is everything global (held once);
+``client_states`` is everything personal, a pytree whose leaves carry a
+leading client axis ``[N, ...]`` (use ``()`` when clients keep nothing between
+rounds). One round of the engine is::
+
+    payload = broadcast(server_state, round)                  # once per round
+    for each sampled client k (vmap / lax.map, in parallel):
+        client_state_k, message_k, metrics_k = client_update(
+            payload, client_state_k, train_data_k, ClientContext)
+    server_state, server_metrics = server_update(server_state, messages, ServerContext)
+
+``messages`` and the returned client states are stacked over the K sampled
+clients. ``client_update`` must return in ``metrics`` at least the keys of
+:data:`REQUIRED_CLIENT_METRICS` (the engine sums FLOPs, bits and examples over
+clients and averages the rest; ``loss`` is weighted by examples).
+
+Evaluation: ``personal_predict(server_state, client_state, client_id, x)``
+gives the logits a client would use (personalised accuracy); when it is None,
+the global model stands in. ``global_predict(server_state, x)`` is the global
+model, or None when there is none (Local, SpaFL).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_sparse.data.federated import ClientData
+from fedjax_sparse.models.base import Model
+
+REQUIRED_CLIENT_METRICS = ("loss", "flops", "uplink_bits", "downlink_bits", "density", "num_examples")
+SUMMED_CLIENT_METRICS = ("flops", "uplink_bits", "downlink_bits", "num_examples")
+
+
+class ClientContext(NamedTuple):
+    round: jax.Array       # [] int32, same for every client of the round
+    client_id: jax.Array   # [] int32, this client's index in [0, N)
+    key: jax.Array         # this client's private key for the round
+    shared_key: jax.Array  # one key for all clients of the round (synchronised randomness)
+
+
+class ServerContext(NamedTuple):
+    round: jax.Array       # [] int32
+    client_ids: jax.Array  # [K] int32, the sampled clients (order of ``messages``)
+    weights: jax.Array     # [K] float32, the sampled clients' training-set sizes
+    key: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """Everything an algorithm needs to know about the experiment at build time."""
+    model: Model
+    num_clients: int
+    clients_per_round: int
+    local_epochs: int
+    batch_size: int
+    lr: float
+    rounds: int
+    preprocess: Callable[[jax.Array], jax.Array]
+    # Per-client training-set sizes (numpy, [N]); e.g. FedAvg data weights.
+    train_counts: Any = None
+    # The rest of the command-line/config options an algorithm may read.
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    name: str
+    init: Callable[[jax.Array], tuple[Any, Any]]
+    broadcast: Callable[[Any, jax.Array], Any]
+    client_update: Callable[[Any, Any, ClientData, ClientContext], tuple[Any, Any, dict]]
+    server_update: Callable[[Any, Any, ServerContext], tuple[Any, dict]]
+    personal_predict: Callable[[Any, Any, jax.Array, jax.Array], jax.Array] | None = None
+    global_predict: Callable[[Any, jax.Array], jax.Array] | None = None
+    # Human-readable hyper-parameters, recorded in config.json / summary.json.
+    hparams: dict = dataclasses.field(default_factory=dict)
+
+
+def client_metrics(*, loss, flops, uplink_bits, downlink_bits, density, num_examples, **extra) -> dict:
+    """Builds the metrics dict ``client_update`` returns (all float32 scalars)."""
+    out = dict(loss=loss, flops=flops, uplink_bits=uplink_bits, downlink_bits=downlink_bits,
+               density=density, num_examples=num_examples, **extra)
+    return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
+
+
+def replicate(tree, n: int):
+    """Stacks ``n`` copies of a pytree along a new leading client axis."""
+    return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n,) + jnp.shape(x)), tree)
+
+
+def tree_weighted_mean(stacked, weights: jax.Array):
+    """Weighted mean over the leading axis: stacked leaves [K, ...], weights [K]."""
+    w = weights / jnp.maximum(weights.sum(), 1e-12)
+
+    def mean(x):
+        return jnp.tensordot(w.astype(x.dtype), x, axes=1)
+    return jax.tree_util.tree_map(mean, stacked)

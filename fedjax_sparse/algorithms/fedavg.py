@@ -1,0 +1,93 @@
+"""FedAvg (McMahan et al. 2017) and Local training (no communication).
+
+FedAvg: the server model goes down, each sampled client runs local SGD from it
+(optimizer state fresh each round) and sends its model back; the new server
+model is the data-size weighted mean (``weighted=False``: uniform mean),
+moved by ``server_lr`` from the old one. BatchNorm running statistics are
+averaged like parameters. Communication: the whole model (float32) each way.
+
+Local: every client trains its own model on its own data and never
+communicates; its optimizer state persists across rounds.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_sparse import accounting
+from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, replicate, tree_weighted_mean
+from fedjax_sparse.algorithms.registry import register_algorithm
+from fedjax_sparse.algorithms.supervised import local_train, predict_fn, sgd
+
+FEDAVG_OPTIONS = dict(momentum=0.0, weight_decay=0.0, server_lr=1.0, weighted=True, clip_norm=0.0)
+
+
+@register_algorithm("fedavg", FEDAVG_OPTIONS)
+def fedavg(task: Task, *, momentum, weight_decay, server_lr, weighted, clip_norm) -> Algorithm:
+    model = task.model
+    optimizer = sgd(task.lr, momentum, weight_decay, clip_norm or None)
+
+    def init(key):
+        return {"variables": model.init(key)}, ()
+
+    def broadcast(server_state, round_index):
+        return server_state["variables"]
+
+    def client_update(variables, client_state, data, ctx):
+        new_vars, _, stats = local_train(
+            model, optimizer, variables, optimizer.init(variables["params"]), data, ctx.key,
+            epochs=task.local_epochs, batch_size=task.batch_size, preprocess=task.preprocess)
+        bits = accounting.tree_bits(variables)
+        metrics = client_metrics(
+            loss=stats.loss, flops=accounting.training_flops(model, stats.num_examples),
+            uplink_bits=bits, downlink_bits=bits, density=1.0, num_examples=stats.num_examples)
+        return client_state, new_vars, metrics
+
+    def server_update(server_state, messages, ctx):
+        weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
+        mean = tree_weighted_mean(messages, weights)
+        old = server_state["variables"]
+        new = jax.tree_util.tree_map(lambda o, m: o + server_lr * (m - o), old, mean)
+        return {"variables": new}, {}
+
+    def global_predict(server_state, x):
+        return predict_fn(model, server_state["variables"])(x)
+
+    return Algorithm("fedavg", init, broadcast, client_update, server_update,
+                     personal_predict=None, global_predict=global_predict)
+
+
+LOCAL_OPTIONS = dict(momentum=0.0, weight_decay=0.0, clip_norm=0.0)
+
+
+@register_algorithm("local", LOCAL_OPTIONS)
+def local(task: Task, *, momentum, weight_decay, clip_norm) -> Algorithm:
+    model = task.model
+    optimizer = sgd(task.lr, momentum, weight_decay, clip_norm or None)
+
+    def init(key):
+        # All clients start from the same initial model, as in the papers.
+        variables = model.init(key)
+        state = {"variables": variables, "opt_state": optimizer.init(variables["params"])}
+        return (), replicate(state, task.num_clients)
+
+    def broadcast(server_state, round_index):
+        return ()
+
+    def client_update(payload, client_state, data, ctx):
+        new_vars, opt_state, stats = local_train(
+            model, optimizer, client_state["variables"], client_state["opt_state"], data, ctx.key,
+            epochs=task.local_epochs, batch_size=task.batch_size, preprocess=task.preprocess)
+        metrics = client_metrics(
+            loss=stats.loss, flops=accounting.training_flops(model, stats.num_examples),
+            uplink_bits=0.0, downlink_bits=0.0, density=1.0, num_examples=stats.num_examples)
+        return {"variables": new_vars, "opt_state": opt_state}, (), metrics
+
+    def server_update(server_state, messages, ctx):
+        return server_state, {}
+
+    def personal_predict(server_state, client_state, client_id, x):
+        return predict_fn(model, client_state["variables"])(x)
+
+    return Algorithm("local", init, broadcast, client_update, server_update,
+                     personal_predict=personal_predict, global_predict=None)

@@ -1,0 +1,280 @@
+"""The model abstraction every algorithm works with.
+
+A :class:`Model` is data plus two pure functions:
+
+* ``init(key) -> variables`` with ``variables = {"params": {layer: {...}},
+  "batch_stats": {layer: {"mean", "var"}}}``; each weight layer owns
+  ``params[name]["kernel"]`` (HWIO or [in, out]) and optionally ``"bias"``,
+  ``"bn_scale"``, ``"bn_bias"``.
+* ``apply(variables, x, *, train, hooks, sample_mask) -> (logits, batch_stats)``.
+
+Algorithms change a model without touching it through :class:`Hooks`:
+``hooks.kernel(name, kernel)`` returns the kernel actually used (SpaFL's
+threshold mask, FSL's supermask) and ``hooks.activation(name, h)`` transforms
+the block output after its nonlinearity (FedDrop's SyncDrop). Hooks are plain
+callables closed over traced arrays, so they compose with jit/vmap/grad.
+
+``layers`` lists every weight layer with its analytic cost, which the cost
+accounting uses (``macs`` is per sample, forward pass).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_sparse.models import layers as L
+
+Variables = dict
+_identity_kernel = lambda name, kernel: kernel  # noqa: E731
+_identity_activation = lambda name, h: h  # noqa: E731
+
+
+@dataclasses.dataclass(frozen=True)
+class Hooks:
+    kernel: Callable[[str, jax.Array], jax.Array] = _identity_kernel
+    activation: Callable[[str, jax.Array], jax.Array] = _identity_activation
+
+
+NO_HOOKS = Hooks()
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerInfo:
+    """One weight layer. ``macs``: multiply-accumulates per sample (forward).
+
+    ``in_units``/``out_units`` are input/output channels (or features);
+    ``fan_in`` = kh*kw*in (the length of one row); ``kernel_shape`` the
+    kernel's shape. ``input_layer`` names the weight layer whose output
+    channels feed this one (None for the first), which FLOPs models with
+    input-side sparsity (FedDrop) need.
+    """
+    name: str
+    kind: str  # "conv" | "dense"
+    kernel_shape: tuple[int, ...]
+    in_units: int
+    out_units: int
+    macs: int
+    input_layer: str | None = None
+
+    @property
+    def fan_in(self) -> int:
+        return int(math.prod(self.kernel_shape[:-1]))
+
+    @property
+    def num_weights(self) -> int:
+        return int(math.prod(self.kernel_shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    name: str
+    input_shape: tuple[int, ...]
+    num_classes: int
+    layers: tuple[LayerInfo, ...]
+    init_fn: Callable[[jax.Array], Variables] = dataclasses.field(repr=False)
+    apply_fn: Callable[..., tuple[jax.Array, dict]] = dataclasses.field(repr=False)
+
+    def init(self, key: jax.Array) -> Variables:
+        return self.init_fn(key)
+
+    def apply(self, variables: Variables, x: jax.Array, *, train: bool = False,
+              hooks: Hooks = NO_HOOKS, sample_mask: jax.Array | None = None,
+              rng: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """x: [B, *input_shape] float -> (logits [B, num_classes], new batch_stats)."""
+        return self.apply_fn(variables, x, train=train, hooks=hooks,
+                             sample_mask=sample_mask, rng=rng)
+
+    @property
+    def forward_macs(self) -> int:
+        return sum(layer.macs for layer in self.layers)
+
+    @property
+    def num_params(self) -> int:
+        params = self.init(jax.random.PRNGKey(0))["params"]
+        return sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
+
+    def layer(self, name: str) -> LayerInfo:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(name)
+
+
+# ---------------------------------------------------------------- initialisers
+def torch_default_init(key, shape, fan_in):
+    """PyTorch's default for conv/linear (kaiming_uniform(a=sqrt 5)): U(+-1/sqrt(fan_in))."""
+    bound = 1.0 / math.sqrt(fan_in)
+    return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
+
+
+def he_normal_init(key, shape, fan_in):
+    return jax.random.normal(key, shape, jnp.float32) * math.sqrt(2.0 / fan_in)
+
+
+def he_uniform_init(key, shape, fan_in):
+    bound = math.sqrt(6.0 / fan_in)
+    return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
+
+
+def glorot_normal_init(key, shape, fan_in):
+    fan_out = shape[-1] * int(math.prod(shape[:-2])) if len(shape) > 2 else shape[-1]
+    return jax.random.normal(key, shape, jnp.float32) * math.sqrt(2.0 / (fan_in + fan_out))
+
+
+INITIALIZERS = {
+    "torch": torch_default_init,
+    "he_normal": he_normal_init,
+    "he_uniform": he_uniform_init,
+    "glorot_normal": glorot_normal_init,
+}
+
+
+# ---------------------------------------------------------------- sequential nets
+@dataclasses.dataclass(frozen=True)
+class Conv:
+    name: str
+    features: int
+    kernel_size: int
+    stride: int = 1
+    padding: str = "VALID"
+    bias: bool = False
+    batch_norm: bool = False
+    relu: bool = True
+    pool: int | None = None  # max-pool window after the activation
+
+
+@dataclasses.dataclass(frozen=True)
+class Dense:
+    name: str
+    features: int
+    bias: bool = False
+    batch_norm: bool = False
+    relu: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Flatten:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalAvgPool:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxPool:
+    window: int = 2
+
+
+Block = Any
+
+
+def sequential(name: str, input_shape: Sequence[int], num_classes: int,
+               blocks: Sequence[Block], *, init: str = "torch",
+               conv_impl: str = "auto") -> Model:
+    """Builds a feed-forward model from conv/dense blocks.
+
+    A block is weight layer -> [BatchNorm] -> [ReLU] -> hooks.activation ->
+    [max-pool]. The last Dense block must have ``features == num_classes``
+    and ``relu=False``.
+    """
+    if init not in INITIALIZERS:
+        raise ValueError(f"unknown init {init!r}; valid: {sorted(INITIALIZERS)}")
+    init_w = INITIALIZERS[init]
+    shape = tuple(input_shape)
+    infos: list[LayerInfo] = []
+    previous = None
+    for block in blocks:
+        if isinstance(block, Conv):
+            h, w, c = shape
+            if block.padding == "SAME":
+                ho, wo = -(-h // block.stride), -(-w // block.stride)
+            else:
+                ho = (h - block.kernel_size) // block.stride + 1
+                wo = (w - block.kernel_size) // block.stride + 1
+            kshape = (block.kernel_size, block.kernel_size, c, block.features)
+            macs = ho * wo * block.kernel_size * block.kernel_size * c * block.features
+            infos.append(LayerInfo(block.name, "conv", kshape, c, block.features, macs, previous))
+            previous = block.name
+            shape = (ho, wo, block.features)
+            if block.pool:
+                shape = (ho // block.pool, wo // block.pool, block.features)
+        elif isinstance(block, Dense):
+            (d,) = shape if len(shape) == 1 else (None,)
+            if d is None:
+                raise ValueError(f"{name}: Dense block {block.name} needs a Flatten before it")
+            infos.append(LayerInfo(block.name, "dense", (d, block.features), d, block.features,
+                                   d * block.features, previous))
+            previous = block.name
+            shape = (block.features,)
+        elif isinstance(block, Flatten):
+            shape = (int(math.prod(shape)),)
+        elif isinstance(block, GlobalAvgPool):
+            shape = (shape[-1],)
+        elif isinstance(block, MaxPool):
+            shape = (shape[0] // block.window, shape[1] // block.window, shape[2])
+        else:
+            raise TypeError(f"unknown block {block!r}")
+    if shape != (num_classes,):
+        raise ValueError(f"{name}: output shape {shape} != ({num_classes},)")
+
+    def init_fn(key):
+        params, stats = {}, {}
+        keys = jax.random.split(key, len(infos))
+        for k, info in zip(keys, infos):
+            block = next(b for b in blocks if getattr(b, "name", None) == info.name)
+            kk, kb = jax.random.split(k)
+            p = {"kernel": init_w(kk, info.kernel_shape, info.fan_in)}
+            if block.bias:
+                p["bias"] = torch_default_init(kb, (info.out_units,), info.fan_in)
+            if block.batch_norm:
+                p["bn_scale"] = jnp.ones((info.out_units,), jnp.float32)
+                p["bn_bias"] = jnp.zeros((info.out_units,), jnp.float32)
+                stats[info.name] = {"mean": jnp.zeros((info.out_units,), jnp.float32),
+                                    "var": jnp.ones((info.out_units,), jnp.float32)}
+            params[info.name] = p
+        return {"params": params, "batch_stats": stats}
+
+    def apply_fn(variables, x, *, train, hooks, sample_mask, rng):
+        del rng
+        params, stats = variables["params"], variables.get("batch_stats", {})
+        new_stats = dict(stats)
+        for block in blocks:
+            if isinstance(block, (Conv, Dense)):
+                p = params[block.name]
+                kernel = hooks.kernel(block.name, p["kernel"])
+                if isinstance(block, Conv):
+                    x = L.conv2d(x, kernel, stride=block.stride, padding=block.padding, impl=conv_impl)
+                else:
+                    x = L.dense(x, kernel)
+                if block.bias:
+                    x = x + p["bias"]
+                if block.batch_norm:
+                    x, new_stats[block.name] = L.batch_norm(
+                        x, p["bn_scale"], p["bn_bias"], stats[block.name],
+                        train=train, sample_mask=sample_mask)
+                if block.relu:
+                    x = jax.nn.relu(x)
+                x = hooks.activation(block.name, x)
+                if isinstance(block, Conv) and block.pool:
+                    x = L.max_pool(x, block.pool)
+            elif isinstance(block, Flatten):
+                # NHWC flatten; PyTorch flattens NCHW. Equivalent up to a fixed
+                # permutation of the next layer's rows, which is immaterial here.
+                x = x.reshape(x.shape[0], -1)
+            elif isinstance(block, GlobalAvgPool):
+                x = x.mean(axis=(1, 2))
+            elif isinstance(block, MaxPool):
+                x = L.max_pool(x, block.window)
+        return x, new_stats
+
+    return Model(name, shape_tuple(input_shape), num_classes, tuple(infos), init_fn, apply_fn)
+
+
+def shape_tuple(shape) -> tuple[int, ...]:
+    return tuple(int(s) for s in shape)
