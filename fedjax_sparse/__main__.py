@@ -1,0 +1,5 @@
+import sys
+
+from fedjax_sparse.cli import main
+
+sys.exit(main())

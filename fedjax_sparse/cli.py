@@ -1,0 +1,163 @@
+"""Command line: ``python -m fedjax_sparse run|partition|list ...``.
+
+User errors (bad names, sizes, paths, corrupt files, an occupied --out)
+print one line ``error: ...`` naming the problem and the fix, and exit 2,
+without a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+RUN_FLAGS = [
+    # flag, config field, type, help
+    ("--algorithm", "algorithm", str, "algorithm name (see `list`)"),
+    ("--dataset", "dataset", str, "dataset name (see `list`)"),
+    ("--data-dir", "data_dir", str, "folder with the dataset's original files"),
+    ("--model", "model", str, "model name (default: per dataset)"),
+    ("--num-clients", "num_clients", int, "number of clients N"),
+    ("--clients-per-round", "clients_per_round", int, "clients sampled per round K (<= N)"),
+    ("--rounds", "rounds", int, "number of rounds"),
+    ("--local-epochs", "local_epochs", int, "local epochs E per round"),
+    ("--batch-size", "batch_size", int, "local batch size"),
+    ("--lr", "lr", float, "client learning rate"),
+    ("--partition", "partition", str, "iid | dirichlet:ALPHA | dirichlet_split:ALPHA[:FRAC] | shards:S | natural"),
+    ("--min-client-samples", "min_client_samples", int, "redraw the partition until every client has this many"),
+    ("--seed", "seed", int, "random seed (data partition, init, sampling)"),
+    ("--eval-every", "eval_every", int, "evaluate (and log, checkpoint) every M rounds"),
+    ("--out", "out", str, "output directory (config.json, metrics.jsonl, summary.json, checkpoint)"),
+    ("--preprocess", "preprocess", str, "input scaling: unit (x/255) | raw (0-255) | standardize"),
+    ("--client-parallelism", "client_parallelism", str, "auto | vmap | map"),
+    ("--round-mode", "round_mode", str, "scan (rounds in one jitted lax.scan per chunk) | per_round"),
+    ("--eval-batch-size", "eval_batch_size", int, "evaluation batch size"),
+]
+
+
+def _key_values(pairs, flag):
+    out = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise ValueError(f"{flag} expects KEY=VALUE, got {pair!r}")
+        key, value = pair.split("=", 1)
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m fedjax_sparse",
+                                     description="Sparse federated learning simulator (JAX).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a federated experiment")
+    run.add_argument("--config", help="JSON config file (RunConfig fields); flags given override it")
+    for flag, dest, typ, text in RUN_FLAGS:
+        run.add_argument(flag, dest=dest, type=typ, default=None, help=text)
+    run.add_argument("--option", action="append", metavar="KEY=VALUE", help="algorithm option (repeatable)")
+    run.add_argument("--model-option", action="append", metavar="KEY=VALUE", help="model option (repeatable)")
+    run.add_argument("--download", action="store_true", default=None, help="fetch the dataset with TFDS")
+    run.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
+    run.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    part = sub.add_parser("partition", help="partition a dataset and write the partition report")
+    part.add_argument("--dataset", required=True)
+    part.add_argument("--data-dir")
+    part.add_argument("--num-clients", type=int, default=100)
+    part.add_argument("--partition", default="dirichlet:0.5")
+    part.add_argument("--min-client-samples", type=int, default=1)
+    part.add_argument("--seed", type=int, default=0)
+    part.add_argument("--out", help="write OUT/partition.json (and print the table)")
+    part.add_argument("--max-rows", type=int, default=20)
+
+    sub.add_parser("list", help="list algorithms (with options), datasets, models, partitions")
+    return parser
+
+
+def _model_option(value: str):
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return value
+
+
+def cmd_run(args) -> int:
+    from fedjax_sparse import runner
+    base = {}
+    if args.config:
+        path = Path(args.config)
+        if not path.is_file():
+            raise ValueError(f"config file {path} not found; pass an existing JSON file to --config")
+        try:
+            base = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config file {path} is not valid JSON ({e})") from None
+    config = runner.RunConfig.from_json(base)
+    for _, dest, _, _ in RUN_FLAGS:
+        value = getattr(args, dest)
+        if value is not None:
+            setattr(config, dest, value)
+    if args.download:
+        config.download = True
+    config.options = {**config.options, **_key_values(args.option, "--option")}
+    config.model_options = {**config.model_options,
+                            **{k: _model_option(v) for k, v in _key_values(args.model_option, "--model-option").items()}}
+    if args.resume and not config.out:
+        raise ValueError("--resume needs --out pointing at the interrupted run's directory")
+    summary = runner.run(config, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)
+    print(runner.format_summary(summary))
+    if config.out:
+        print(f"outputs: {config.out}/{{config.json,metrics.jsonl,summary.json}}")
+    return 0
+
+
+def cmd_partition(args) -> int:
+    from fedjax_sparse.data import datasets, partition
+    dataset = datasets.load_dataset(args.dataset, args.data_dir)
+    part = partition.partition_dataset(dataset, args.partition, args.num_clients, args.seed,
+                                       min_train_samples=args.min_client_samples)
+    report = partition.partition_report(dataset, part)
+    print(partition.format_partition_report(report, max_rows=args.max_rows))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        target = out / "partition.json"
+        if target.exists():
+            raise ValueError(f"{target} already exists; choose another --out or delete it")
+        target.write_text(json.dumps(report, indent=1))
+        print(f"wrote {target}")
+    return 0
+
+
+def cmd_list(args) -> int:
+    from fedjax_sparse.algorithms import algorithm_defaults, algorithm_names
+    from fedjax_sparse.data import datasets, partition
+    from fedjax_sparse.models import model_names
+    print("algorithms:")
+    for name in algorithm_names():
+        options = ", ".join(f"{k}={v!r}" for k, v in algorithm_defaults(name).items())
+        print(f"  {name:<24} {options}")
+    print("datasets:   " + ", ".join(datasets.DATASETS))
+    print("models:     " + ", ".join(model_names()))
+    print("partitions: " + ", ".join(partition.PARTITION_SCHEMES))
+    return 0
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    from fedjax_sparse.data.datasets import DataError
+    try:
+        return {"run": cmd_run, "partition": cmd_partition, "list": cmd_list}[args.command](args)
+    except (ValueError, DataError, FileNotFoundError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted: rerun the same command with --resume to continue from the last checkpoint",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
