@@ -50,7 +50,10 @@ def epoch_orders(key: jax.Array, count: jax.Array, max_n: int, epochs: int,
     positions = jnp.arange(max_n)
     if not shuffle:
         return jnp.broadcast_to(positions, (epochs, max_n))
-    noise = jax.random.uniform(key, (epochs, max_n))
+    # One 1-D draw per epoch: with partitionable threefry (JAX's default) element
+    # i depends only on (key, i), so the shuffle of a client's real samples does
+    # not change with the padding width -- padded and unpadded clients agree.
+    noise = jnp.stack([jax.random.uniform(jax.random.fold_in(key, e), (max_n,)) for e in range(epochs)])
     noise = jnp.where(positions[None, :] < count, noise, 2.0)
     return jnp.argsort(noise, axis=1).astype(jnp.int32)
 

@@ -171,6 +171,14 @@ class MaxPool:
     window: int = 2
 
 
+@dataclasses.dataclass(frozen=True)
+class AvgPool:
+    """Average pool (floor mode); ``stride`` defaults to ``window``. PyTorch's
+    AdaptiveAvgPool2d(2) is AvgPool(3, 2) on 5x5 maps and AvgPool(2, 1) on 3x3."""
+    window: int = 2
+    stride: int | None = None
+
+
 Block = Any
 
 
@@ -204,6 +212,7 @@ def sequential(name: str, input_shape: Sequence[int], num_classes: int,
             shape = (ho, wo, block.features)
             if block.pool:
                 shape = (ho // block.pool, wo // block.pool, block.features)
+            _check_spatial(name, input_shape, block.name, shape)
         elif isinstance(block, Dense):
             (d,) = shape if len(shape) == 1 else (None,)
             if d is None:
@@ -218,6 +227,11 @@ def sequential(name: str, input_shape: Sequence[int], num_classes: int,
             shape = (shape[-1],)
         elif isinstance(block, MaxPool):
             shape = (shape[0] // block.window, shape[1] // block.window, shape[2])
+            _check_spatial(name, input_shape, "max-pool", shape)
+        elif isinstance(block, AvgPool):
+            stride = block.stride or block.window
+            shape = ((shape[0] - block.window) // stride + 1, (shape[1] - block.window) // stride + 1,
+                     shape[2])
         else:
             raise TypeError(f"unknown block {block!r}")
     if shape != (num_classes,):
@@ -271,9 +285,17 @@ def sequential(name: str, input_shape: Sequence[int], num_classes: int,
                 x = x.mean(axis=(1, 2))
             elif isinstance(block, MaxPool):
                 x = L.max_pool(x, block.window)
+            elif isinstance(block, AvgPool):
+                x = L.avg_pool(x, block.window, block.stride)
         return x, new_stats
 
     return Model(name, shape_tuple(input_shape), num_classes, tuple(infos), init_fn, apply_fn)
+
+
+def _check_spatial(model_name, input_shape, where, shape):
+    if shape[0] < 1 or shape[1] < 1:
+        raise ValueError(f"{model_name} does not fit {tuple(input_shape)} inputs: the feature map is empty "
+                         f"after {where}; use larger images or another --model")
 
 
 def shape_tuple(shape) -> tuple[int, ...]:

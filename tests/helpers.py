@@ -1,0 +1,40 @@
+"""Tiny in-memory federated datasets for fast engine tests."""
+from types import SimpleNamespace
+
+import numpy as np
+
+from fedjax_sparse.data.federated import build_federated_data
+
+
+def tiny_dataset(n_train=240, n_test=60, shape=(8, 8, 1), num_classes=4, seed=0):
+    """Learnable toy images: the class sets the brightness of one quadrant."""
+    rng = np.random.default_rng(seed)
+
+    def make(n):
+        y = rng.integers(0, num_classes, n).astype(np.int32)
+        x = rng.integers(0, 60, (n,) + shape).astype(np.uint8)
+        h, w = shape[0] // 2, shape[1] // 2
+        for c in range(num_classes):
+            i, j = divmod(c, 2)
+            x[y == c, i * h:(i + 1) * h, j * w:(j + 1) * w] += 150
+        return x, y
+    train_x, train_y = make(n_train)
+    test_x, test_y = make(n_test)
+    return SimpleNamespace(train_x=train_x, train_y=train_y, test_x=test_x, test_y=test_y,
+                           num_classes=num_classes, name="tiny")
+
+
+def split_partition(dataset, sizes, test_sizes=None, seed=0):
+    """Clients with the given (unequal) train sizes; test split evenly."""
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(len(dataset.train_y))
+    bounds = np.cumsum([0] + list(sizes))
+    train = [np.sort(perm[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    n = len(sizes)
+    test = np.array_split(rng.permutation(len(dataset.test_y)), n) if test_sizes is None else None
+    return SimpleNamespace(train_indices=train, test_indices=[np.sort(t) for t in test], test_from_train=False)
+
+
+def tiny_federated(sizes=(10, 37, 64, 23, 50, 41), **kw):
+    ds = tiny_dataset(**kw)
+    return ds, build_federated_data(ds, split_partition(ds, sizes))
