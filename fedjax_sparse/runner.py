@@ -63,12 +63,12 @@ class RunConfig:
     model: str | None = None
     num_clients: int = 20
     clients_per_round: int = 5
-    rounds: int = 20
-    local_epochs: int = 1
+    rounds: int = 30
+    local_epochs: int = 2
     batch_size: int = 32
-    lr: float = 0.05
+    lr: float = 0.1
     partition: str = "dirichlet:0.5"
-    min_client_samples: int | None = None  # default: batch_size... see resolved_min_samples
+    min_client_samples: int = 1  # the partition is redrawn until every client has this many
     seed: int = 0
     eval_every: int = 1
     out: str | None = None
@@ -154,7 +154,7 @@ def build(config: RunConfig) -> Experiment:
         dataset_options.setdefault("seed", config.seed)
     dataset = datasets.load_dataset(config.dataset, config.data_dir, download=config.download,
                                     **dataset_options)
-    min_samples = config.min_client_samples if config.min_client_samples is not None else 1
+    min_samples = config.min_client_samples
     try:
         partition = partition_lib.partition_dataset(dataset, config.partition, config.num_clients,
                                                     config.seed, min_train_samples=min_samples)
