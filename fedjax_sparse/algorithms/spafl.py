@@ -1,0 +1,434 @@
+"""SpaFL (Kim, Saad, Debbah, Hong; NeurIPS 2024): federated learning of sparse
+structures by sharing only one trainable threshold per neuron / conv filter.
+
+Per thresholded layer (a layer whose kernel the model routes through
+``hooks.kernel``) row i is kept iff ``mean_j |w_ij| > tau_i`` (eq. 1,
+:func:`fedjax_sparse.masks.threshold_row_mask`, straight-through gradients).
+
+One round (Algorithm 1), defaults = the paper / its FMNIST code:
+
+1. the server broadcasts the global thresholds ``tau`` (and the last change
+   ``dtau`` of the global thresholds);
+2. each sampled client first moves its personal weights by eq. (13),
+   ``w_i -= sign(sum_j w_ij) * dtau_i / n_in`` (one sign per row), then trains
+   weights *and* thresholds jointly for E epochs with SGD (momentum) on
+   ``CE + alpha * c(t) * sum exp(-tau)`` (eq. 5); before every forward pass a
+   layer that kept <= 1% of its rows in the previous pass gets its
+   thresholds reset to 0;
+3. clients upload their thresholds; the new global ``tau`` is their uniform
+   mean (eq. 7), ``dtau`` = new - old.
+
+Weights, BatchNorm parameters/statistics (and ViT embeddings, LayerNorms...),
+the client's own thresholds, the kept fraction of the last forward and
+(optionally) the optimiser state are personal: client state with a leading
+[N] axis. All clients start from the same initial model.
+
+Evaluation (``personal_predict``): each client's own weights masked by its
+*own* thresholds (those it trained last; the reset rule applied), which is
+what the reference code evaluates after every round; ``eval_thresholds=
+"global"`` masks with the current global thresholds instead. There is no
+global model (``global_predict=None``).
+
+Options (``--option key=value``; defaults in :data:`SPAFL_OPTIONS`):
+
+* ``alpha`` regulariser coefficient; ``ramp``: multiply it by
+  ``c(t) = sigmoid(10 t - 5)`` (t = round; FMNIST/CIFAR-100 code).
+* ``momentum``; ``keep_optimizer_state`` (FMNIST code: each client's SGD
+  momentum persists across rounds; CIFAR code: fresh each round);
+  ``clip_norm`` (global gradient-norm clip, 0 = off); ``lr_decay``/``lr_min``:
+  round-t learning rate ``max(lr * lr_decay**t, lr_min)``.
+* ``ste``: "identity" (paper, FMNIST code) or "truncated" (CIFAR code).
+* ``clamp``: clip thresholded kernels to [-1, 1] and thresholds to [0, 1]
+  after every step (the paper says so; the code does not).
+* ``eq13`` on/off (off = the paper's Table 3 "w.o. (13)");
+  ``eq13_divisor``: "fan_in" (paper: n_in = c_in*kh*kw) or "kernel_area"
+  (code: kh*kw for convs, in_features for linears);
+  ``eq13_apply``: "sampled_before" (paper Alg. 1, FMNIST code: sampled
+  clients apply the last dtau before training) or "all_after" (CIFAR-10 code:
+  every client applies each dtau right after aggregation; simulated exactly
+  by keeping the dtau history on the server and replaying the missed ones,
+  in order, when a client trains or is evaluated).
+* ``train_weights=False``: weights frozen at their initial values, only
+  thresholds trained and shared (paper Table 1).
+* ``reset_threshold``: the <= 1% reset rule.
+* ``share_thresholds=False``: no communication at all, clients prune with
+  their own thresholds (the paper's "Local" baseline).
+* ``eval_thresholds``: "own" or "global" (see above).
+
+Aliases: ``spafl_no_eq13``, ``spafl_thresholds_only``, ``spafl_local``.
+
+Cost accounting: 32 bits per threshold up and down per sampled client
+(Appendix A.3); training FLOPs per step use the step's actual per-layer kept
+fractions (pruned rows cost nothing forward or backward; unthresholded layers
+are dense), plus 1.5 x (thresholded weights) per eq. (13) application
+(Appendix A.4). The ``density`` metric is the mean over thresholded layers of
+the kept fraction of the client's model after training (the paper's density).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_sparse import accounting, masks as masks_lib
+from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, replicate
+from fedjax_sparse.algorithms.registry import register_algorithm
+from fedjax_sparse.data.federated import ClientData
+from fedjax_sparse.models.base import Hooks, LayerInfo, Model
+from fedjax_sparse.training import masked_cross_entropy, run_local_epochs
+
+SPAFL_OPTIONS = dict(
+    alpha=0.002, ramp=False, momentum=0.9, keep_optimizer_state=True, clip_norm=0.0,
+    lr_decay=1.0, lr_min=0.0, ste="identity", clamp=False, eq13=True, eq13_divisor="fan_in",
+    eq13_apply="sampled_before", train_weights=True, reset_threshold=True, share_thresholds=True,
+    eval_thresholds="own")
+EQ13_DIVISORS = ("fan_in", "kernel_area")
+EQ13_APPLY = ("sampled_before", "all_after")
+EVAL_THRESHOLDS = ("own", "global")
+# Appendix A.4: deciding directions (a sum) and updating (a sum and a multiply) per weight.
+EQ13_FLOPS_PER_WEIGHT = 1.5
+
+Thresholds = Mapping[str, jax.Array]  # layer name -> [out]
+
+
+# ---------------------------------------------------------------------------- model structure
+def thresholded_layers(model: Model) -> tuple[LayerInfo, ...]:
+    """The layers SpaFL thresholds: those whose kernel ``model.apply`` passes
+    through ``hooks.kernel``, found by tracing one forward pass abstractly
+    (no FLOPs spent), in ``model.layers`` order."""
+    seen: set[str] = set()
+
+    def record(name, kernel):
+        seen.add(name)
+        return kernel
+
+    variables = jax.eval_shape(model.init, jax.random.PRNGKey(0))
+    x = jax.ShapeDtypeStruct((2,) + tuple(model.input_shape), jnp.float32)
+    jax.eval_shape(lambda v, xx: model.apply(v, xx, train=True, hooks=Hooks(kernel=record)), variables, x)
+    unknown = seen - {layer.name for layer in model.layers}
+    if unknown:
+        raise ValueError(f"{model.name}: hooked kernels {sorted(unknown)} have no LayerInfo")
+    return tuple(layer for layer in model.layers if layer.name in seen)
+
+
+def init_thresholds(layers: tuple[LayerInfo, ...]) -> dict:
+    """All thresholds start at 0 (Appendix A.1): {name: zeros [out]}."""
+    return {layer.name: jnp.zeros((layer.out_units,), jnp.float32) for layer in layers}
+
+
+def num_thresholds(layers: tuple[LayerInfo, ...]) -> int:
+    return sum(layer.out_units for layer in layers)
+
+
+def eq13_divisors(layers: tuple[LayerInfo, ...], mode: str = "fan_in") -> dict[str, float]:
+    """D per layer in eq. (13): "fan_in" = c_in*kh*kw (paper's n_in);
+    "kernel_area" = kh*kw for convs and in_features for linears (code)."""
+    if mode not in EQ13_DIVISORS:
+        raise ValueError(f"unknown eq13_divisor {mode!r}; valid: {EQ13_DIVISORS}")
+    out = {}
+    for layer in layers:
+        if mode == "fan_in" or layer.kind != "conv":
+            out[layer.name] = float(layer.fan_in)
+        else:
+            out[layer.name] = float(layer.kernel_shape[0] * layer.kernel_shape[1])
+    return out
+
+
+# ---------------------------------------------------------------------------- pure pieces
+def row_masks(params: dict, tau: Thresholds, estimator: str = "identity") -> dict:
+    """{name: [out] 0/1 mask} of every thresholded layer (eq. 1)."""
+    return {name: masks_lib.threshold_row_mask(params[name]["kernel"], t, estimator)
+            for name, t in tau.items()}
+
+
+def masking_hooks(row_mask: Mapping[str, jax.Array]) -> Hooks:
+    """Hooks multiplying each thresholded kernel's rows by its mask."""
+    def kernel(name, k):
+        return masks_lib.apply_row_mask(k, row_mask[name]) if name in row_mask else k
+    return Hooks(kernel=kernel)
+
+
+def reset_layer_thresholds(tau: Thresholds, kept: Mapping[str, jax.Array]) -> dict:
+    """The reset rule applied layer by layer (``kept``: {name: [] fraction})."""
+    return {name: masks_lib.reset_thresholds(t, kept[name]) for name, t in tau.items()}
+
+
+def kept_fractions(row_mask: Mapping[str, jax.Array]) -> dict:
+    return {name: masks_lib.kept_fraction(m) for name, m in row_mask.items()}
+
+
+def mean_density(kept: Mapping[str, jax.Array]) -> jax.Array:
+    """The paper's density: mean over thresholded layers of the kept fraction."""
+    return jnp.mean(jnp.stack([jnp.asarray(v, jnp.float32) for v in kept.values()]))
+
+
+def layer_density_vector(model: Model, kept: Mapping[str, jax.Array]) -> jax.Array:
+    """[L] kept fraction of every weight layer of ``model`` (1 when unthresholded)."""
+    return jnp.stack([jnp.asarray(kept[layer.name], jnp.float32) if layer.name in kept
+                      else jnp.ones((), jnp.float32) for layer in model.layers])
+
+
+def eq13_update(params: dict, delta_tau: Thresholds, divisors: Mapping[str, float]) -> dict:
+    """Eq. (13): for every thresholded row i, ``w_i -= sign(sum_j w_ij) * dtau_i / D``.
+
+    A row whose threshold rose globally (less important) shrinks towards 0,
+    one whose threshold fell grows in magnitude; the direction is decided
+    once per row by the sign of its weight sum."""
+    new = dict(params)
+    for name, dtau in delta_tau.items():
+        kernel = params[name]["kernel"]
+        step = jnp.sign(masks_lib.row_sum(kernel)) * dtau / divisors[name]
+        new[name] = {**params[name], "kernel": kernel - step}
+    return new
+
+
+def flatten_thresholds(tau: Thresholds, layers: tuple[LayerInfo, ...]) -> jax.Array:
+    return jnp.concatenate([tau[layer.name] for layer in layers])
+
+
+def unflatten_thresholds(flat: jax.Array, layers: tuple[LayerInfo, ...]) -> dict:
+    out, start = {}, 0
+    for layer in layers:
+        out[layer.name] = flat[start:start + layer.out_units]
+        start += layer.out_units
+    return out
+
+
+def regulariser(tau: Thresholds) -> jax.Array:
+    """R = sum over all thresholds of exp(-tau) (eq. 5)."""
+    return sum(jnp.sum(jnp.exp(-t)) for t in tau.values())
+
+
+def regulariser_ramp(round_index: jax.Array) -> jax.Array:
+    """c(t) = sigmoid(10 t - 5): ~0.007 in round 0, ~0.99 from round 1 on."""
+    return jax.nn.sigmoid(10.0 * jnp.asarray(round_index, jnp.float32) - 5.0)
+
+
+# ---------------------------------------------------------------------------- setup
+@dataclasses.dataclass(frozen=True)
+class SpaflSetup:
+    """Static facts the pure functions need (built once from model + options)."""
+    model: Model
+    layers: tuple[LayerInfo, ...]
+    ste: str
+    reset_threshold: bool
+    divisors: dict
+    eq13: bool
+    eq13_apply: str
+    share_thresholds: bool
+    eval_thresholds: str
+
+    @property
+    def num_thresholds(self) -> int:
+        return num_thresholds(self.layers)
+
+    @property
+    def num_thresholded_weights(self) -> int:
+        return sum(layer.num_weights for layer in self.layers)
+
+    @property
+    def replays_history(self) -> bool:
+        return self.share_thresholds and self.eq13 and self.eq13_apply == "all_after"
+
+
+def make_setup(model: Model, options: Mapping) -> SpaflSetup:
+    """``options``: SpaFL options (e.g. ``algorithm.hparams``) -> :class:`SpaflSetup`."""
+    o = {**SPAFL_OPTIONS, **{k: v for k, v in options.items() if k in SPAFL_OPTIONS}}
+    for key, valid in (("ste", masks_lib.STE_ESTIMATORS), ("eq13_divisor", EQ13_DIVISORS),
+                       ("eq13_apply", EQ13_APPLY), ("eval_thresholds", EVAL_THRESHOLDS)):
+        if o[key] not in valid:
+            raise ValueError(f"unknown {key}={o[key]!r} for SpaFL; valid: {', '.join(valid)}")
+    if o["eval_thresholds"] == "global" and not o["share_thresholds"]:
+        raise ValueError("eval_thresholds='global' needs share_thresholds=true (there is no global tau)")
+    if not o["train_weights"] and o["eq13"] and o["share_thresholds"]:
+        raise ValueError("train_weights=false freezes the weights but eq. (13) would move them; "
+                         "also pass eq13=false (as spafl_thresholds_only does)")
+    layers = thresholded_layers(model)
+    if not layers:
+        raise ValueError(f"model {model.name} routes no kernel through hooks.kernel: nothing to threshold")
+    return SpaflSetup(model=model, layers=layers, ste=o["ste"], reset_threshold=bool(o["reset_threshold"]),
+                      divisors=eq13_divisors(layers, o["eq13_divisor"]),
+                      eq13=bool(o["eq13"]) and bool(o["share_thresholds"]), eq13_apply=o["eq13_apply"],
+                      share_thresholds=bool(o["share_thresholds"]), eval_thresholds=o["eval_thresholds"])
+
+
+def replay_eq13(setup: SpaflSetup, params: dict, history: jax.Array, start: jax.Array,
+                stop: jax.Array) -> dict:
+    """Applies the recorded global changes ``history[start:stop]`` ([R, n_tau])
+    one after another with eq. (13) (``eq13_apply="all_after"``)."""
+    def body(r, p):
+        return eq13_update(p, unflatten_thresholds(history[r], setup.layers), setup.divisors)
+    return jax.lax.fori_loop(start, stop, body, params)
+
+
+def personal_params(setup: SpaflSetup, server_state, client_state) -> dict:
+    """The client's current weights (with pending all-after eq. (13) updates)."""
+    params = client_state["params"]
+    if setup.replays_history:
+        params = replay_eq13(setup, params, server_state["history"], client_state["synced"],
+                             server_state["num_deltas"])
+    return params
+
+
+def personal_row_masks(setup: SpaflSetup, server_state, client_state) -> dict:
+    """{name: [out]} masks the client's model uses at evaluation."""
+    params = personal_params(setup, server_state, client_state)
+    tau = server_state["tau"] if setup.eval_thresholds == "global" else client_state["tau"]
+    if setup.reset_threshold:
+        tau = reset_layer_thresholds(tau, client_state["kept"])
+    return row_masks(params, tau, setup.ste)
+
+
+# ---------------------------------------------------------------------------- the algorithm
+def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum, keep_optimizer_state,
+                clip_norm, lr_decay, lr_min, ste, clamp, eq13, eq13_divisor, eq13_apply, train_weights,
+                reset_threshold, share_thresholds, eval_thresholds) -> Algorithm:
+    model = task.model
+    setup = make_setup(model, dict(
+        ste=ste, reset_threshold=reset_threshold, eq13=eq13, eq13_divisor=eq13_divisor,
+        eq13_apply=eq13_apply, train_weights=train_weights, share_thresholds=share_thresholds,
+        eval_thresholds=eval_thresholds))
+    layers = setup.layers
+    use_ramp = bool(ramp)
+    n_tau = setup.num_thresholds
+    comm_bits = float(n_tau * accounting.FLOAT_BITS) if share_thresholds else 0.0
+    eq13_flops = EQ13_FLOPS_PER_WEIGHT * setup.num_thresholded_weights
+    # SGD with momentum as PyTorch does it (buf = m*buf + g; p -= lr*buf); the
+    # learning rate is applied by hand so it can change per round.
+    optimizer = optax.chain(*([optax.clip_by_global_norm(clip_norm)] if clip_norm else []),
+                            optax.trace(decay=momentum) if momentum else optax.identity())
+
+    def trainable_of(variables, tau):
+        return {"params": variables["params"], "tau": tau}
+
+    def init(key):
+        variables = model.init(key)
+        tau0 = init_thresholds(layers)
+        client = {"params": variables["params"], "batch_stats": variables.get("batch_stats", {}),
+                  "tau": tau0, "kept": {layer.name: jnp.ones((), jnp.float32) for layer in layers}}
+        if keep_optimizer_state:
+            client["opt_state"] = optimizer.init(trainable_of(variables, tau0))
+        server = {}
+        if share_thresholds:
+            server = {"tau": tau0, "delta": init_thresholds(layers)}
+            if setup.replays_history:
+                client["synced"] = jnp.zeros((), jnp.int32)
+                server["history"] = jnp.zeros((task.rounds, n_tau), jnp.float32)
+                server["num_deltas"] = jnp.zeros((), jnp.int32)
+        return server, replicate(client, task.num_clients)
+
+    def broadcast(server_state, round_index):
+        return server_state
+
+    def local_step(lr_t, coeff_t):
+        def step(carry, batch, step_index, num_steps, key):
+            trainable, stats, opt_state, kept, flops, resets = carry
+            tau = trainable["tau"]
+            if reset_threshold:
+                resets = resets + sum((kept[n] <= masks_lib.RESET_KEPT_FRACTION).astype(jnp.float32)
+                                      for n in tau)
+                tau = reset_layer_thresholds(tau, kept)
+                trainable = {**trainable, "tau": tau}
+
+            def loss_fn(tr):
+                row_mask = row_masks(tr["params"], tr["tau"], ste)
+                logits, new_stats = model.apply({"params": tr["params"], "batch_stats": stats}, batch.x,
+                                                train=True, hooks=masking_hooks(row_mask),
+                                                sample_mask=batch.mask)
+                ce = masked_cross_entropy(logits, batch.y, batch.mask)
+                return ce + coeff_t * regulariser(tr["tau"]), (ce, new_stats, row_mask)
+
+            (_, (ce, new_stats, row_mask)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+            if not train_weights:
+                grads = {**grads, "params": jax.tree_util.tree_map(jnp.zeros_like, grads["params"])}
+            updates, opt_state = optimizer.update(grads, opt_state, trainable)
+            trainable = jax.tree_util.tree_map(lambda p, u: p - lr_t * u, trainable, updates)
+            if clamp:
+                params = dict(trainable["params"])
+                for n in trainable["tau"]:
+                    params[n] = {**params[n], "kernel": jnp.clip(params[n]["kernel"], -1.0, 1.0)}
+                trainable = {"params": params,
+                             "tau": jax.tree_util.tree_map(lambda t: jnp.clip(t, 0.0, 1.0), trainable["tau"])}
+            kept = kept_fractions(row_mask)
+            flops = flops + 3.0 * accounting.forward_flops(model, layer_density_vector(model, kept)) \
+                * batch.mask.sum()
+            return (trainable, new_stats, opt_state, kept, flops, resets), ce
+        return step
+
+    def client_update(server_state, client_state, data: ClientData, ctx):
+        params = client_state["params"]
+        eq13_applied = jnp.zeros((), jnp.float32)
+        new_client = dict(client_state)
+        if share_thresholds:
+            tau = server_state["tau"]
+            if setup.eq13 and eq13_apply == "sampled_before":
+                params = eq13_update(params, server_state["delta"], setup.divisors)
+                eq13_applied = (ctx.round > 0).astype(jnp.float32)  # dtau is 0 before the first aggregation
+            elif setup.replays_history:
+                params = replay_eq13(setup, params, server_state["history"], client_state["synced"], ctx.round)
+                eq13_applied = (ctx.round - client_state["synced"]).astype(jnp.float32)
+                new_client["synced"] = ctx.round.astype(jnp.int32)
+        else:
+            tau = client_state["tau"]
+        trainable = {"params": params, "tau": tau}
+        opt_state = client_state["opt_state"] if keep_optimizer_state else optimizer.init(trainable)
+        lr_t = jnp.maximum(task.lr * jnp.power(lr_decay, ctx.round.astype(jnp.float32)), lr_min)
+        coeff_t = alpha * (regulariser_ramp(ctx.round) if use_ramp else 1.0)
+        carry = (trainable, client_state["batch_stats"], opt_state, client_state["kept"],
+                 jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+        (trainable, stats, opt_state, kept, flops, resets), local = run_local_epochs(
+            local_step(lr_t, coeff_t), carry, data, ctx.key, epochs=task.local_epochs,
+            batch_size=task.batch_size, preprocess=task.preprocess)
+        new_client.update(params=trainable["params"], batch_stats=stats, tau=trainable["tau"], kept=kept)
+        if keep_optimizer_state:
+            new_client["opt_state"] = opt_state
+        # Density of the model the client now holds (what evaluation masks with).
+        final_tau = reset_layer_thresholds(trainable["tau"], kept) if reset_threshold else trainable["tau"]
+        density = mean_density(kept_fractions(row_masks(trainable["params"], final_tau, ste)))
+        message = trainable["tau"] if share_thresholds else ()
+        metrics = client_metrics(
+            loss=local.loss, flops=flops + eq13_flops * eq13_applied, uplink_bits=comm_bits,
+            downlink_bits=comm_bits, density=density, num_examples=local.num_examples,
+            tau_mean=jnp.mean(flatten_thresholds(trainable["tau"], layers)), threshold_resets=resets)
+        return new_client, message, metrics
+
+    def server_update(server_state, messages, ctx):
+        if not share_thresholds:
+            return server_state, {}
+        new_tau = jax.tree_util.tree_map(lambda t: jnp.mean(t, axis=0), messages)  # eq. (7): uniform mean
+        delta = jax.tree_util.tree_map(jnp.subtract, new_tau, server_state["tau"])
+        new = {**server_state, "tau": new_tau, "delta": delta}
+        if setup.replays_history:
+            new["history"] = server_state["history"].at[ctx.round].set(flatten_thresholds(delta, layers))
+            new["num_deltas"] = (ctx.round + 1).astype(jnp.int32)
+        return new, {"global_tau_mean": jnp.mean(flatten_thresholds(new_tau, layers))}
+
+    def personal_predict(server_state, client_state, client_id, x):
+        params = personal_params(setup, server_state, client_state)
+        row_mask = personal_row_masks(setup, server_state, client_state)
+        variables = {"params": params, "batch_stats": client_state["batch_stats"]}
+        return model.apply(variables, x, train=False, hooks=masking_hooks(row_mask))[0]
+
+    hparams = {"num_thresholds": n_tau, "thresholded_layers": [layer.name for layer in layers],
+               "eq13_effective": setup.eq13}
+    return Algorithm(name, init, broadcast, client_update, server_update,
+                     personal_predict=personal_predict, global_predict=None, hparams=hparams)
+
+
+
+def _register(name: str, **overrides):
+    defaults = {**SPAFL_OPTIONS, **overrides}
+
+    @register_algorithm(name, defaults)
+    def builder(task: Task, **options) -> Algorithm:
+        return build_spafl(task, name=name, **options)
+    return builder
+
+
+spafl = _register("spafl")
+spafl_no_eq13 = _register("spafl_no_eq13", eq13=False)                          # paper Table 3
+spafl_thresholds_only = _register("spafl_thresholds_only", train_weights=False, eq13=False)  # Table 1
+spafl_local = _register("spafl_local", share_thresholds=False, eq13=False)       # "Local" of Table 2
