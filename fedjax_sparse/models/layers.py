@@ -84,8 +84,15 @@ def max_pool(x: jax.Array, window: int = 2, stride: int | None = None) -> jax.Ar
                              (1, stride, stride, 1), "VALID")
 
 
-def avg_pool(x: jax.Array, window: int) -> jax.Array:
+def avg_pool(x: jax.Array, window: int, stride: int | None = None) -> jax.Array:
+    """Average pool over H, W of an NHWC tensor (floor mode, like PyTorch)."""
     b, h, w, c = x.shape
+    if stride is not None and stride != window:
+        # Overlapping windows as a sum of shifted strided slices (cheap gradient on CPU).
+        ho, wo = (h - window) // stride + 1, (w - window) // stride + 1
+        total = sum(x[:, i:i + stride * (ho - 1) + 1:stride, j:j + stride * (wo - 1) + 1:stride, :]
+                    for i in range(window) for j in range(window))
+        return total / (window * window)
     ho, wo = h // window, w // window
     x = x[:, :ho * window, :wo * window, :]
     return x.reshape(b, ho, window, wo, window, c).mean(axis=(2, 4))
