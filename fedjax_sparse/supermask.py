@@ -85,12 +85,21 @@ def supernet_from_seed(seed_key: jax.Array, kernel_shapes: dict[str, Sequence[in
     order). Server and clients call this with the same key and get the same
     supernetwork. Returns ({name: weights}, {name: scores}).
     """
-    weights, scores = {}, {}
-    for i, (name, shape) in enumerate(kernel_shapes.items()):
-        key_w, key_s = jax.random.split(jax.random.fold_in(seed_key, i))
-        weights[name] = frozen_weights(key_w, shape, weight_init)
-        scores[name] = initial_scores(key_s, shape)
-    return weights, scores
+    layers = tuple((name, tuple(int(s) for s in shape)) for name, shape in kernel_shapes.items())
+    return _supernet(layers, weight_init)(seed_key)
+
+
+@functools.lru_cache(maxsize=None)
+def _supernet(layers: tuple, weight_init: str):
+    """One jitted generator per (layers, init): eager random ops would compile one by one."""
+    def build(seed_key):
+        weights, scores = {}, {}
+        for i, (name, shape) in enumerate(layers):
+            key_w, key_s = jax.random.split(jax.random.fold_in(seed_key, i))
+            weights[name] = frozen_weights(key_w, shape, weight_init)
+            scores[name] = initial_scores(key_s, shape)
+        return weights, scores
+    return jax.jit(build)
 
 
 # ---------------------------------------------------------------- sorting
@@ -182,7 +191,7 @@ def kept_count(n: int, fraction: float) -> int:
     return max(n - int((1.0 - fraction) * n), 1)
 
 
-def _order_keys(x: jax.Array) -> jax.Array:
+def order_keys(x: jax.Array) -> jax.Array:
     """float32 -> uint32 keys with the same order (negative floats reversed, sign bit flipped)."""
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
     negative = (bits >> 31) == 1
@@ -198,7 +207,7 @@ def topk_mask(values: jax.Array, fraction: float) -> jax.Array:
     """
     flat = values.reshape(-1)
     kept = kept_count(flat.shape[0], fraction)
-    keys = _order_keys(flat)
+    keys = order_keys(flat)
 
     def body(bit, threshold):
         candidate = threshold | (jnp.uint32(1) << (31 - bit).astype(jnp.uint32))

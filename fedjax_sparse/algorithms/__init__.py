@@ -5,6 +5,7 @@ from fedjax_sparse.algorithms.registry import (algorithm_defaults, algorithm_nam
                                                register_algorithm)
 from fedjax_sparse.algorithms import fedavg  # noqa: F401
 from fedjax_sparse.algorithms import spafl  # noqa: F401
+from fedjax_sparse.algorithms import fsl, robust  # noqa: F401
 
 __all__ = ["Algorithm", "ClientContext", "ServerContext", "Task", "algorithm_defaults", "algorithm_names",
            "client_metrics", "make_algorithm", "register_algorithm", "replicate", "tree_weighted_mean"]

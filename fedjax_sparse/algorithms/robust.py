@@ -1,0 +1,553 @@
+"""Robust aggregation, model poisoning and compressed-update baselines (FSL paper, seed 003).
+
+Every algorithm here is FedAvg-shaped: the sampled clients train the global
+model locally (SGD, momentum, weight decay, lr ``lr * lr_decay**round`` with a
+cosine over the local epochs, as the authors' code) and send their update
+``delta = w_local - w_global`` flattened to one vector [P]; the server
+aggregates the [K, P] stack and moves the global model by ``server_lr`` times
+the aggregate. They differ in what goes up and how it is combined:
+
+* ``fedavg_robust`` (aliases ``trimmed_mean``, ``multi_krum``): float updates;
+  ``aggregator`` = mean | trimmed_mean | multi_krum.
+* ``signsgd``: clients send sign(delta) (1 bit per weight); the server steps
+  by ``server_lr * sign(sum of signs)`` (majority vote).
+* ``topk``: clients send the K % largest-magnitude coordinates of delta
+  (values plus a 1-bit-per-weight bitmap, which is what reproduces the paper's
+  Table 1 figures); the server averages the sparse updates; optional error
+  feedback keeps the unsent residual per client.
+Downloads are the dense float32 model (the paper's accounting).
+
+Malicious clients (``malicious_fraction`` > 0) are a fixed subset of client
+ids: the first ``floor(fraction * N)`` of a permutation seeded by
+``malicious_seed`` (default: the run seed). They train honestly; the server
+update, which sees ``ctx.client_ids``, then replaces the messages of the
+sampled malicious clients by the attack's output, computed from the honest
+messages of the round they know (``attacker_knowledge``: ``all`` sampled
+clients, or only the ``malicious`` ones) - they collude, as in the paper's
+threat model. Attacks (Shejwalkar & Houmansadr, NDSS 2021; App. B.5):
+
+* ``min_max`` (AGR-agnostic): ``mal = mean - gamma * dev``, with ``dev`` the
+  unit vector ``mean / |mean|`` (``deviation=unit_vec``), ``sign(mean)`` or
+  the coordinate-wise std (``std``, default as in the authors' code); gamma is
+  the largest value, found by the paper's halving search from
+  ``gamma_init``, with ``max_i |mal - delta_i| <= max_ij |delta_i - delta_j|``
+  over the known updates.
+* ``tailored`` (DYN-OPT, AGR-tailored): for ``trimmed_mean`` the search keeps
+  gamma while the distance of the trimmed mean from the benign mean grows (the
+  authors' acceptance rule); for ``multi_krum`` it keeps gamma while every
+  malicious update is selected; for ``mean`` it is ``min_max``.
+* ``reverse`` (SignSGD): malicious clients send ``-sign(sum of the known
+  signs)``, i.e. min-max's ``-sign(mean)`` direction after sign compression.
+
+As in the paper, Trimmed-mean and Multi-Krum know the number of malicious
+clients: ``f`` is the number of sampled malicious clients of the round
+(``trim_fraction`` >= 0 overrides it with ``floor(trim_fraction * K)``).
+Multi-Krum: each pick is the remaining update with the smallest sum of
+squared distances to its ``r - f - 2`` nearest remaining neighbours, and
+``K - 2f - 2`` updates are picked (``krum_select`` > 0 overrides), as in the
+authors' code.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.flatten_util import ravel_pytree
+
+from fedjax_sparse import accounting
+from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, replicate
+from fedjax_sparse.algorithms.registry import register_algorithm
+from fedjax_sparse.algorithms.supervised import local_train, predict_fn
+from fedjax_sparse.supermask import order_keys, kept_count, topk_mask
+from fedjax_sparse.training import steps_per_epoch
+
+AGGREGATORS = ("mean", "trimmed_mean", "multi_krum")
+ATTACKS = ("none", "min_max", "tailored")
+DEVIATIONS = ("std", "sign", "unit_vec")
+KNOWLEDGE = ("all", "malicious")
+LR_SCHEDULES = ("cosine_epoch", "cosine_step", "constant")
+
+
+def _check(name: str, value, valid) -> None:
+    if value not in valid:
+        raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
+
+
+# ---------------------------------------------------------------- malicious clients
+def malicious_clients(num_clients: int, fraction: float, seed: int) -> np.ndarray:
+    """[N] bool: the first floor(fraction * N) clients of a seeded permutation."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"malicious_fraction must be in [0, 1), got {fraction}")
+    count = int(math.floor(fraction * num_clients))
+    mask = np.zeros(num_clients, bool)
+    mask[np.random.default_rng(seed).permutation(num_clients)[:count]] = True
+    return mask
+
+
+# ---------------------------------------------------------------- local training
+def local_lr(base_lr: float, lr_decay: float, round_index, step, num_steps, epochs: int, schedule: str):
+    """Learning rate of local step ``step`` (of ``num_steps``) in round ``round_index``.
+
+    ``base_lr * lr_decay**round`` times a cosine: ``cosine_epoch`` is the
+    authors' ``CosineAnnealingLR(T_max=epochs)`` stepped once per epoch
+    (constant within an epoch); ``cosine_step`` anneals over the local steps.
+    """
+    lr = base_lr * jnp.power(jnp.float32(lr_decay), jnp.asarray(round_index, jnp.float32))
+    if schedule == "constant":
+        return lr
+    if schedule == "cosine_epoch":
+        per_epoch = jnp.maximum(num_steps // epochs, 1)
+        progress = (step // per_epoch).astype(jnp.float32) / epochs
+    elif schedule == "cosine_step":
+        progress = step.astype(jnp.float32) / jnp.maximum(num_steps, 1).astype(jnp.float32)
+    else:
+        raise ValueError(f"unknown lr_schedule {schedule!r}; valid: {LR_SCHEDULES}")
+    return lr * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+
+
+def train_update(task: Task, variables: dict, data, ctx, *, momentum, weight_decay, lr_decay,
+                 lr_schedule):
+    """Local SGD from the global model; returns (delta [P] float32, LocalStats)."""
+    num_steps = task.local_epochs * steps_per_epoch(data.count, task.batch_size)
+
+    def schedule(count):
+        return local_lr(task.lr, lr_decay, ctx.round, count, num_steps, task.local_epochs, lr_schedule)
+
+    parts = [optax.add_decayed_weights(weight_decay)] if weight_decay else []
+    optimizer = optax.chain(*parts, optax.sgd(schedule, momentum=momentum or None))
+    new_vars, _, stats = local_train(
+        task.model, optimizer, variables, optimizer.init(variables["params"]), data, ctx.key,
+        epochs=task.local_epochs, batch_size=task.batch_size, preprocess=task.preprocess)
+    old_flat, _ = ravel_pytree(variables["params"])
+    new_flat, _ = ravel_pytree(new_vars["params"])
+    return new_flat - old_flat, stats
+
+
+# ---------------------------------------------------------------- aggregators
+def masked_mean(x: jax.Array, include: jax.Array) -> jax.Array:
+    """Mean over the rows of [K, P] with ``include`` [K] true (0 if none)."""
+    w = include.astype(x.dtype)
+    return (w @ x) / jnp.maximum(w.sum(), 1.0)
+
+
+def _keys_to_floats(keys: jax.Array) -> jax.Array:
+    positive = (keys >> 31) == 1
+    bits = jnp.where(positive, keys & jnp.uint32(0x7FFFFFFF), ~keys)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def sort_rows(x: jax.Array) -> jax.Array:
+    """Sorts [K, P] float32 along axis 0 through order-preserving integer keys
+    (XLA:CPU sorts plain integers about 4x faster than floats)."""
+    return _keys_to_floats(jnp.sort(order_keys(x), axis=0))
+
+
+def trimmed_mean(x: jax.Array, trim) -> jax.Array:
+    """Coordinate-wise mean of [K, P] after dropping the ``trim`` largest and
+    ``trim`` smallest values of each coordinate (``trim`` may be traced)."""
+    k = x.shape[0]
+    trim = jnp.clip(trim, 0, (k - 1) // 2)
+    ranks = jnp.arange(k)
+    keep = ((ranks >= trim) & (ranks < k - trim)).astype(x.dtype)
+    return (keep @ sort_rows(x)) / (k - 2 * trim).astype(x.dtype)
+
+
+def pairwise_sq_distances(x: jax.Array) -> jax.Array:
+    """[K, P] -> [K, K] squared Euclidean distances (Gram form, clamped at 0)."""
+    sq = jnp.sum(x * x, axis=1)
+    return jnp.maximum(sq[:, None] + sq[None, :] - 2.0 * (x @ x.T), 0.0)
+
+
+def multi_krum_select(d2: jax.Array, f, num_select) -> jax.Array:
+    """[K, K] squared distances -> [K] bool, the ``num_select`` updates Multi-Krum keeps.
+
+    Repeatedly picks the remaining update whose sum of squared distances to
+    its ``r - f - 2`` nearest remaining neighbours (r = remaining count, at
+    least 1 neighbour) is smallest. ``f`` and ``num_select`` may be traced.
+    """
+    k = d2.shape[0]
+    eye = jnp.eye(k, dtype=bool)
+
+    def body(t, state):
+        selected, remaining = state
+        r = remaining.sum()
+        neighbours = jnp.clip(r - f - 2, 1, k - 1)
+        d = jnp.where(remaining[None, :] & ~eye, d2, jnp.inf)
+        nearest = jnp.sort(d, axis=1)
+        ranks = jnp.arange(k)[None, :]
+        score = jnp.where(ranks < neighbours, jnp.where(jnp.isfinite(nearest), nearest, 0.0), 0.0).sum(1)
+        score = jnp.where(remaining, score, jnp.inf)
+        pick = jnp.argmin(score)
+        active = t < num_select
+        selected = selected.at[pick].set(selected[pick] | active)
+        remaining = remaining.at[pick].set(remaining[pick] & ~active)
+        return selected, remaining
+
+    selected, _ = jax.lax.fori_loop(0, k, body, (jnp.zeros(k, bool), jnp.ones(k, bool)))
+    return selected
+
+
+def krum_count(k: int, f, krum_select: int = -1):
+    """How many updates Multi-Krum averages: ``K - 2f - 2`` (>= 1) unless overridden."""
+    if krum_select > 0:
+        return jnp.int32(min(krum_select, k))
+    return jnp.clip(k - 2 * f - 2, 1, k)
+
+
+def multi_krum(x: jax.Array, f, num_select=None) -> tuple[jax.Array, jax.Array]:
+    """Mean of the Multi-Krum selection of [K, P]; returns (aggregate [P], selected [K])."""
+    num_select = krum_count(x.shape[0], f) if num_select is None else num_select
+    selected = multi_krum_select(pairwise_sq_distances(x), f, num_select)
+    return masked_mean(x, selected), selected
+
+
+def sign_majority(signs: jax.Array) -> jax.Array:
+    """[K, P] signs (+-1, int8) -> [P] float32 majority sign (0 on a tie)."""
+    return jnp.sign(signs.astype(jnp.int32).sum(0)).astype(jnp.float32)
+
+
+def topk_sparsify(x: jax.Array, fraction: float) -> jax.Array:
+    """Keeps the ``kept_count(P, fraction)`` largest-magnitude coordinates of [P]."""
+    return x * topk_mask(jnp.abs(x), fraction)
+
+
+# ---------------------------------------------------------------- attacks
+def deviation(updates: jax.Array, known: jax.Array, kind: str) -> jax.Array:
+    """The perturbation direction ``dev`` ([P]); the attack subtracts gamma * dev."""
+    mean = masked_mean(updates, known)
+    if kind == "unit_vec":
+        return mean / jnp.maximum(jnp.linalg.norm(mean), 1e-12)
+    if kind == "sign":
+        return jnp.sign(mean)
+    if kind == "std":
+        w = known.astype(updates.dtype)
+        var = (w @ jnp.square(updates - mean)) / jnp.maximum(w.sum() - 1.0, 1.0)
+        return jnp.sqrt(var)
+    raise ValueError(f"unknown deviation {kind!r}; valid: {DEVIATIONS}")
+
+
+def halving_search(accept, gamma_init: float, steps: int, carry_init=None):
+    """Shejwalkar & Houmansadr's search for the largest accepted gamma.
+
+    Starts at ``gamma_init``; after each test moves gamma up (accepted) or down
+    by a step that halves every time (gamma_init / 2, / 4, ...). ``accept(gamma,
+    carry) -> (bool, carry)``. Returns the last accepted gamma (0 if none).
+    """
+    def body(_, state):
+        gamma, step, best, carry = state
+        ok, carry = accept(gamma, carry)
+        best = jnp.where(ok, gamma, best)
+        gamma = jnp.where(ok, gamma + step, gamma - step)
+        return gamma, step / 2, best, carry
+
+    g0 = jnp.float32(gamma_init)
+    state = (g0, g0 / 2, jnp.float32(0.0), carry_init)
+    return jax.lax.fori_loop(0, steps, body, state)[2]
+
+
+def min_max_attack(updates, is_malicious, known, *, kind="std", gamma_init=10.0, steps=20):
+    """AGR-agnostic min-max: replaces the malicious rows of [K, P] by mean - gamma * dev."""
+    mean = masked_mean(updates, known)
+    dev = deviation(updates, known, kind)
+    d2 = pairwise_sq_distances(updates)
+    both = known[:, None] & known[None, :]
+    max_benign = jnp.max(jnp.where(both, d2, 0.0))
+    diff = mean[None, :] - updates
+    a, b, c = jnp.sum(diff * diff, 1), diff @ dev, jnp.sum(dev * dev)
+
+    def accept(gamma, carry):
+        dist = a - 2.0 * gamma * b + gamma * gamma * c   # |mean - gamma dev - delta_i|^2
+        return jnp.max(jnp.where(known, dist, 0.0)) <= max_benign, carry
+
+    gamma = halving_search(accept, gamma_init, steps)
+    malicious = mean - gamma * dev
+    return jnp.where(is_malicious[:, None], malicious[None, :], updates), gamma
+
+
+def _trimmed_mean_with_copies(sorted_benign, prefix, benign_count, value, copies, trim):
+    """Trimmed mean (trimming ``trim`` each side) of the benign values plus
+    ``copies`` copies of ``value`` per coordinate, from the benign values sorted
+    along axis 0 (rows >= benign_count unused) and their prefix sums
+    (``prefix[j]`` = sum of the j smallest). O(K P), no sort."""
+    k = sorted_benign.shape[0]
+    rows = jnp.arange(k)[:, None]
+    below = ((sorted_benign < value[None, :]) & (rows < benign_count)).sum(0)   # [P]
+
+    def prefix_of_merged(j):   # sum of the j smallest of the merged list, per coordinate
+        j = jnp.broadcast_to(j, below.shape)
+        take_b = jnp.where(j <= below, j, jnp.where(j <= below + copies, below, j - copies))
+        n_val = jnp.clip(j - below, 0, copies)
+        return jnp.take_along_axis(prefix, take_b[None, :], axis=0)[0] + n_val * value
+
+    total = benign_count + copies
+    kept = prefix_of_merged(total - trim) - prefix_of_merged(trim)
+    return kept / jnp.maximum(total - 2 * trim, 1).astype(value.dtype)
+
+
+def tailored_trimmed_mean_attack(updates, is_malicious, known, trim, *, kind="std", gamma_init=10.0,
+                                 steps=20):
+    """DYN-OPT against Trimmed-mean: keeps gamma while |TrMean(messages) - mean| grows."""
+    mean = masked_mean(updates, known)
+    dev = deviation(updates, known, kind)
+    benign = ~is_malicious
+    keys = jnp.where(benign[:, None], order_keys(updates), jnp.uint32(0xFFFFFFFF))
+    sorted_benign = _keys_to_floats(jnp.sort(keys, axis=0))
+    n_benign = benign.sum()
+    valid = (jnp.arange(updates.shape[0]) < n_benign)[:, None]
+    prefix = jnp.concatenate([jnp.zeros_like(updates[:1]),
+                              jnp.cumsum(jnp.where(valid, sorted_benign, 0.0), axis=0)], axis=0)
+    copies = is_malicious.sum()
+
+    def accept(gamma, prev_loss):
+        agg = _trimmed_mean_with_copies(sorted_benign, prefix, n_benign, mean - gamma * dev, copies, trim)
+        loss = jnp.linalg.norm(agg - mean)
+        return loss > prev_loss, loss
+
+    gamma = halving_search(accept, gamma_init, steps, carry_init=jnp.float32(-1.0))
+    malicious = mean - gamma * dev
+    return jnp.where(is_malicious[:, None], malicious[None, :], updates), gamma
+
+
+def tailored_multi_krum_attack(updates, is_malicious, known, f, num_select, *, kind="std",
+                               gamma_init=10.0, steps=20):
+    """DYN-OPT against Multi-Krum: keeps gamma while every malicious update is selected."""
+    mean = masked_mean(updates, known)
+    dev = deviation(updates, known, kind)
+    d2_honest = pairwise_sq_distances(updates)
+    diff = mean[None, :] - updates
+    a, b, c = jnp.sum(diff * diff, 1), diff @ dev, jnp.sum(dev * dev)
+    mal = is_malicious
+    count = mal.sum()
+
+    def accept(gamma, carry):
+        to_mal = jnp.maximum(a - 2.0 * gamma * b + gamma * gamma * c, 0.0)   # |mal - delta_i|^2
+        d2 = jnp.where(mal[:, None] & mal[None, :], 0.0,
+                       jnp.where(mal[:, None], to_mal[None, :],
+                                 jnp.where(mal[None, :], to_mal[:, None], d2_honest)))
+        selected = multi_krum_select(d2, f, num_select)
+        return (selected & mal).sum() == count, carry
+
+    gamma = halving_search(accept, gamma_init, steps)
+    malicious = mean - gamma * dev
+    return jnp.where(is_malicious[:, None], malicious[None, :], updates), gamma
+
+
+def sign_reverse_attack(signs, is_malicious, known):
+    """SignSGD: malicious rows become -sign(sum of the known signs) (ties -> -1)."""
+    votes = (signs.astype(jnp.int32) * known[:, None].astype(jnp.int32)).sum(0)
+    reverse = jnp.where(votes >= 0, -1, 1).astype(signs.dtype)
+    return jnp.where(is_malicious[:, None], reverse[None, :], signs)
+
+
+# ---------------------------------------------------------------- shared pieces
+def _num_params_without_batch_norm(task: Task, name: str) -> int:
+    variables = jax.eval_shape(task.model.init, jax.random.PRNGKey(0))
+    if jax.tree_util.tree_leaves(variables.get("batch_stats", {})):
+        raise ValueError(f"{name} aggregates flat parameter updates and does not handle BatchNorm "
+                         f"statistics; model {task.model.name!r} has BatchNorm")
+    return accounting.num_values(variables["params"])
+
+
+class _Threat:
+    """The malicious set and what the attackers know, as static numpy data."""
+
+    def __init__(self, task: Task, fraction: float, knowledge: str, seed: int):
+        _check("attacker_knowledge", knowledge, KNOWLEDGE)
+        self.active = fraction > 0
+        self.mask = malicious_clients(task.num_clients, fraction, task.seed if seed < 0 else seed)
+        self.knowledge = knowledge
+
+    def split(self, client_ids):
+        """[K] ids -> (is_malicious [K], known [K]) bool."""
+        is_mal = jnp.asarray(self.mask)[client_ids]
+        known = is_mal if self.knowledge == "malicious" else jnp.ones_like(is_mal)
+        return is_mal, known
+
+
+TRAIN_OPTIONS = dict(momentum=0.9, weight_decay=1e-4, lr_decay=0.999, lr_schedule="cosine_epoch")
+THREAT_OPTIONS = dict(malicious_fraction=0.0, attacker_knowledge="all", malicious_seed=-1)
+
+
+def _make_base(task: Task, name: str, *, momentum, weight_decay, lr_decay, lr_schedule):
+    """init / broadcast / train / predict shared by the FedAvg-shaped baselines."""
+    _check("lr_schedule", lr_schedule, LR_SCHEDULES)
+    num_params = _num_params_without_batch_norm(task, name)
+    model = task.model
+
+    def init(key):
+        return {"variables": model.init(key)}, ()
+
+    def broadcast(server_state, round_index):
+        return server_state["variables"]
+
+    def train(variables, data, ctx):
+        return train_update(task, variables, data, ctx, momentum=momentum, weight_decay=weight_decay,
+                            lr_decay=lr_decay, lr_schedule=lr_schedule)
+
+    def apply_update(server_state, update, server_lr):
+        params = server_state["variables"]["params"]
+        flat, unravel = ravel_pytree(params)
+        new = dict(server_state["variables"], params=unravel(flat + server_lr * update))
+        return {**server_state, "variables": new}
+
+    def global_predict(server_state, x):
+        return predict_fn(model, server_state["variables"])(x)
+
+    return num_params, init, broadcast, train, apply_update, global_predict
+
+
+# ---------------------------------------------------------------- FedAvg + robust aggregators
+ROBUST_OPTIONS = dict(aggregator="mean", attack="min_max", deviation="std", gamma_init=10.0,
+                      search_steps=20, trim_fraction=-1.0, krum_select=-1, server_lr=1.0,
+                      weighted=False, **TRAIN_OPTIONS, **THREAT_OPTIONS)
+
+
+@register_algorithm("fedavg_robust", ROBUST_OPTIONS)
+def fedavg_robust(task: Task, *, aggregator, attack, deviation, gamma_init, search_steps, trim_fraction,
+                  krum_select, server_lr, weighted, momentum, weight_decay, lr_decay, lr_schedule,
+                  malicious_fraction, attacker_knowledge, malicious_seed, name="fedavg_robust") -> Algorithm:
+    """FedAvg whose server aggregates the float updates with ``aggregator``,
+    under the ``attack`` of the ``malicious_fraction`` malicious clients."""
+    _check("aggregator", aggregator, AGGREGATORS)
+    _check("attack", attack, ATTACKS)
+    _check("deviation", deviation, DEVIATIONS)
+    num_params, init, broadcast, train, apply_update, global_predict = _make_base(
+        task, name, momentum=momentum, weight_decay=weight_decay, lr_decay=lr_decay, lr_schedule=lr_schedule)
+    threat = _Threat(task, malicious_fraction, attacker_knowledge, malicious_seed)
+    k = task.clients_per_round
+    bits = num_params * accounting.FLOAT_BITS
+
+    def client_update(variables, client_state, data, ctx):
+        delta, stats = train(variables, data, ctx)
+        metrics = client_metrics(
+            loss=stats.loss, flops=accounting.training_flops(task.model, stats.num_examples),
+            uplink_bits=bits, downlink_bits=bits, density=1.0, num_examples=stats.num_examples)
+        return client_state, delta, metrics
+
+    def server_update(server_state, updates, ctx):
+        is_mal, known = threat.split(ctx.client_ids)
+        f = is_mal.sum() if trim_fraction < 0 else jnp.int32(int(math.floor(trim_fraction * k)))
+        num_select = krum_count(k, f, krum_select)
+        gamma = jnp.float32(0.0)
+        if threat.active and attack != "none":
+            opts = dict(kind=deviation, gamma_init=gamma_init, steps=search_steps)
+            if attack == "tailored" and aggregator == "trimmed_mean":
+                updates, gamma = tailored_trimmed_mean_attack(updates, is_mal, known, f, **opts)
+            elif attack == "tailored" and aggregator == "multi_krum":
+                updates, gamma = tailored_multi_krum_attack(updates, is_mal, known, f, num_select, **opts)
+            else:
+                updates, gamma = min_max_attack(updates, is_mal, known, **opts)
+        metrics = {"malicious_clients": is_mal.sum(), "attack_gamma": gamma}
+        if aggregator == "mean":
+            w = ctx.weights if weighted else jnp.ones_like(ctx.weights)
+            aggregate = (w / w.sum()) @ updates
+        elif aggregator == "trimmed_mean":
+            aggregate = trimmed_mean(updates, f)
+        else:
+            aggregate, selected = multi_krum(updates, f, num_select)
+            metrics["malicious_selected"] = (selected & is_mal).sum()
+        return apply_update(server_state, aggregate, server_lr), metrics
+
+    return Algorithm(name, init, broadcast, client_update, server_update,
+                     personal_predict=None, global_predict=global_predict)
+
+
+_ALIAS_OPTIONS = {k: v for k, v in ROBUST_OPTIONS.items() if k != "aggregator"}
+
+
+@register_algorithm("trimmed_mean", dict(_ALIAS_OPTIONS, attack="tailored"))
+def trimmed_mean_algorithm(task: Task, **options) -> Algorithm:
+    """FedAvg with coordinate-wise Trimmed-mean (Yin et al. 2018); DYN-OPT attack by default."""
+    return fedavg_robust(task, aggregator="trimmed_mean", name="trimmed_mean", **options)
+
+
+@register_algorithm("multi_krum", dict(_ALIAS_OPTIONS, attack="tailored"))
+def multi_krum_algorithm(task: Task, **options) -> Algorithm:
+    """FedAvg with Multi-Krum (Blanchard et al. 2017); DYN-OPT attack by default."""
+    return fedavg_robust(task, aggregator="multi_krum", name="multi_krum", **options)
+
+
+# ---------------------------------------------------------------- SignSGD
+SIGNSGD_OPTIONS = dict(server_lr=1e-3, attack="reverse", **TRAIN_OPTIONS, **THREAT_OPTIONS)
+
+
+@register_algorithm("signsgd", SIGNSGD_OPTIONS)
+def signsgd(task: Task, *, server_lr, attack, momentum, weight_decay, lr_decay, lr_schedule,
+            malicious_fraction, attacker_knowledge, malicious_seed) -> Algorithm:
+    """SignSGD with majority vote (Bernstein et al. 2019) over local-training updates."""
+    _check("attack", attack, ("none", "reverse"))
+    num_params, init, broadcast, train, apply_update, global_predict = _make_base(
+        task, "signsgd", momentum=momentum, weight_decay=weight_decay, lr_decay=lr_decay,
+        lr_schedule=lr_schedule)
+    threat = _Threat(task, malicious_fraction, attacker_knowledge, malicious_seed)
+
+    def client_update(variables, client_state, data, ctx):
+        delta, stats = train(variables, data, ctx)
+        signs = jnp.where(delta >= 0, 1, -1).astype(jnp.int8)   # 1 bit: zero is sent as +
+        metrics = client_metrics(
+            loss=stats.loss, flops=accounting.training_flops(task.model, stats.num_examples),
+            uplink_bits=num_params, downlink_bits=num_params * accounting.FLOAT_BITS, density=1.0,
+            num_examples=stats.num_examples)
+        return client_state, signs, metrics
+
+    def server_update(server_state, signs, ctx):
+        is_mal, known = threat.split(ctx.client_ids)
+        if threat.active and attack == "reverse":
+            signs = sign_reverse_attack(signs, is_mal, known)
+        return apply_update(server_state, sign_majority(signs), server_lr), {"malicious_clients": is_mal.sum()}
+
+    return Algorithm("signsgd", init, broadcast, client_update, server_update,
+                     personal_predict=None, global_predict=global_predict)
+
+
+# ---------------------------------------------------------------- TopK
+TOPK_OPTIONS = dict(fraction=0.5, error_feedback=False, index_coding="bitmap", server_lr=1.0,
+                    **TRAIN_OPTIONS)
+
+
+def topk_uplink_bits(num_params: int, kept: int, index_coding: str) -> int:
+    """Values (32 bits each) plus their positions: a 1-bit-per-weight bitmap
+    (the paper's Table 1 figures) or ceil(log2 P) bits per sent index."""
+    if index_coding == "bitmap":
+        return kept * accounting.FLOAT_BITS + num_params
+    if index_coding == "indices":
+        return kept * (accounting.FLOAT_BITS + max(int(math.ceil(math.log2(num_params))), 1))
+    raise ValueError(f"unknown index_coding {index_coding!r}; valid: bitmap, indices")
+
+
+@register_algorithm("topk", TOPK_OPTIONS)
+def topk(task: Task, *, fraction, error_feedback, index_coding, server_lr, momentum, weight_decay,
+         lr_decay, lr_schedule) -> Algorithm:
+    """TopK sparsification (Aji & Heafield 2017; Alistarh et al. 2018) of local updates."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"topk fraction must be in (0, 1], got {fraction}")
+    num_params, base_init, broadcast, train, apply_update, global_predict = _make_base(
+        task, "topk", momentum=momentum, weight_decay=weight_decay, lr_decay=lr_decay, lr_schedule=lr_schedule)
+    kept = kept_count(num_params, fraction)
+    up_bits = topk_uplink_bits(num_params, kept, index_coding)
+
+    def init(key):
+        server, _ = base_init(key)
+        # Error feedback keeps every client's unsent residual: N x P floats.
+        clients = replicate(jnp.zeros((num_params,), jnp.float32), task.num_clients) if error_feedback else ()
+        return server, clients
+
+    def client_update(variables, residual, data, ctx):
+        delta, stats = train(variables, data, ctx)
+        if error_feedback:
+            delta = delta + residual
+        sent = topk_sparsify(delta, fraction)
+        metrics = client_metrics(
+            loss=stats.loss, flops=accounting.training_flops(task.model, stats.num_examples),
+            uplink_bits=up_bits, downlink_bits=num_params * accounting.FLOAT_BITS, density=1.0,
+            num_examples=stats.num_examples)
+        return (delta - sent if error_feedback else residual), sent, metrics
+
+    def server_update(server_state, sent, ctx):
+        return apply_update(server_state, sent.mean(0), server_lr), {}
+
+    return Algorithm("topk", init, broadcast, client_update, server_update,
+                     personal_predict=None, global_predict=global_predict)
