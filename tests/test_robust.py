@@ -1,0 +1,187 @@
+"""Robust aggregators, model-poisoning attacks, SignSGD and TopK (FSL paper baselines)."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_sparse.algorithms import Task, make_algorithm
+from fedjax_sparse.algorithms import robust as R
+from fedjax_sparse.engine import Engine
+from fedjax_sparse.models import Dense, Flatten, sequential
+
+from helpers import tiny_federated
+
+
+# ---------------------------------------------------------------- aggregators
+def test_trimmed_mean_by_hand():
+    x = jnp.array([[1., 10.], [2., -5.], [3., 0.], [100., 1.], [-50., 2.]])
+    # column 0 sorted [-50, 1, 2, 3, 100] -> mean(1, 2, 3) = 2; column 1 [-5, 0, 1, 2, 10] -> 1
+    np.testing.assert_allclose(R.trimmed_mean(x, 1), [2.0, 1.0])
+    np.testing.assert_allclose(R.trimmed_mean(x, 2), [2.0, 1.0])             # the medians
+    np.testing.assert_allclose(R.trimmed_mean(x, 0), x.mean(0), rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(R.trimmed_mean)(x, jnp.int32(1)), [2.0, 1.0])   # traced trim
+
+
+def test_sort_rows_handles_signs_and_zeros():
+    x = jnp.array([[0.5, -0.0, -3.0], [-1.5, 0.0, 1e-30], [2.0, -1e-30, -np.inf]], jnp.float32)
+    np.testing.assert_array_equal(R.sort_rows(x), np.sort(np.asarray(x), axis=0))
+
+
+def test_multi_krum_by_hand():
+    x = jnp.array([[0.], [1.], [2.], [10.], [11.]])
+    # f = 1, r = 5: sums of squared distances to the 2 nearest: [1+4, 1+1, 1+4, 1+64, 1+81] -> pick 1
+    agg, selected = R.multi_krum(x, 1)           # K - 2f - 2 = 1 pick
+    np.testing.assert_array_equal(selected, [False, True, False, False, False])
+    np.testing.assert_allclose(agg, [1.0])
+    # three picks: then r = 4, 1 neighbour: [4, 4, 1, 1] -> client 3 (first of the tie);
+    # then r = 3: [4 (0 to 2), 4 (2 to 0), 81 (11 to 2)] -> client 0
+    agg, selected = R.multi_krum(x, 1, 3)
+    np.testing.assert_array_equal(selected, [True, True, False, True, False])
+    np.testing.assert_allclose(agg, [11.0 / 3.0], rtol=1e-6)
+
+
+def test_multi_krum_discards_outliers():
+    rng = np.random.default_rng(0)
+    benign = rng.normal(0, 0.1, (8, 20))
+    x = jnp.asarray(np.concatenate([benign, 50 + benign[:2]]), jnp.float32)
+    agg, selected = R.multi_krum(x, 2)            # K - 2f - 2 = 4 picks, all benign
+    assert selected.sum() == 4 and not selected[8:].any()
+
+
+def test_sign_majority_and_reverse_attack():
+    signs = jnp.array([[1, -1, 1], [1, 1, -1], [-1, 1, -1]], jnp.int8)
+    np.testing.assert_array_equal(R.sign_majority(signs), [1, 1, -1])
+    np.testing.assert_array_equal(R.sign_majority(signs[:2]), [1, 0, 0])
+    is_mal = jnp.array([False, False, True])
+    # attackers know everyone: votes [1, 1, -1] -> they send [-1, -1, 1]
+    attacked = R.sign_reverse_attack(signs, is_mal, jnp.ones(3, bool))
+    np.testing.assert_array_equal(attacked, [[1, -1, 1], [1, 1, -1], [-1, -1, 1]])
+    np.testing.assert_array_equal(R.sign_majority(attacked), [1, -1, 1])
+
+
+def test_topk_sparsify_and_bits():
+    np.testing.assert_array_equal(R.topk_sparsify(jnp.array([0.1, -3.0, 2.0, -0.5]), 0.5), [0, -3, 2, 0])
+    np.testing.assert_array_equal(R.topk_sparsify(jnp.array([0.1, -3.0, 2.0, -0.5]), 0.25), [0, -3, 0, 0])
+    assert R.topk_uplink_bits(10, 5, "bitmap") == 5 * 32 + 10
+    assert R.topk_uplink_bits(10, 5, "indices") == 5 * (32 + 4)
+
+
+# ---------------------------------------------------------------- attacks
+def test_min_max_attack_finds_the_largest_admissible_gamma():
+    rng = np.random.default_rng(1)
+    updates = jnp.asarray(rng.normal(0, 1, (5, 7)), jnp.float32)
+    is_mal = jnp.array([False, False, False, True, True])
+    known = jnp.ones(5, bool)
+    for kind in ("std", "sign", "unit_vec"):
+        out, gamma = R.min_max_attack(updates, is_mal, known, kind=kind, gamma_init=10.0, steps=40)
+        x = np.asarray(updates, np.float64)
+        mean = x.mean(0)
+        dev = {"std": x.std(0, ddof=1), "sign": np.sign(mean), "unit_vec": mean / np.linalg.norm(mean)}[kind]
+        bound = max(np.sum((a - b) ** 2) for a in x for b in x)
+
+        def worst(g):
+            return max(np.sum((mean - g * dev - u) ** 2) for u in x)
+        # the admissible gammas form an interval [0, g*]; bisection for g* independently
+        lo, hi = 0.0, 20.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if worst(mid) <= bound else (lo, mid)
+        assert abs(float(gamma) - lo) < 1e-3 * max(lo, 1.0), (kind, float(gamma), lo)
+        np.testing.assert_allclose(out[3], mean - float(gamma) * dev, rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(out[:3], updates[:3])
+
+
+def test_trimmed_mean_with_copies_matches_direct_computation():
+    rng = np.random.default_rng(2)
+    x = rng.normal(0, 1, (7, 9)).astype(np.float32)
+    is_mal = np.array([False, True, False, False, True, False, False])
+    value = rng.normal(0, 3, 9).astype(np.float32)
+    benign = x[~is_mal]
+    keys = jnp.where(jnp.asarray(~is_mal)[:, None], R.order_keys(jnp.asarray(x)), jnp.uint32(0xFFFFFFFF))
+    sorted_benign = R._keys_to_floats(jnp.sort(keys, axis=0))
+    valid = (np.arange(7) < 5)[:, None]
+    prefix = jnp.concatenate([jnp.zeros((1, 9)), jnp.cumsum(jnp.where(valid, sorted_benign, 0.0), 0)])
+    for trim in (0, 1, 2, 3):
+        got = R._trimmed_mean_with_copies(sorted_benign, prefix, 5, jnp.asarray(value), 2, trim)
+        direct = R.trimmed_mean(jnp.asarray(np.concatenate([benign, value[None], value[None]])), trim)
+        np.testing.assert_allclose(got, direct, rtol=1e-5, atol=1e-6)
+
+
+def test_tailored_attacks_stay_within_their_aggregator():
+    rng = np.random.default_rng(3)
+    updates = jnp.asarray(rng.normal(0, 1, (10, 30)), jnp.float32)
+    is_mal = jnp.arange(10) >= 8
+    known = jnp.ones(10, bool)
+    out, gamma = R.tailored_multi_krum_attack(updates, is_mal, known, 2, R.krum_count(10, 2))
+    _, selected = R.multi_krum(out, 2)
+    assert float(gamma) > 0 and bool(selected[8:].all())
+    mean = updates.mean(0)
+    out, gamma = R.tailored_trimmed_mean_attack(updates, is_mal, known, 2)
+    assert float(gamma) > 0
+    np.testing.assert_allclose(out[9], mean - gamma * R.deviation(updates, known, "std"), rtol=1e-5, atol=1e-6)
+    # the attack moves the trimmed mean away from the benign mean more than no attack does
+    assert jnp.linalg.norm(R.trimmed_mean(out, 2) - mean) > jnp.linalg.norm(R.trimmed_mean(updates, 2) - mean)
+
+
+def test_malicious_clients_fixed_seeded_subset():
+    a = R.malicious_clients(1000, 0.1, 0)
+    assert a.sum() == 100 and np.array_equal(a, R.malicious_clients(1000, 0.1, 0))
+    assert not np.array_equal(a, R.malicious_clients(1000, 0.1, 1))
+    assert R.malicious_clients(1000, 0.2, 0).sum() == 200 and R.malicious_clients(7, 0.2, 0).sum() == 1
+
+
+def test_local_lr_schedules():
+    lr = lambda step, schedule, rnd=0: float(R.local_lr(0.4, 0.999, rnd, jnp.int32(step), jnp.int32(10), 2, schedule))
+    # CosineAnnealingLR(T_max=2 epochs) stepped per epoch: epoch 0 at lr, epoch 1 at lr / 2
+    assert [lr(s, "cosine_epoch") for s in (0, 4, 5, 9)] == pytest.approx([0.4, 0.4, 0.2, 0.2])
+    assert lr(5, "cosine_step") == pytest.approx(0.2) and lr(0, "cosine_step") == pytest.approx(0.4)
+    assert lr(7, "constant", rnd=3) == pytest.approx(0.4 * 0.999 ** 3)
+
+
+# ---------------------------------------------------------------- engine runs
+@pytest.fixture(scope="module")
+def tiny():
+    _, data = tiny_federated()
+    model = sequential("tiny_mlp", data.input_shape, data.num_classes,
+                       [Flatten(), Dense("fc1", 8), Dense("fc2", data.num_classes, relu=False)])
+    task = Task(model=model, num_clients=6, clients_per_round=6, local_epochs=1, batch_size=8, lr=0.05, rounds=2,
+                preprocess=data.preprocess, train_counts=np.asarray(data.train_count), seed=0)
+    return data, task
+
+
+def _run(task, data, name, options, rounds=2):
+    engine = Engine(make_algorithm(name, task, options), task.num_clients, task.clients_per_round)
+    state = engine.init(jax.random.PRNGKey(0))
+    return engine.run_rounds(state, data, rounds)
+
+
+@pytest.mark.parametrize("name,options,up_bits", [
+    ("fedavg_robust", {"malicious_fraction": 0.34}, lambda p: 32 * p),
+    ("trimmed_mean", {"malicious_fraction": 0.34}, lambda p: 32 * p),
+    ("multi_krum", {"malicious_fraction": 0.34}, lambda p: 32 * p),
+    ("signsgd", {"malicious_fraction": 0.34}, lambda p: p),
+    ("topk", {"fraction": 0.1, "error_feedback": True}, lambda p: 32 * (p - int(0.9 * p)) + p),
+])
+def test_engine_runs(tiny, name, options, up_bits):
+    data, task = tiny
+    p = 64 * 8 + 8 * 4
+    state, metrics = _run(task, data, name, options)
+    assert np.isfinite(metrics["loss"]).all()
+    np.testing.assert_allclose(metrics["uplink_bits"], 6 * up_bits(p))
+    np.testing.assert_allclose(metrics["downlink_bits"], 6 * 32 * p)
+    if "malicious_fraction" in options:
+        np.testing.assert_array_equal(metrics["server_malicious_clients"], [2, 2])
+    leaves = jax.tree_util.tree_leaves(state.server)
+    assert all(np.isfinite(np.asarray(x)).all() for x in leaves)
+
+
+def test_mean_aggregator_equals_plain_fedavg(tiny):
+    """Without attackers, fedavg_robust's mean with plain SGD is FedAvg (uniform weights)."""
+    data, task = tiny
+    plain = dict(momentum=0.0, weight_decay=0.0, lr_decay=1.0, lr_schedule="constant")
+    ours, _ = _run(task, data, "fedavg_robust", plain, rounds=1)
+    ref, _ = _run(task, data, "fedavg", {"weighted": False}, rounds=1)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                           ours.server["variables"]["params"], ref.server["variables"]["params"])
