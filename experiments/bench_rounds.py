@@ -45,6 +45,10 @@ CONFIGS = {
     "feddrop_fmnist": dict(algorithm="feddrop", dataset="fashion_mnist", model="feddrop_fmnist_cnn",
                            num_clients=100, clients_per_round=100, local_epochs=1, batch_size=4,
                            lr=0.02, partition="dirichlet:0.5"),
+    # Memory: 1000 MNIST clients, each with a persistent LeNet-5-Caffe and SGD momentum (~3.4 GB of state).
+    "local_mnist_1000": dict(algorithm="local", dataset="mnist", model="lenet5_caffe", num_clients=1000,
+                             clients_per_round=10, local_epochs=1, batch_size=64, lr=0.01,
+                             partition="dirichlet:0.5", options={"momentum": 0.9}),
     "quick_digits": dict(algorithm="fedavg", dataset="digits", model="cnn_small", num_clients=20,
                          clients_per_round=5, local_epochs=2, batch_size=16, lr=0.1),
 }
