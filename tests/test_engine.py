@@ -1,5 +1,7 @@
 """Round engine: padding, parallelism modes, scan vs per-round, sampling, FedAvg, Local."""
 import dataclasses
+import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -244,3 +246,35 @@ def test_a_new_algorithm_needs_only_the_interface():
     assert int(state.clients["visits"].sum()) == 10
     np.testing.assert_allclose(np.asarray(metrics["uplink_bits"]), 64.0)
     assert "server_examples" in metrics
+
+
+def test_sharding_clients_over_two_devices_gives_the_same_round(tmp_path):
+    """Two fake CPU devices (XLA flag, in a subprocess): sharded and unsharded rounds agree."""
+    import subprocess
+    import sys
+    import textwrap
+    script = textwrap.dedent("""
+        import jax, numpy as np, sys
+        sys.path.insert(0, %r)
+        from helpers import tiny_federated
+        from fedjax_sparse.algorithms import Task, make_algorithm
+        from fedjax_sparse.engine import Engine
+        from fedjax_sparse.models import make_model
+        assert jax.local_device_count() == 2
+        _, data = tiny_federated((10, 37, 64, 23, 50, 41))
+        model = make_model("cnn_small", data.input_shape, data.num_classes)
+        task = Task(model=model, num_clients=6, clients_per_round=4, local_epochs=1, batch_size=8, lr=0.1,
+                    rounds=2, preprocess=data.preprocess, train_counts=np.asarray(data.train_count))
+        alg = make_algorithm("fedavg", task, {})
+        out = []
+        for shard in (True, False):
+            engine = Engine(alg, 6, 4, client_parallelism="vmap", shard_clients=shard)
+            assert (engine.client_sharding is not None) == shard
+            state, m = engine.run_rounds(engine.init(jax.random.PRNGKey(0)), data, 2)
+            out.append(np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(state.server)]))
+        np.testing.assert_allclose(out[0], out[1], atol=1e-5)
+        print("OK")
+    """ % str(Path(__file__).parent))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-2000:]
