@@ -4,6 +4,7 @@ from fedjax_sparse.algorithms.base import (Algorithm, ClientContext, ServerConte
 from fedjax_sparse.algorithms.registry import (algorithm_defaults, algorithm_names, make_algorithm,
                                                register_algorithm)
 from fedjax_sparse.algorithms import fedavg  # noqa: F401
+from fedjax_sparse.algorithms import baselines, feddrop  # noqa: F401
 from fedjax_sparse.algorithms import spafl  # noqa: F401
 from fedjax_sparse.algorithms import fsl, robust  # noqa: F401
 

@@ -1,0 +1,284 @@
+"""FedDrop's baselines on the round engine: FedProx, SCAFFOLD and the
+federated dropout of Caldas et al. (FedAvg itself is in fedavg.py).
+
+FedProx (Li et al. 2020): local loss + mu/2 ||w - w_global||^2; otherwise
+FedAvg (data-weighted mean, dense model both ways).
+
+SCAFFOLD (Karimireddy et al. 2020, Alg. 1): client control variate c_i
+(client state, zeros at start) and server c (zeros). Local steps
+``y <- y - lr (g_i(y) - c_i + c)``; then option I ``c_i+ = grad f_i(x)`` (one
+extra pass over the local data at the server model x) or option II
+``c_i+ = c_i - c + (x - y) / (K lr)`` with K the local step count. The
+server moves ``x <- x + server_lr * mean_i (y_i - x)`` (data-weighted mean by
+default, like our FedAvg; ``weighted=False``: the paper's uniform mean) and
+``c <- c + (1/N) sum_i (c_i+ - c_i)``, which keeps c the mean of all N c_i.
+Communication is doubled: (x, c) down and (dy, dc) up.
+
+Caldas et al. 2018 (federated dropout): the server keeps a random
+``keep`` fraction of the units of every hidden layer (conv channels and hidden
+dense units; never the input or the logits) and the client trains that
+smaller dense sub-model. Simulated with a 0/1 activation mask: a dropped unit
+outputs 0, so its incoming and outgoing weights get zero gradient and stay at
+the server values, which is exactly sub-model training. The server averages
+each weight over the clients whose sub-model contains it (weights held by
+nobody keep their value). By default one sub-model per round is shared by
+all clients (the FedDrop paper describes Caldas et al. this way);
+``per_client=True`` draws one per client. Both links carry only the
+sub-model's weights; FLOPs scale per layer by (kept inputs x kept outputs).
+The masks come from a key in the server state folded with the round (and
+client id), so client and server derive the same sub-model without sending it.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_sparse import accounting
+from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, replicate, tree_weighted_mean
+from fedjax_sparse.algorithms.registry import register_algorithm
+from fedjax_sparse.algorithms.supervised import local_train, predict_fn, sgd, zeros_like_tree
+from fedjax_sparse.models.base import Hooks, Model
+from fedjax_sparse.training import masked_cross_entropy, run_local_epochs
+
+
+def _global_predict(model):
+    def global_predict(server_state, x):
+        return predict_fn(model, server_state["variables"])(x)
+    return global_predict
+
+
+def tree_sq_distance(a, b) -> jax.Array:
+    return sum(jnp.sum(jnp.square(x - y)) for x, y in zip(jax.tree_util.tree_leaves(a),
+                                                           jax.tree_util.tree_leaves(b)))
+
+
+# ---------------------------------------------------------------- FedProx
+FEDPROX_OPTIONS = dict(mu=0.01, weighted=True)
+
+
+@register_algorithm("fedprox", FEDPROX_OPTIONS)
+def fedprox(task: Task, *, mu, weighted) -> Algorithm:
+    model = task.model
+    optimizer = sgd(task.lr)
+
+    def init(key):
+        return {"variables": model.init(key)}, ()
+
+    def broadcast(server_state, round_index):
+        return server_state["variables"]
+
+    def client_update(variables, client_state, data, ctx):
+        anchor = jax.lax.stop_gradient(variables["params"])
+
+        def proximal(params):
+            return 0.5 * mu * tree_sq_distance(params, anchor)
+        new_vars, _, stats = local_train(
+            model, optimizer, variables, optimizer.init(variables["params"]), data, ctx.key,
+            epochs=task.local_epochs, batch_size=task.batch_size, preprocess=task.preprocess,
+            extra_loss=proximal)
+        bits = accounting.tree_bits(variables)
+        metrics = client_metrics(
+            loss=stats.loss, flops=accounting.training_flops(model, stats.num_examples),
+            uplink_bits=bits, downlink_bits=bits, density=1.0, num_examples=stats.num_examples)
+        return client_state, new_vars, metrics
+
+    def server_update(server_state, messages, ctx):
+        weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
+        return {"variables": tree_weighted_mean(messages, weights)}, {}
+
+    return Algorithm("fedprox", init, broadcast, client_update, server_update,
+                     global_predict=_global_predict(model))
+
+
+# ---------------------------------------------------------------- SCAFFOLD
+SCAFFOLD_OPTIONS = dict(variant="II", server_lr=1.0, weighted=True)
+
+
+def full_local_gradient(model: Model, params: dict, stats: dict, data, *, batch_size: int, preprocess):
+    """grad f_i(params): the mean cross-entropy gradient over all of the client's
+    samples (one unshuffled pass, exact for partial batches)."""
+    def step(grad_sum, batch, step_index, num_steps, key):
+        def loss_fn(p):
+            logits, _ = model.apply({"params": p, "batch_stats": stats}, batch.x, train=True,
+                                    sample_mask=batch.mask)
+            return masked_cross_entropy(logits, batch.y, batch.mask)
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        n = batch.mask.sum()
+        return jax.tree_util.tree_map(lambda s, g: s + n * g, grad_sum, grads), loss
+
+    grad_sum, local = run_local_epochs(step, zeros_like_tree(params), data, jax.random.PRNGKey(0), epochs=1,
+                                       batch_size=batch_size, preprocess=preprocess, shuffle=False)
+    count = jnp.maximum(data.count, 1).astype(jnp.float32)
+    return jax.tree_util.tree_map(lambda s: s / count, grad_sum), local
+
+
+@register_algorithm("scaffold", SCAFFOLD_OPTIONS)
+def scaffold(task: Task, *, variant, server_lr, weighted) -> Algorithm:
+    if variant not in ("I", "II"):
+        raise ValueError(f"scaffold: variant must be 'I' or 'II', got {variant!r}")
+    model = task.model
+    optimizer = sgd(task.lr)
+
+    def init(key):
+        variables = model.init(key)
+        control = zeros_like_tree(variables["params"])
+        return ({"variables": variables, "control": control},
+                {"control": replicate(control, task.num_clients)})
+
+    def broadcast(server_state, round_index):
+        return server_state
+
+    def client_update(payload, client_state, data, ctx):
+        variables, c_server = payload["variables"], payload["control"]
+        c_client = client_state["control"]
+        correction = jax.tree_util.tree_map(lambda ci, c: c - ci, c_client, c_server)
+
+        def corrected(grads):
+            return jax.tree_util.tree_map(jnp.add, grads, correction)
+        new_vars, _, stats = local_train(
+            model, optimizer, variables, optimizer.init(variables["params"]), data, ctx.key,
+            epochs=task.local_epochs, batch_size=task.batch_size, preprocess=task.preprocess,
+            grad_transform=corrected)
+        x, y = variables["params"], new_vars["params"]
+        flops = accounting.training_flops(model, stats.num_examples)
+        if variant == "I":
+            c_new, _ = full_local_gradient(model, x, variables.get("batch_stats", {}), data,
+                                           batch_size=task.batch_size, preprocess=task.preprocess)
+            flops = flops + accounting.training_flops(model, data.count)
+        else:
+            scale = 1.0 / (jnp.maximum(stats.num_steps, 1).astype(jnp.float32) * task.lr)
+            c_new = jax.tree_util.tree_map(lambda ci, c, xx, yy: ci - c + scale * (xx - yy),
+                                           c_client, c_server, x, y)
+        delta_c = jax.tree_util.tree_map(jnp.subtract, c_new, c_client)
+        model_bits = accounting.tree_bits(variables)
+        control_bits = accounting.tree_bits(c_server)
+        metrics = client_metrics(
+            loss=stats.loss, flops=flops, uplink_bits=model_bits + control_bits,
+            downlink_bits=model_bits + control_bits, density=1.0, num_examples=stats.num_examples)
+        return {"control": c_new}, {"variables": new_vars, "delta_control": delta_c}, metrics
+
+    def server_update(server_state, messages, ctx):
+        weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
+        old = server_state["variables"]
+        mean = tree_weighted_mean(messages["variables"], weights)
+        new = jax.tree_util.tree_map(lambda o, m: o + server_lr * (m - o), old, mean)
+        control = jax.tree_util.tree_map(lambda c, dc: c + dc.sum(0) / task.num_clients,
+                                         server_state["control"], messages["delta_control"])
+        return {"variables": new, "control": control}, {}
+
+    return Algorithm("scaffold", init, broadcast, client_update, server_update,
+                     global_predict=_global_predict(model))
+
+
+# ---------------------------------------------------------------- Caldas et al.
+CALDAS_OPTIONS = dict(keep=0.75, drop_dense=True, per_client=False, rescale=False, weighted=True)
+
+
+def droppable_layers(model: Model, drop_dense: bool) -> list[str]:
+    """Hidden layers whose units federated dropout may remove (never the logits)."""
+    last = model.layers[-1].name
+    return [l.name for l in model.layers
+            if l.name != last and (l.kind == "conv" or (drop_dense and l.kind == "dense"))]
+
+
+def sample_unit_masks(key: jax.Array, model: Model, layers: list[str], keep: float) -> dict:
+    """{layer: [out_units] 0/1}: exactly max(1, round(keep * C)) units kept,
+    uniformly at random, independently per layer."""
+    masks = {}
+    for g, name in enumerate(layers):
+        size = model.layer(name).out_units
+        kept = max(1, int(round(keep * size)))
+        rank = jnp.argsort(jnp.argsort(jax.random.uniform(jax.random.fold_in(key, g), (size,))))
+        masks[name] = (rank < kept).astype(jnp.float32)
+    return masks
+
+
+def weight_inclusion(model: Model, unit_masks: dict) -> dict:
+    """{layer: {"kernel": 0/1 like the kernel, "bias": [out]}} of a sub-model:
+    a weight is in it iff its input and output units are. A dense layer fed by
+    a flattened conv map sees each channel H*W times (NHWC: channel fastest)."""
+    out = {}
+    for layer in model.layers:
+        ones_out = jnp.ones((layer.out_units,), jnp.float32)
+        m_out = unit_masks.get(layer.name, ones_out)
+        m_in = jnp.ones((layer.in_units,), jnp.float32)
+        if layer.input_layer in unit_masks:
+            src = unit_masks[layer.input_layer]
+            m_in = jnp.tile(src, layer.in_units // src.shape[0])
+        kernel = m_in[:, None] * m_out[None, :]
+        out[layer.name] = {"kernel": jnp.broadcast_to(kernel, layer.kernel_shape), "bias": m_out}
+    return out
+
+
+def _inclusion_like(params: dict, inclusion: dict) -> dict:
+    """The inclusion masks as a tree shaped like ``params`` (BN params follow the bias)."""
+    return {name: {k: (inclusion[name]["kernel"] if k == "kernel" else inclusion[name]["bias"])
+                   for k in p} for name, p in params.items()}
+
+
+@register_algorithm("caldas", CALDAS_OPTIONS)
+def caldas(task: Task, *, keep, drop_dense, per_client, rescale, weighted) -> Algorithm:
+    if not 0.0 < keep <= 1.0:
+        raise ValueError(f"caldas: keep must be in (0, 1], got {keep}")
+    model = task.model
+    layers = droppable_layers(model, drop_dense)
+    optimizer = sgd(task.lr)
+
+    def init(key):
+        key_model, key_masks = jax.random.split(key)
+        return {"variables": model.init(key_model), "mask_key": key_masks}, ()
+
+    def masks_for(mask_key, round_index, client_id):
+        key = jax.random.fold_in(mask_key, round_index)
+        if per_client:
+            key = jax.random.fold_in(key, client_id)
+        return sample_unit_masks(key, model, layers, keep)
+
+    def broadcast(server_state, round_index):
+        return server_state
+
+    def client_update(payload, client_state, data, ctx):
+        variables = payload["variables"]
+        masks = masks_for(payload["mask_key"], ctx.round, ctx.client_id)
+        factor = 1.0 / keep if rescale else 1.0
+
+        def activation(name, h):
+            return h * (masks[name] * factor) if name in masks else h
+        new_vars, _, stats = local_train(
+            model, optimizer, variables, optimizer.init(variables["params"]), data, ctx.key,
+            epochs=task.local_epochs, batch_size=task.batch_size, preprocess=task.preprocess,
+            hooks=Hooks(activation=activation))
+        inclusion = weight_inclusion(model, masks)
+        included = _inclusion_like(variables["params"], inclusion)
+        sub_values = sum(x.sum() for x in jax.tree_util.tree_leaves(included))
+        bits = sub_values * accounting.FLOAT_BITS
+        layer_density = jnp.stack([inclusion[l.name]["kernel"].mean() for l in model.layers])
+        metrics = client_metrics(
+            loss=stats.loss, flops=accounting.training_flops(model, stats.num_examples, layer_density),
+            uplink_bits=bits, downlink_bits=bits,
+            density=sub_values / accounting.num_values(variables["params"]), num_examples=stats.num_examples)
+        return client_state, new_vars, metrics
+
+    def server_update(server_state, messages, ctx):
+        weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
+        old = server_state["variables"]
+        masks = jax.vmap(lambda cid: masks_for(server_state["mask_key"], ctx.round, cid))(ctx.client_ids)
+        inclusion = jax.vmap(lambda m: _inclusion_like(old["params"], weight_inclusion(model, m)))(masks)
+
+        def combine(o, new, held):
+            w = weights.reshape((-1,) + (1,) * o.ndim) * held
+            total = w.sum(0)
+            return jnp.where(total > 0, (w * new).sum(0) / jnp.maximum(total, 1e-12), o)
+        params = jax.tree_util.tree_map(combine, old["params"], messages["params"], inclusion)
+        # Statistics without a per-unit owner (BN running stats) are averaged like FedAvg.
+        stats = tree_weighted_mean(messages["batch_stats"], weights)
+        return {"variables": {"params": params, "batch_stats": stats},
+                "mask_key": server_state["mask_key"]}, {}
+
+    return Algorithm("caldas", init, broadcast, client_update, server_update,
+                     global_predict=_global_predict(model))
+
+
+__all__ = ["CALDAS_OPTIONS", "FEDPROX_OPTIONS", "SCAFFOLD_OPTIONS", "caldas", "droppable_layers", "fedprox",
+           "full_local_gradient", "sample_unit_masks", "scaffold", "tree_sq_distance", "weight_inclusion"]
