@@ -1,0 +1,349 @@
+"""SpaFL on Fashion-MNIST: the paper's Table 1/2/3 FMNIST column, several seeds.
+
+    python experiments/spafl_fmnist.py --data-dir ../shared/data --rounds 500 --seeds 0 1 2 \\
+        --out experiments/results/spafl_fmnist
+
+Setting (paper Sec. 5.1 / Appendix A.1 and the reference code): 100 clients,
+Dirichlet(0.2) label skew that also splits the test set (each client is
+tested on its own label mix), every client >= batch-size samples, 10 clients
+per round, 5 local epochs, batch 64, LeNet-5-Caffe, SGD lr 0.001 momentum 0.9,
+raw 0-255 inputs, alpha 0.002 with the code's regulariser ramp, 500 rounds,
+every client evaluated after every round (unweighted mean).
+
+Methods (``--methods``): ``spafl``, ``spafl_no_eq13`` (Table 3),
+``spafl_thresholds_only`` (Table 1), ``fedavg`` (dense, equal-weight mean,
+momentum 0.9) and ``local`` (the paper's "Local": SpaFL's pruning without
+any communication, i.e. ``spafl_local``); ``local_dense`` runs the engine's
+plain Local training for reference.
+
+Each (method, seed) is one ``fedjax_sparse.runner.run`` into
+``OUT/<method>/seed<k>/`` (config.json, metrics.jsonl, summary.json); runs
+with a summary.json are skipped, interrupted ones resume from their
+checkpoint. For the SpaFL family a callback records, after every
+evaluation, every client's conv1 row mask and density (``spafl_masks.npz``):
+the paper's density is the mean over *all* clients of their mean per-layer
+kept fraction. At the end: ``OUT/results.md`` / ``results.json`` (accuracy
+mean ± std over seeds, best round and final; total Gbit; total FLOPs;
+density; next to the paper's numbers), ``learning_curves.png`` and
+``sparsity_pattern_conv1.png`` (Fig. 3 of the paper: active conv1 filters of
+every client at three rounds). ``--report-only`` rebuilds these from OUT.
+
+FLOPs: ours count a multiply-accumulate as 2 FLOPs and sum over all sampled
+clients; the paper counts MACs and reports the mean per client (its code
+divides by the 100 clients), so "paper convention" = ours / (2 * N).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+FMNIST_BASE = dict(dataset="fashion_mnist", model="lenet5_caffe", num_clients=100, clients_per_round=10,
+                   local_epochs=5, batch_size=64, partition="dirichlet:0.2", min_client_samples=64,
+                   preprocess="raw", eval_every=1)
+
+SPAFL_FMNIST = dict(alpha=0.002, ramp=True, momentum=0.9, keep_optimizer_state=True)
+
+FMNIST_METHODS = {
+    "spafl": dict(algorithm="spafl", lr=0.001, options=SPAFL_FMNIST),
+    "spafl_no_eq13": dict(algorithm="spafl_no_eq13", lr=0.001, options=SPAFL_FMNIST),
+    "spafl_thresholds_only": dict(algorithm="spafl_thresholds_only", lr=0.001, options=SPAFL_FMNIST),
+    "fedavg": dict(algorithm="fedavg", lr=0.001, options=dict(momentum=0.9, weighted=False)),
+    "local": dict(algorithm="spafl_local", lr=0.001, options=SPAFL_FMNIST),
+    "local_dense": dict(algorithm="local", lr=0.001, options=dict(momentum=0.9)),
+}
+
+# Paper (Kim et al. 2024): Tables 1-3 and Sec. 5.3; accuracy %, Gbit over all
+# rounds, FLOPs as the paper counts them (MACs, mean per client), density %.
+FMNIST_PAPER = {
+    "spafl": dict(acc="89.21 ± 0.25", gbit=0.1856, flops=2.3779e11, density=35.36),
+    "spafl_no_eq13": dict(acc="88.20 ± 1.10"),
+    "spafl_thresholds_only": dict(acc="65.52 ± 5.3"),
+    "fedavg": dict(acc="88.73 ± 0.21", gbit=133.8, flops=10.345e11, density=100.0),
+    "local": dict(acc="84.31 ± 0.20", gbit=0.0, flops=3.7982e11, density=51.2),
+}
+
+STUDIES = {
+    "fmnist": dict(title="SpaFL on FMNIST (LeNet-5-Caffe)", base=FMNIST_BASE, methods=FMNIST_METHODS,
+                   paper=FMNIST_PAPER, rounds=500,
+                   default_methods=["spafl", "spafl_no_eq13", "spafl_thresholds_only", "fedavg", "local"]),
+}
+
+
+# ---------------------------------------------------------------------------- running
+def is_spafl(algorithm: str) -> bool:
+    return algorithm.startswith("spafl")
+
+
+class MaskRecorder:
+    """After each evaluation: every client's row masks of ``layer`` and its
+    density (mean over thresholded layers of the kept fraction), saved to
+    ``path`` (npz) so an interrupted run keeps what it recorded."""
+
+    def __init__(self, path: Path, layer: str | None = None):
+        self.path, self.layer = path, layer
+        self.rounds, self.masks, self.density = [], [], []
+        self._fn = None
+        if path.exists():
+            with np.load(path) as f:
+                self.rounds, self.masks, self.density = list(f["rounds"]), list(f["masks"]), list(f["density"])
+                self.layer = str(f["layer"])
+
+    def _build(self, exp):
+        import jax
+        from fedjax_sparse.algorithms import spafl
+        setup = spafl.make_setup(exp.model, exp.algorithm.hparams)
+        if self.layer is None:
+            self.layer = setup.layers[0].name
+
+        def all_clients(server, clients):
+            def one(client):
+                row_mask = spafl.personal_row_masks(setup, server, client)
+                return row_mask[self.layer], spafl.mean_density(spafl.kept_fractions(row_mask))
+            return jax.lax.map(one, clients)
+        return jax.jit(all_clients)
+
+    def __call__(self, row, state, exp):
+        if self._fn is None:
+            self._fn = self._build(exp)
+        # On resume, drop anything recorded past the checkpoint.
+        keep = [i for i, r in enumerate(self.rounds) if r < row["round"]]
+        self.rounds = [self.rounds[i] for i in keep]
+        self.masks = [self.masks[i] for i in keep]
+        self.density = [self.density[i] for i in keep]
+        masks, density = self._fn(state.server, state.clients)
+        self.rounds.append(int(row["round"]))
+        self.masks.append(np.asarray(masks, np.uint8))
+        self.density.append(np.asarray(density, np.float32))
+        tmp = self.path.with_suffix(".tmp.npz")
+        np.savez_compressed(tmp, rounds=np.array(self.rounds), masks=np.stack(self.masks),
+                            density=np.stack(self.density), layer=self.layer)
+        tmp.replace(self.path)
+
+
+def run_one(study: dict, method: str, seed: int, args, out: Path) -> dict:
+    from fedjax_sparse import runner
+    spec = study["methods"][method]
+    base = dict(study["base"])
+    base.update(args.overrides)
+    config = runner.RunConfig(algorithm=spec["algorithm"], lr=spec["lr"], seed=seed, rounds=args.rounds,
+                              data_dir=args.data_dir, out=str(out), options=dict(spec.get("options", {})),
+                              model_options=dict(spec.get("model_options", {})),
+                              client_parallelism=args.client_parallelism, **base)
+    for key, value in spec.get("config", {}).items():
+        setattr(config, key, value)
+    if (out / "summary.json").exists():
+        print(f"[skip] {out} is complete", flush=True)
+        return json.loads((out / "summary.json").read_text())
+    resume = (out / runner.CHECKPOINT).exists()
+    recorder = MaskRecorder(out / "spafl_masks.npz") if is_spafl(spec["algorithm"]) else None
+    print(f"[run] {method} seed {seed} -> {out}" + (" (resuming)" if resume else ""), flush=True)
+    summary = runner.run(config, resume=resume, progress=not args.quiet, on_eval=recorder)
+    summary.pop("_state", None)
+    return summary
+
+
+# ---------------------------------------------------------------------------- reporting
+def load_run(path: Path) -> dict | None:
+    if not (path / "metrics.jsonl").exists():
+        return None
+    rows = [json.loads(l) for l in (path / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    if not rows:
+        return None
+    run = {"rows": rows, "summary": json.loads((path / "summary.json").read_text())
+           if (path / "summary.json").exists() else None,
+           "config": json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else None}
+    if (path / "spafl_masks.npz").exists():
+        with np.load(path / "spafl_masks.npz") as f:
+            run["masks"] = {k: f[k] for k in ("rounds", "masks", "density")}
+            run["masks"]["layer"] = str(f["layer"])
+    return run
+
+
+def run_stats(run: dict) -> dict:
+    rows = run["rows"]
+    acc = np.array([r["accuracy"] for r in rows])
+    best = int(np.argmax(acc))
+    # Density as the paper reports it: mean over all clients (recorded), else over sampled clients.
+    if "masks" in run:
+        by_round = dict(zip(run["masks"]["rounds"].tolist(), run["masks"]["density"].mean(axis=1).tolist()))
+        density = [by_round.get(r["round"], np.nan) for r in rows]
+    else:
+        density = [r.get("density", np.nan) for r in rows]
+    num_clients = run["config"]["config"]["num_clients"] if run["config"] else np.nan
+    last = rows[-1]
+    total_bits = last["total_uplink_bits"] + last["total_downlink_bits"]
+    return dict(rounds=int(last["round"]), best_acc=float(acc[best]), best_round=int(rows[best]["round"]),
+                final_acc=float(acc[-1]), density_at_best=float(density[best]), final_density=float(density[-1]),
+                gbit=total_bits / 1e9, flops=float(last["total_flops"]),
+                flops_paper_convention=float(last["total_flops"]) / (2 * num_clients))
+
+
+def mean_std(values, scale=1.0, fmt="{:.2f}"):
+    v = np.asarray(values, np.float64) * scale
+    if len(v) == 0 or np.all(np.isnan(v)):
+        return "n/a"
+    return (fmt + " ± " + fmt).format(np.nanmean(v), np.nanstd(v)) if len(v) > 1 else fmt.format(v[0])
+
+
+def collect(out: Path, methods: list[str], seeds: list[int]) -> dict:
+    runs = {}
+    for method in methods:
+        for seed in seeds:
+            run = load_run(out / method / f"seed{seed}")
+            if run is not None:
+                runs.setdefault(method, {})[seed] = run
+    return runs
+
+
+def write_report(study: dict, out: Path, methods: list[str], seeds: list[int]) -> dict:
+    runs = collect(out, methods, seeds)
+    table = {}
+    for method, by_seed in runs.items():
+        stats = [run_stats(r) for r in by_seed.values()]
+        table[method] = dict(
+            seeds=sorted(by_seed), rounds=[s["rounds"] for s in stats],
+            best_acc=[s["best_acc"] for s in stats], best_round=[s["best_round"] for s in stats],
+            final_acc=[s["final_acc"] for s in stats], density_at_best=[s["density_at_best"] for s in stats],
+            final_density=[s["final_density"] for s in stats], gbit=[s["gbit"] for s in stats],
+            flops=[s["flops"] for s in stats], flops_paper_convention=[s["flops_paper_convention"] for s in stats],
+            paper=study["paper"].get(method, {}))
+    lines = [f"# {study['title']}", "",
+             "Accuracy: personalised (each client on its own test set, unweighted mean over clients), "
+             "mean ± std over seeds of the best round and of the final round. Density: mean over all "
+             "clients of the mean per-layer kept fraction (SpaFL family), at the best round. "
+             "FLOPs: ours = 2 x MACs summed over all sampled clients; paper convention = MACs per "
+             "client (ours / 2N).", "",
+             "| method | seeds | rounds | best acc % | final acc % | paper acc % | density % (best) | "
+             "paper density % | Gbit | paper Gbit | FLOPs (ours) | FLOPs (paper conv.) | paper FLOPs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for method in methods:
+        if method not in table:
+            continue
+        t, p = table[method], table[method]["paper"]
+        lines.append("| " + " | ".join([
+            method, str(len(t["seeds"])), str(max(t["rounds"])), mean_std(t["best_acc"], 100),
+            mean_std(t["final_acc"], 100), p.get("acc", "–"), mean_std(t["density_at_best"], 100, "{:.1f}"),
+            str(p.get("density", "–")), mean_std(t["gbit"], 1, "{:.4g}"), str(p.get("gbit", "–")),
+            mean_std(t["flops"], 1, "{:.4g}"), mean_std(t["flops_paper_convention"], 1, "{:.4g}"),
+            f"{p['flops']:.4g}" if "flops" in p else "–"]) + " |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    (out / "results.json").write_text(json.dumps(table, indent=2))
+    print("\n".join(lines))
+    plot_learning_curves(study, runs, methods, out / "learning_curves.png")
+    pattern_method = next((m for m in methods if m in runs and any("masks" in r for r in runs[m].values())), None)
+    if pattern_method is not None:
+        seed = sorted(runs[pattern_method])[0]
+        plot_sparsity_pattern(runs[pattern_method][seed], out / f"sparsity_pattern_{pattern_method}_seed{seed}.png",
+                              f"{pattern_method}, seed {seed}")
+    return table
+
+
+def plot_learning_curves(study, runs, methods, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax_acc, ax_den) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for method in methods:
+        if method not in runs:
+            continue
+        curves, dens = [], []
+        for run in runs[method].values():
+            rounds = np.array([r["round"] for r in run["rows"]])
+            curves.append((rounds, np.array([r["accuracy"] for r in run["rows"]]) * 100))
+            if "masks" in run:
+                dens.append((run["masks"]["rounds"], run["masks"]["density"].mean(axis=1) * 100))
+        n = min(len(c[0]) for c in curves)
+        acc = np.stack([c[1][:n] for c in curves])
+        x = curves[0][0][:n]
+        line, = ax_acc.plot(x, acc.mean(0), label=method)
+        if len(acc) > 1:
+            ax_acc.fill_between(x, acc.mean(0) - acc.std(0), acc.mean(0) + acc.std(0), alpha=0.2,
+                                color=line.get_color())
+        if dens:
+            m = min(len(d[0]) for d in dens)
+            ax_den.plot(dens[0][0][:m], np.stack([d[1][:m] for d in dens]).mean(0), label=method,
+                        color=line.get_color())
+    ax_acc.set(xlabel="round", ylabel="accuracy (%)", title=study["title"])
+    ax_den.set(xlabel="round", ylabel="density (%) over all clients", title="model density")
+    for ax in (ax_acc, ax_den):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_sparsity_pattern(run: dict, path: Path, label: str, fractions=(0.08, 0.3, 1.0)) -> None:
+    """Paper Fig. 3: active (black) / pruned (white) filters of the first
+    layer, one row per client, at three rounds (by default 8%, 30% and 100%
+    of training, i.e. rounds 40/150/500 of 500)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rounds, masks = run["masks"]["rounds"], run["masks"]["masks"]
+    picks = sorted({int(np.argmin(np.abs(rounds - max(1, round(f * rounds[-1]))))) for f in fractions})
+    fig, axes = plt.subplots(1, len(picks), figsize=(4 * len(picks), 5), squeeze=False)
+    for ax, i in zip(axes[0], picks):
+        ax.imshow(masks[i], cmap="Greys", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
+        ax.set(title=f"round {rounds[i]} ({100 * masks[i].mean():.0f}% active)",
+               xlabel=f"{run['masks']['layer']} filter", ylabel="client")
+    fig.suptitle(f"Sparsity pattern of {run['masks']['layer']} ({label}); black = active")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- CLI
+def parse_args(argv, studies: dict, default_study: str, extra=None):
+    parser = argparse.ArgumentParser(description=__doc__ if default_study == "fmnist" else None,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    if len(studies) > 1:
+        parser.add_argument("--study", default=default_study, choices=sorted(studies))
+    parser.add_argument("--data-dir", default=None, help="folder with the dataset's original files")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds per run (default: the paper's)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--methods", nargs="+", default=None)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--num-clients", type=int, default=None, help="override (smoke tests)")
+    parser.add_argument("--clients-per-round", type=int, default=None, help="override (smoke tests)")
+    parser.add_argument("--local-epochs", type=int, default=None, help="override (smoke tests)")
+    parser.add_argument("--eval-every", type=int, default=None)
+    parser.add_argument("--client-parallelism", default="auto", choices=["auto", "map", "vmap"])
+    parser.add_argument("--report-only", action="store_true", help="only rebuild the table and plots")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    if extra is not None:
+        extra(parser)
+    args = parser.parse_args(argv)
+    args.study_name = getattr(args, "study", default_study)
+    study = studies[args.study_name]
+    args.methods = args.methods or study["default_methods"]
+    unknown = [m for m in args.methods if m not in study["methods"]]
+    if unknown:
+        parser.error(f"unknown method(s) {unknown}; valid: {', '.join(study['methods'])}")
+    args.rounds = args.rounds or study["rounds"]
+    args.overrides = {k: v for k, v in dict(num_clients=args.num_clients, clients_per_round=args.clients_per_round,
+                                            local_epochs=args.local_epochs, eval_every=args.eval_every).items()
+                      if v is not None}
+    return args, study
+
+
+def main(argv=None, studies=STUDIES, default_study="fmnist", extra=None, adjust=None) -> int:
+    args, study = parse_args(argv, studies, default_study, extra)
+    if adjust is not None:
+        study = adjust(study, args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.report_only:
+        for method in args.methods:
+            for seed in args.seeds:
+                run_one(study, method, seed, args, out / method / f"seed{seed}")
+    write_report(study, out, args.methods, args.seeds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
