@@ -27,13 +27,15 @@ an algorithm maps it over layers (``jax.tree_util.tree_map``) and clients
 
 Speed: XLA:CPU sorts float arrays (and argsorts anything) with a comparator
 callback, about 0.6 s per 1.6M-element argsort on this project's CPU, while
-numpy's stable argsort takes about 0.2 s. ``argsort`` therefore calls numpy
-through ``jax.pure_callback`` when the backend is the CPU (chosen at trace
-time, like the im2col convolutions) and ``jnp.argsort`` elsewhere; both are
-stable, so results are identical. Top-k masks never sort: ``topk_mask`` finds
-the k-th largest value by a 32-step bisection over the values' order-
-preserving integer keys (about 20 ms for 1.6M values) and breaks ties by
-index, so it keeps exactly ``n - int((1 - k) n)`` edges like edge-popup.
+two stable 16-bit radix passes in numpy take about 0.07 s. ``argsort``
+therefore calls numpy through ``jax.pure_callback`` when the backend is the
+CPU (chosen at trace time, like the im2col convolutions) and ``jnp.argsort``
+elsewhere; both are stable and order floats totally (-0.0 before +0.0), so
+results are identical. Top-k masks never sort: ``topk_mask`` finds
+the k-th largest value by a radix select over the values' order-preserving
+integer keys (two 65536-bin histograms, a few ms for 1.6M values) and breaks
+ties by index, so it keeps exactly ``n - int((1 - k) n)`` edges like
+edge-popup.
 """
 from __future__ import annotations
 
@@ -103,8 +105,26 @@ def _supernet(layers: tuple, weight_init: str):
 
 
 # ---------------------------------------------------------------- sorting
+def _numpy_order_keys(x: np.ndarray) -> np.ndarray:
+    """uint32 keys ordered like ``x`` (float32 as in ``order_keys``; int32 with the sign bit flipped)."""
+    if x.dtype == np.float32:
+        bits = (x + np.float32(0.0)).view(np.uint32)   # -0.0 + 0.0 = +0.0: the two zeros tie
+        return np.where(bits >> 31 == 1, ~bits, bits | np.uint32(0x80000000))
+    if x.dtype == np.int32:
+        return x.view(np.uint32) ^ np.uint32(0x80000000)
+    raise TypeError(f"argsort supports float32 and int32, got {x.dtype}")
+
+
 def _numpy_argsort(x: np.ndarray) -> np.ndarray:
-    return np.argsort(x, axis=-1, kind="stable").astype(np.int32)
+    """Stable argsort along the last axis as two stable 16-bit radix passes
+    (numpy radix-sorts 16-bit keys): 3x faster than its float argsort."""
+    keys = _numpy_order_keys(np.ascontiguousarray(x)).reshape(-1, x.shape[-1])
+    out = np.empty(keys.shape, np.int32)
+    for i, row in enumerate(keys):
+        by_low = np.argsort((row & 0xFFFF).astype(np.uint16), kind="stable")
+        by_high = np.argsort((row[by_low] >> 16).astype(np.uint16), kind="stable")
+        out[i] = by_low[by_high]
+    return out.reshape(x.shape)
 
 
 def argsort(x: jax.Array) -> jax.Array:
@@ -192,33 +212,51 @@ def kept_count(n: int, fraction: float) -> int:
 
 
 def order_keys(x: jax.Array) -> jax.Array:
-    """float32 -> uint32 keys with the same order (negative floats reversed, sign bit flipped)."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    """float32 -> uint32 keys with the same order (negative floats reversed, sign
+    bit flipped); -0.0 and +0.0 get the same key, as they compare equal."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32) + 0.0, jnp.uint32)
     negative = (bits >> 31) == 1
     return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _suffix_counts(hist: jax.Array) -> jax.Array:
+    """suffix[b] = hist[b] + hist[b + 1] + ... (counts at or above bin b)."""
+    return jnp.cumsum(hist[::-1])[::-1]
+
+
+def kth_largest_key(keys: jax.Array, kept: int) -> jax.Array:
+    """The largest uint32 ``t`` with ``count(keys >= t) >= kept``, i.e. the
+    ``kept``-th largest key, by a two-pass radix select: a 65536-bin histogram
+    of the high 16 bits picks the bin, a histogram of the low 16 bits inside
+    that bin picks the value (two scatter-adds instead of a sort)."""
+    high = (keys >> 16).astype(jnp.int32)
+    low = (keys & jnp.uint32(0xFFFF)).astype(jnp.int32)
+    hist_high = jnp.zeros((1 << 16,), jnp.int32).at[high].add(1)
+    suffix_high = _suffix_counts(hist_high)
+    bin_high = (suffix_high >= kept).sum() - 1                 # suffix counts fall with the bin
+    above = suffix_high[bin_high] - hist_high[bin_high]        # keys in higher bins
+    hist_low = jnp.zeros((1 << 16,), jnp.int32).at[low].add((high == bin_high).astype(jnp.int32))
+    bin_low = (above + _suffix_counts(hist_low) >= kept).sum() - 1
+    return (bin_high.astype(jnp.uint32) << 16) | bin_low.astype(jnp.uint32)
 
 
 def topk_mask(values: jax.Array, fraction: float) -> jax.Array:
     """0/1 float32 mask (same shape) keeping the ``kept_count`` largest values.
 
-    Exact without sorting: the k-th largest order key is built bit by bit
-    from the most significant (32 counting passes); ties at the threshold
-    are broken by flat index, lowest first.
+    Exact without sorting: ``kth_largest_key`` finds the threshold; ties at
+    the threshold are broken by flat index, lowest first.
     """
     flat = values.reshape(-1)
     kept = kept_count(flat.shape[0], fraction)
     keys = order_keys(flat)
-
-    def body(bit, threshold):
-        candidate = threshold | (jnp.uint32(1) << (31 - bit).astype(jnp.uint32))
-        enough = (keys >= candidate).sum() >= kept
-        return jnp.where(enough, candidate, threshold)
-
-    threshold = jax.lax.fori_loop(0, 32, body, jnp.uint32(0))
+    threshold = kth_largest_key(keys, kept)
     above = keys > threshold
     at = keys == threshold
     room = kept - above.sum()
-    mask = above | (at & (jnp.cumsum(at) <= room))
+    # Usually every key equal to the threshold is kept; the prefix count that
+    # picks the lowest indices among ties is a slow pass on CPU, so only then.
+    mask = jax.lax.cond(at.sum() == room, lambda: above | at,
+                        lambda: above | (at & (jnp.cumsum(at) <= room)))
     return mask.astype(jnp.float32).reshape(values.shape)
 
 

@@ -60,11 +60,15 @@ def test_reorder_round_trip_and_permutations():
 
 
 def test_argsort_callback_matches_jnp_stable_with_ties():
-    x = jnp.array([[3, 1, 3, 0, 1, 3], [2, 2, 2, 2, 1, 1]], jnp.int32)
-    want = jnp.argsort(x, axis=-1, stable=True)
-    np.testing.assert_array_equal(jax.jit(sm.argsort)(x), want)
-    np.testing.assert_array_equal(jax.jit(jax.vmap(sm.argsort))(x), want)
-    np.testing.assert_array_equal(jax.jit(lambda a: jax.lax.map(sm.argsort, a))(x), want)
+    ints = jnp.array([[3, 1, 3, 0, 1, 3], [2, 2, -2, 2, 1, 1 << 20]], jnp.int32)
+    floats = jnp.array([[0.0, -0.0, 1.0, -1.0, 0.0, -2.5], [3e38, -3e38, 1e-40, -1e-40, 2.0, 2.0]])
+    for x in (ints, floats):
+        want = jnp.argsort(x, axis=-1, stable=True)   # XLA's sort, used off the CPU
+        np.testing.assert_array_equal(jax.jit(sm.argsort)(x), want)
+        np.testing.assert_array_equal(jax.jit(jax.vmap(sm.argsort))(x), want)
+        np.testing.assert_array_equal(jax.jit(lambda a: jax.lax.map(sm.argsort, a))(x), want)
+    big = jax.random.normal(jax.random.PRNGKey(0), (70000,)).round(2)   # many ties, both 16-bit halves used
+    np.testing.assert_array_equal(sm.argsort(big), jnp.argsort(big, stable=True))
 
 
 # ---------------------------------------------------------------- masks
@@ -81,7 +85,7 @@ def test_topk_mask_keeps_edge_popup_count_and_largest():
 def test_topk_mask_ties_signed_values_and_zero():
     np.testing.assert_array_equal(sm.topk_mask(jnp.array([1., 1., 1., 0., 2.]), 0.6), [1, 1, 0, 0, 1])
     np.testing.assert_array_equal(sm.topk_mask(jnp.array([-3., -1., -2., 0.5]), 0.5), [0, 1, 0, 1])
-    np.testing.assert_array_equal(sm.topk_mask(jnp.array([-0.0, 0.0, -1e-30]), 0.2), [0, 1, 0])
+    np.testing.assert_array_equal(sm.topk_mask(jnp.array([-0.0, 0.0, -1e-30]), 0.2), [1, 0, 0])  # equal zeros
     np.testing.assert_array_equal(sm.topk_mask(jnp.array([-0.0, 0.0, -1e-30]), 0.34), [1, 1, 0])
 
 
