@@ -147,6 +147,31 @@ def test_reset_rule_revives_a_fully_pruned_layer():
     assert float(metrics["threshold_resets"]) == 0.0
 
 
+def test_client_applies_eq13_with_the_broadcast_change_before_training():
+    """With lr = 0 local training changes nothing, so the client's new weights
+    are exactly eq. (13) of its old weights with the server's dtau (round > 0),
+    and untouched without eq. (13)."""
+    _, data = tiny_federated(SIZES)
+    task = make_task(data, lr=0.0)
+    alg = make_algorithm("spafl", task, {"alpha": 0.0})
+    server, clients = alg.init(jax.random.PRNGKey(0))
+    rng = np.random.default_rng(1)
+    delta = {n: jnp.asarray(rng.normal(0, 0.01, t.shape), jnp.float32) for n, t in server["delta"].items()}
+    server = {**server, "delta": delta}
+    before = jax.tree_util.tree_map(lambda x: x[3], clients["params"])
+    state, _, _ = one_client(alg, cid=3, round_=2, data=data, server=server)
+    want = spafl.eq13_update(before, delta, spafl.eq13_divisors(alg_layers(task), "fan_in"))
+    np.testing.assert_allclose(flat(state["params"]), flat(want), rtol=1e-6, atol=1e-8)
+    assert float(np.abs(flat(state["params"]) - flat(before)).max()) > 1e-5
+    state, _, _ = one_client(make_algorithm("spafl_no_eq13", task, {"alpha": 0.0}), cid=3, round_=2,
+                             data=data, server=server)
+    np.testing.assert_array_equal(flat(state["params"]), flat(before))
+
+
+def alg_layers(task):
+    return spafl.thresholded_layers(task.model)
+
+
 def test_thresholds_only_keeps_weights_frozen():
     _, data = tiny_federated(SIZES)
     alg = make_algorithm("spafl_thresholds_only", make_task(data, epochs=2), {"alpha": 0.05})
