@@ -40,13 +40,13 @@ from spafl_fmnist import main as study_main
 
 CIFAR10_BASE = dict(dataset="cifar10", model="cnn7", num_clients=100, clients_per_round=10, local_epochs=5,
                     batch_size=16, partition="dirichlet:0.1", min_client_samples=16, preprocess="standardize",
-                    eval_every=1)
+                    eval_every=1, eval_batch_size=128)
 SPAFL_CIFAR10 = dict(alpha=0.00015, momentum=0.9, keep_optimizer_state=False)
 CODE_CIFAR10 = dict(clip_norm=3.0, eq13_apply="all_after", eq13_divisor="kernel_area", ste="truncated")
 
 CIFAR100_BASE = dict(dataset="cifar100", model="resnet18_narrow", num_clients=100, clients_per_round=10,
                      local_epochs=7, batch_size=64, partition="dirichlet:0.1", min_client_samples=64,
-                     preprocess="standardize", eval_every=1)
+                     preprocess="standardize", eval_every=1, eval_batch_size=128)
 SPAFL_CIFAR100 = dict(alpha=0.0007, momentum=0.9, keep_optimizer_state=False, lr_decay=0.993, lr_min=1e-4)
 CODE_CIFAR100 = dict(clip_norm=15.0, eq13_apply="all_after", eq13_divisor="kernel_area", ramp=True)
 

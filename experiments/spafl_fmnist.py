@@ -43,7 +43,7 @@ import numpy as np
 
 FMNIST_BASE = dict(dataset="fashion_mnist", model="lenet5_caffe", num_clients=100, clients_per_round=10,
                    local_epochs=5, batch_size=64, partition="dirichlet:0.2", min_client_samples=64,
-                   preprocess="raw", eval_every=1)
+                   preprocess="raw", eval_every=1, eval_batch_size=128)  # clients hold ~100 test images
 
 SPAFL_FMNIST = dict(alpha=0.002, ramp=True, momentum=0.9, keep_optimizer_state=True)
 
