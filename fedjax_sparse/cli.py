@@ -31,7 +31,7 @@ RUN_FLAGS = [
     ("--preprocess", "preprocess", str, "input scaling: unit (x/255) | raw (0-255) | standardize"),
     ("--client-parallelism", "client_parallelism", str, "auto | vmap | map"),
     ("--round-mode", "round_mode", str, "scan (rounds in one jitted lax.scan per chunk) | per_round"),
-    ("--eval-batch-size", "eval_batch_size", int, "evaluation batch size"),
+    ("--eval-batch-size", "eval_batch_size", int, "evaluation batch size (default: from the clients' test-set sizes)"),
 ]
 
 

@@ -75,7 +75,7 @@ class RunConfig:
     preprocess: str = "unit"
     client_parallelism: str = "auto"
     round_mode: str = "scan"
-    eval_batch_size: int = 500
+    eval_batch_size: int | None = None  # None: auto (see auto_eval_batch_size)
     options: dict = dataclasses.field(default_factory=dict)
     model_options: dict = dataclasses.field(default_factory=dict)
     dataset_options: dict = dataclasses.field(default_factory=dict)
@@ -97,7 +97,7 @@ def validate(config: RunConfig) -> None:
     positive = dict(num_clients=config.num_clients, clients_per_round=config.clients_per_round,
                     rounds=config.rounds, local_epochs=config.local_epochs,
                     batch_size=config.batch_size, eval_every=config.eval_every,
-                    eval_batch_size=config.eval_batch_size)
+                    eval_batch_size=config.eval_batch_size if config.eval_batch_size is not None else 1)
     for name, value in positive.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise RunError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
@@ -171,8 +171,18 @@ def build(config: RunConfig) -> Experiment:
                 train_counts=np.asarray(data.train_count), seed=config.seed)
     algorithm = make_algorithm(config.algorithm, task, config.options)
     engine = Engine(algorithm, config.num_clients, config.clients_per_round,
-                    client_parallelism=config.client_parallelism, eval_batch_size=config.eval_batch_size)
+                    client_parallelism=config.client_parallelism,
+                    eval_batch_size=config.eval_batch_size or auto_eval_batch_size(data))
     return Experiment(config, dataset, partition, data, task, engine)
+
+
+def auto_eval_batch_size(data: FederatedData, cap: int = 512) -> int:
+    """Smallest power of two >= the mean client test-set size (at most ``cap``):
+    each client's test set is cut into ceil(n / B) batches, so a batch much
+    larger than a client's test set is mostly padding."""
+    counts = np.asarray(data.test_count)
+    mean = float(counts[counts > 0].mean()) if (counts > 0).any() else 1.0
+    return int(min(cap, max(16, 2 ** math.ceil(math.log2(max(mean, 1.0))))))
 
 
 # ---------------------------------------------------------------- checkpoints
