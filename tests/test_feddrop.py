@@ -228,3 +228,31 @@ def test_two_rounds_end_to_end(setup, name):
         assert float(metrics["downlink_bits"][0]) == float(metrics["uplink_bits"][0])
     accuracy = engine.evaluate(state, data)["global_accuracy"]
     assert 0.0 <= accuracy <= 1.0
+
+
+# ---------------------------------------------------------------- models
+@pytest.mark.parametrize("name, shape, params, flops", [
+    # Tables 6-8: parameters, and per conv "FLOPs" = MACs + ReLU outputs (3 significant digits).
+    ("feddrop_fmnist_cnn", (28, 28, 1), 226e3, [652e3, 10.0e6, 923e3]),
+    ("feddrop_svhn_cnn", (32, 32, 3), 227e3, [1.91e6, 5.13e6, 333e3]),
+    ("feddrop_vgg9", (32, 32, 3), 1.53e6, [918e3, 18.9e6, 18.9e6, 37.8e6, 18.9e6, 37.8e6]),
+])
+def test_models_match_the_papers_tables(name, shape, params, flops):
+    from fedjax_sparse.models import make_model
+    model = make_model(name, shape, 10)
+    count = sum(l.num_weights + l.out_units for l in model.layers)  # kernels + biases
+    assert count == pytest.approx(params, rel=5e-3)
+    convs = [l for l in model.layers if l.kind == "conv"]
+    table = [l.macs + l.macs // l.fan_in for l in convs]
+    np.testing.assert_allclose(table, flops, rtol=5e-3)
+
+
+def test_overlapping_average_pool_is_adaptive_pooling_to_2x2():
+    from fedjax_sparse.models.layers import avg_pool
+    x = np.random.default_rng(0).normal(size=(2, 5, 5, 3)).astype(np.float32)
+    for size, window, stride in ((5, 3, 2), (3, 2, 1)):
+        xs = x[:, :size, :size]
+        # PyTorch AdaptiveAvgPool2d(2): window i covers [floor(i n / 2), ceil((i + 1) n / 2)).
+        bounds = [(i * size // 2, -(-(i + 1) * size // 2)) for i in range(2)]
+        expected = np.stack([np.stack([xs[:, a:b, c:d].mean((1, 2)) for c, d in bounds], 1) for a, b in bounds], 1)
+        np.testing.assert_allclose(avg_pool(jnp.asarray(xs), window, stride), expected, rtol=1e-5, atol=1e-6)
