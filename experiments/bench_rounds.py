@@ -22,7 +22,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from fedjax_sparse import runner
@@ -60,14 +59,7 @@ def time_variant(config: runner.RunConfig, path: str, rounds: int) -> dict:
     state = engine.init(jax.random.PRNGKey(config.seed))
 
     def run_chunk(state, n):
-        if path == "scan":
-            state, metrics = engine.run_rounds(state, data, n)
-        else:
-            ms = []
-            for _ in range(n):
-                state, m = engine.round_fn(state, data)
-                ms.append(m)
-            metrics = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *ms)
+        state, metrics = engine.advance(state, data, n, path)
         jax.block_until_ready(metrics)
         return state, {k: np.asarray(v, np.float64) for k, v in jax.device_get(metrics).items()}
 
@@ -82,7 +74,6 @@ def time_variant(config: runner.RunConfig, path: str, rounds: int) -> dict:
     flops = float(metrics["flops"].sum())
     return {
         "path": path, "client_parallelism": engine.mode,
-        "conv_impl": exp.model_options_conv if hasattr(exp, "model_options_conv") else config.model_options.get("conv_impl", "auto"),
         "rounds_timed": rounds, "seconds": seconds, "seconds_per_round": seconds / rounds,
         "rounds_per_second": rounds / seconds, "warmup_seconds_incl_compile": warmup,
         "examples_per_round": examples / rounds,

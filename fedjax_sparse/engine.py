@@ -165,6 +165,20 @@ class Engine:
         """``num_rounds`` rounds in one jitted scan. Returns (state, metrics with leaves [R])."""
         return self._scan_fn(state, data, int(num_rounds))
 
+    def advance(self, state: EngineState, data: FederatedData, num_rounds: int, round_mode: str = "scan"):
+        """``num_rounds`` rounds by either path: ``"scan"`` (one jitted lax.scan)
+        or ``"per_round"`` (the per-round jit called from Python). Returns
+        (state, metrics with leaves [num_rounds])."""
+        if round_mode == "scan":
+            return self.run_rounds(state, data, num_rounds)
+        if round_mode != "per_round":
+            raise ValueError(f"unknown round mode {round_mode!r}; valid: scan, per_round")
+        per_round = []
+        for _ in range(num_rounds):
+            state, metrics = self.round_fn(state, data)
+            per_round.append(metrics)
+        return state, jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *per_round)
+
     # ------------------------------------------------------------------ evaluation
     @functools.cached_property
     def _eval_fn(self):

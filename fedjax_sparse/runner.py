@@ -308,14 +308,7 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
     while int(totals["round"]) < config.rounds:
         n = min(config.eval_every - int(totals["round"]) % config.eval_every, config.rounds - int(totals["round"]))
         t_chunk = time.perf_counter()
-        if config.round_mode == "scan":
-            state, metrics = engine.run_rounds(state, data, n)
-        else:
-            per_round = []
-            for _ in range(n):
-                state, m = engine.round_fn(state, data)
-                per_round.append(m)
-            metrics = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *per_round)
+        state, metrics = engine.advance(state, data, n, config.round_mode)
         metrics = {k: np.asarray(v, np.float64) for k, v in jax.device_get(metrics).items()}
         if not rows and int(totals["round"]) == 0:
             compile_seconds = time.perf_counter() - t_chunk  # first chunk includes compilation
