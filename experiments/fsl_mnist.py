@@ -45,7 +45,7 @@ import numpy as np
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 BASE = dict(dataset="mnist", model="fsl_lenet", num_clients=1000, clients_per_round=25, local_epochs=2,
-            batch_size=8, partition="dirichlet_split:1.0:0.8", eval_every=50, eval_batch_size=16)
+            batch_size=8, partition="dirichlet_split:1.0:0.8", eval_every=50)
 
 WEIGHT_LR = 0.01     # App. B.1, MNIST, weight training
 SUPERMASK_LR = 0.4   # App. B.1, MNIST, supermask training
