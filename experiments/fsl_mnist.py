@@ -18,8 +18,9 @@ over clients. Communication: per client per round, in the paper's MB (2^20 bytes
 Tables (``--tables``):
 * ``table1``: FedAvg, FSL, SFSL top 50 % / 10 %, SignSGD, TopK 50 % / 10 %.
 * ``table2``: FedAvg, Trimmed-mean, Multi-Krum, SignSGD, FSL, SFSL top 50 %
-  with 0 / 10 / 20 % malicious clients. Attacks: FedAvg - AGR-agnostic
-  min-max; Trimmed-mean and Multi-Krum - the AGR-tailored DYN-OPT (std
+  with 0 / 10 / 20 % malicious clients. Attacks: FedAvg - the authors' code's
+  scaling attack (1e5 x the global model; ``fedavg_minmax``: AGR-agnostic
+  min-max instead, not in the paper's table); Trimmed-mean and Multi-Krum - the AGR-tailored DYN-OPT (std
   perturbation); SignSGD - the reversed majority sign; FSL/SFSL - the reverse-
   ranking attack (App. A.1). The robust AGRs know the round's number of
   malicious clients.
@@ -51,7 +52,8 @@ WEIGHT_LR = 0.01     # App. B.1, MNIST, weight training
 SUPERMASK_LR = 0.4   # App. B.1, MNIST, supermask training
 
 METHODS = {
-    "fedavg": dict(algorithm="fedavg_robust", lr=WEIGHT_LR, options=dict(aggregator="mean", attack="min_max")),
+    "fedavg": dict(algorithm="fedavg_robust", lr=WEIGHT_LR, options=dict(aggregator="mean", attack="scale")),
+    "fedavg_minmax": dict(algorithm="fedavg_robust", lr=WEIGHT_LR, options=dict(aggregator="mean", attack="min_max")),
     "trimmed_mean": dict(algorithm="trimmed_mean", lr=WEIGHT_LR, options=dict(attack="tailored")),
     "multi_krum": dict(algorithm="multi_krum", lr=WEIGHT_LR, options=dict(attack="tailored")),
     "signsgd": dict(algorithm="signsgd", lr=WEIGHT_LR, options=dict(attack="reverse")),
@@ -65,7 +67,7 @@ METHODS = {
     **{f"fsl_k{k}": dict(algorithm="fsl", lr=SUPERMASK_LR, options=dict(subnet_fraction=k / 100))
        for k in (10, 20, 30, 40, 60, 70, 80, 90)},
 }
-LABELS = {"fedavg": "FedAvg", "trimmed_mean": "Trimmed-mean", "multi_krum": "Multi-Krum", "signsgd": "SignSGD",
+LABELS = {"fedavg": "FedAvg", "fedavg_minmax": "FedAvg (min-max attack)", "trimmed_mean": "Trimmed-mean", "multi_krum": "Multi-Krum", "signsgd": "SignSGD",
           "topk50": "TopK 50%", "topk10": "TopK 10%", "fsl": "FSL", "sfsl50": "SFSL top 50%",
           "sfsl10": "SFSL top 10%", "fsl_kaiming_normal": "FSL, Kaiming normal weights",
           "fsl_glorot_normal": "FSL, Glorot normal weights"}
@@ -88,10 +90,13 @@ PAPER_TABLE5 = {"fsl": "98.8 (3.1)", "fsl_kaiming_normal": "98.7 (1.2)", "fsl_gl
 
 TABLES = {
     "table1": [(m, 0) for m in PAPER_TABLE1],
-    "table2": [(m, pct) for m in PAPER_TABLE2 for pct in (0, 10, 20)],
+    "table2": [(m, pct) for m in PAPER_TABLE2 for pct in (0, 10, 20)] + [("fedavg_minmax", 10), ("fedavg_minmax", 20)],
     "fig4": [("fedavg", 0)] + [(f"fsl_k{k}" if k != 50 else "fsl", 0) for k in range(10, 100, 10)],
     "init": [(m, 0) for m in PAPER_TABLE5],
 }
+
+
+DIVERGED = "diverged.txt"
 
 
 def run_name(method: str, malicious_pct: int) -> str:
@@ -114,15 +119,23 @@ def make_config(method: str, malicious_pct: int, seed: int, args, out: Path | No
 
 def run_one(method: str, malicious_pct: int, seed: int, args, out: Path) -> None:
     from fedjax_sparse import runner
-    if (out / "summary.json").exists():
+    if (out / "summary.json").exists() or (out / DIVERGED).exists():
         print(f"[skip] {out} is complete", flush=True)
         return
     resume = (out / runner.CHECKPOINT).exists()
     print(f"[run] {run_name(method, malicious_pct)} seed {seed} -> {out}" + (" (resuming)" if resume else ""),
           flush=True)
     config = make_config(method, malicious_pct, seed, args, out)
-    summary = runner.run(config, resume=resume, overwrite=not resume, progress=not args.quiet)
-    summary.pop("_state", None)
+    try:
+        summary = runner.run(config, resume=resume, overwrite=not resume, progress=not args.quiet)
+        summary.pop("_state", None)
+    except runner.RunError as e:
+        if "diverged" not in str(e) or not malicious_pct:
+            raise
+        # An attack that blows the model up (FedAvg under the scaling attack) is a result, not an
+        # error: keep the last evaluated round (already in metrics.jsonl) and mark the run as done.
+        (out / DIVERGED).write_text(str(e) + "\n")
+        print(f"[diverged] {out}: {e}", flush=True)
 
 
 # ---------------------------------------------------------------------------- reporting
@@ -137,7 +150,8 @@ def load_final(path: Path) -> dict | None:
     last = rows[-1]
     k = config["clients_per_round"]
     from fedjax_sparse.supermask import mebibytes
-    return dict(round=last["round"], complete=(path / "summary.json").exists(), accuracy=last["accuracy"],
+    return dict(round=last["round"], complete=(path / "summary.json").exists() or (path / DIVERGED).exists(),
+                diverged=(path / DIVERGED).exists(), accuracy=last["accuracy"],
                 accuracy_std=last["accuracy_std"], global_accuracy=last.get("global_accuracy"),
                 upload_mb=mebibytes(last["uplink_bits"] / k), download_mb=mebibytes(last["downlink_bits"] / k))
 
@@ -146,7 +160,7 @@ def summarize_runs(out: Path, method: str, pct: int, seeds) -> dict | None:
     finals = [f for f in (load_final(out / run_name(method, pct) / f"seed{s}") for s in seeds) if f is not None]
     if not finals:
         return None
-    return dict(seeds=len(finals), rounds=min(f["round"] for f in finals),
+    return dict(seeds=len(finals), rounds=min(f["round"] for f in finals), diverged=sum(f["diverged"] for f in finals),
                 accuracy=float(np.mean([f["accuracy"] for f in finals])),
                 accuracy_std_over_clients=float(np.mean([f["accuracy_std"] for f in finals])),
                 accuracy_std_over_seeds=float(np.std([f["accuracy"] for f in finals])),
@@ -157,13 +171,15 @@ def fmt_acc(s: dict | None) -> str:
     if s is None:
         return "–"
     text = f"{100 * s['accuracy']:.1f} ({100 * s['accuracy_std_over_clients']:.1f})"
-    return text + (f" ±{100 * s['accuracy_std_over_seeds']:.1f}" if s["seeds"] > 1 else "") + f" [r{s['rounds']}]"
+    text += f" ±{100 * s['accuracy_std_over_seeds']:.1f}" if s["seeds"] > 1 else ""
+    return text + f" [r{s['rounds']}" + (", diverged" if s["diverged"] else "") + "]"
 
 
 def write_report(out: Path, tables: list[str], seeds) -> dict:
     results, lines = {}, ["# FSL on MNIST (LeNet, 1000 clients, Dirichlet 1.0, 25 clients per round)", "",
                           "Accuracy: final global model on each client's local test set, mean (std over "
-                          "clients) in %; ±x = std over seeds when several; [rN] = rounds completed. "
+                          "clients) in %; ±x = std over seeds when several; [rN] = rounds completed (with 'diverged': the "
+                          "attack made the loss NaN/inf at round N; the accuracy is that round's). "
                           "MB = 2^20 bytes per client per round, as in the paper.", ""]
     if "table1" in tables:
         lines += ["## Table 1: accuracy and communication", "",
@@ -178,10 +194,11 @@ def write_report(out: Path, tables: list[str], seeds) -> dict:
     if "table2" in tables:
         lines += ["## Table 2: robustness (ours / paper)", "",
                   "| AGR | no malicious | 10 % malicious | 20 % malicious |", "|---|---|---|---|"]
-        for method, paper in PAPER_TABLE2.items():
+        for method, paper in list(PAPER_TABLE2.items()) + [("fedavg_minmax", ("(as FedAvg)", "–", "–"))]:
             cells = []
             for pct, p in zip((0, 10, 20), paper):
-                s = summarize_runs(out, method, pct, seeds)
+                # Without attackers the min-max variant is plain FedAvg: reuse that run.
+                s = summarize_runs(out, "fedavg" if (method, pct) == ("fedavg_minmax", 0) else method, pct, seeds)
                 results.setdefault("table2", {}).setdefault(method, {})[pct] = dict(ours=s, paper=p)
                 cells.append(f"{fmt_acc(s)} / {p}")
             lines.append(f"| {LABELS[method]} | " + " | ".join(cells) + " |")

@@ -177,6 +177,23 @@ def test_engine_runs(tiny, name, options, up_bits):
     assert all(np.isfinite(np.asarray(x)).all() for x in leaves)
 
 
+def test_scale_attack_replaces_malicious_updates(tiny):
+    """The authors' FedAvg attack: every sampled malicious client sends 1e5 x the global parameters."""
+    from jax.flatten_util import ravel_pytree
+    from fedjax_sparse.algorithms import ServerContext
+    data, task = tiny
+    alg = make_algorithm("fedavg_robust", task, {"attack": "scale", "malicious_fraction": 0.34})
+    server, _ = alg.init(jax.random.PRNGKey(0))
+    flat = ravel_pytree(server["variables"]["params"])[0]
+    mask = R.malicious_clients(6, 0.34, 0)
+    updates = jnp.zeros((6, flat.shape[0]))
+    new, metrics = alg.server_update(server, updates, ServerContext(jnp.int32(0), jnp.arange(6), jnp.ones(6),
+                                                                    jax.random.PRNGKey(0)))
+    # mean of four zero updates and two copies of 1e5 * w: w + (2 / 6) * 1e5 * w
+    np.testing.assert_allclose(ravel_pytree(new["variables"]["params"])[0], flat * (1 + 2e5 / 6), rtol=1e-5)
+    assert int(metrics["malicious_clients"]) == mask.sum() == 2
+
+
 def test_mean_aggregator_equals_plain_fedavg(tiny):
     """Without attackers, fedavg_robust's mean with plain SGD is FedAvg (uniform weights)."""
     data, task = tiny

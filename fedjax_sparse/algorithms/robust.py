@@ -36,6 +36,8 @@ threat model. Attacks (Shejwalkar & Houmansadr, NDSS 2021; App. B.5):
   gamma while the distance of the trimmed mean from the benign mean grows (the
   authors' acceptance rule); for ``multi_krum`` it keeps gamma while every
   malicious update is selected; for ``mean`` it is ``min_max``.
+* ``scale`` (the authors' code's attack on plain FedAvg): malicious clients
+  send ``attack_scale`` (1e5) times the current global parameters.
 * ``reverse`` (SignSGD): malicious clients send ``-sign(sum of the known
   signs)``, i.e. min-max's ``-sign(mean)`` direction after sign compression.
 
@@ -65,7 +67,7 @@ from fedjax_sparse.supermask import order_keys, kept_count, topk_mask
 from fedjax_sparse.training import steps_per_epoch
 
 AGGREGATORS = ("mean", "trimmed_mean", "multi_krum")
-ATTACKS = ("none", "min_max", "tailored")
+ATTACKS = ("none", "min_max", "tailored", "scale")
 DEVIATIONS = ("std", "sign", "unit_vec")
 KNOWLEDGE = ("all", "malicious")
 LR_SCHEDULES = ("cosine_epoch", "cosine_step", "constant")
@@ -400,13 +402,13 @@ def _make_base(task: Task, name: str, *, momentum, weight_decay, lr_decay, lr_sc
 
 
 # ---------------------------------------------------------------- FedAvg + robust aggregators
-ROBUST_OPTIONS = dict(aggregator="mean", attack="min_max", deviation="std", gamma_init=10.0,
+ROBUST_OPTIONS = dict(aggregator="mean", attack="min_max", deviation="std", gamma_init=10.0, attack_scale=1e5,
                       search_steps=20, trim_fraction=-1.0, krum_select=-1, server_lr=1.0,
                       weighted=False, **TRAIN_OPTIONS, **THREAT_OPTIONS)
 
 
 @register_algorithm("fedavg_robust", ROBUST_OPTIONS)
-def fedavg_robust(task: Task, *, aggregator, attack, deviation, gamma_init, search_steps, trim_fraction,
+def fedavg_robust(task: Task, *, aggregator, attack, deviation, gamma_init, attack_scale, search_steps, trim_fraction,
                   krum_select, server_lr, weighted, momentum, weight_decay, lr_decay, lr_schedule,
                   malicious_fraction, attacker_knowledge, malicious_seed, name="fedavg_robust") -> Algorithm:
     """FedAvg whose server aggregates the float updates with ``aggregator``,
@@ -434,7 +436,10 @@ def fedavg_robust(task: Task, *, aggregator, attack, deviation, gamma_init, sear
         gamma = jnp.float32(0.0)
         if threat.active and attack != "none":
             opts = dict(kind=deviation, gamma_init=gamma_init, steps=search_steps)
-            if attack == "tailored" and aggregator == "trimmed_mean":
+            if attack == "scale":
+                malicious = attack_scale * ravel_pytree(server_state["variables"]["params"])[0]
+                updates = jnp.where(is_mal[:, None], malicious[None, :], updates)
+            elif attack == "tailored" and aggregator == "trimmed_mean":
                 updates, gamma = tailored_trimmed_mean_attack(updates, is_mal, known, f, **opts)
             elif attack == "tailored" and aggregator == "multi_krum":
                 updates, gamma = tailored_multi_krum_attack(updates, is_mal, known, f, num_select, **opts)
