@@ -13,7 +13,6 @@ forward) over the examples actually processed.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -69,7 +68,6 @@ def time_variant(config: runner.RunConfig, path: str, rounds: int) -> dict:
     t0 = time.perf_counter()
     state, metrics = run_chunk(state, rounds)
     seconds = time.perf_counter() - t0
-    steps = float(metrics.get("num_steps", np.zeros(1)).sum()) if "num_steps" in metrics else None
     examples = float(metrics["num_examples"].sum())
     flops = float(metrics["flops"].sum())
     return {

@@ -3,9 +3,7 @@ import gzip
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 from fedjax_sparse import runner

@@ -5,7 +5,6 @@ tiny files in the original formats into tmp_path.
 """
 
 import gzip
-import io
 import pathlib
 import pickle
 import struct

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from fedjax_sparse.algorithms import Algorithm, ClientContext, Task, client_metrics, make_algorithm
-from fedjax_sparse.algorithms.base import tree_weighted_mean
 from fedjax_sparse.data.federated import ClientData
 from fedjax_sparse.engine import Engine, reduce_client_metrics, sample_clients
 from fedjax_sparse.models import make_model

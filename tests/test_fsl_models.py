@@ -3,7 +3,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from fedjax_sparse import supermask as sm

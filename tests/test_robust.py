@@ -1,5 +1,4 @@
 """Robust aggregators, model-poisoning attacks, SignSGD and TopK (FSL paper baselines)."""
-import math
 
 import jax
 import jax.numpy as jnp

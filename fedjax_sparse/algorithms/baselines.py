@@ -32,20 +32,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from fedjax_sparse import accounting
+from fedjax_sparse.algorithms.fedavg import dense_client_update, global_model_predict
 from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, replicate, tree_weighted_mean
 from fedjax_sparse.algorithms.registry import register_algorithm
-from fedjax_sparse.algorithms.supervised import local_train, predict_fn, sgd, zeros_like_tree
+from fedjax_sparse.algorithms.supervised import local_train, sgd, zeros_like_tree
 from fedjax_sparse.models.base import Hooks, Model
 from fedjax_sparse.training import masked_cross_entropy, run_local_epochs
-
-
-def _global_predict(model):
-    def global_predict(server_state, x):
-        return predict_fn(model, server_state["variables"])(x)
-    return global_predict
 
 
 def tree_sq_distance(a, b) -> jax.Array:
@@ -68,27 +62,18 @@ def fedprox(task: Task, *, mu, weighted) -> Algorithm:
     def broadcast(server_state, round_index):
         return server_state["variables"]
 
-    def client_update(variables, client_state, data, ctx):
+    def proximal_term(variables):
         anchor = jax.lax.stop_gradient(variables["params"])
+        return lambda params: 0.5 * mu * tree_sq_distance(params, anchor)
 
-        def proximal(params):
-            return 0.5 * mu * tree_sq_distance(params, anchor)
-        new_vars, _, stats = local_train(
-            model, optimizer, variables, optimizer.init(variables["params"]), data, ctx.key,
-            epochs=task.local_epochs, batch_size=task.batch_size, preprocess=task.preprocess,
-            extra_loss=proximal)
-        bits = accounting.tree_bits(variables)
-        metrics = client_metrics(
-            loss=stats.loss, flops=accounting.training_flops(model, stats.num_examples),
-            uplink_bits=bits, downlink_bits=bits, density=1.0, num_examples=stats.num_examples)
-        return client_state, new_vars, metrics
+    client_update = dense_client_update(task, optimizer, extra_loss_for=proximal_term)
 
     def server_update(server_state, messages, ctx):
         weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
         return {"variables": tree_weighted_mean(messages, weights)}, {}
 
     return Algorithm("fedprox", init, broadcast, client_update, server_update,
-                     global_predict=_global_predict(model))
+                     global_predict=global_model_predict(model))
 
 
 # ---------------------------------------------------------------- SCAFFOLD
@@ -168,7 +153,7 @@ def scaffold(task: Task, *, variant, server_lr, weighted) -> Algorithm:
         return {"variables": new, "control": control}, {}
 
     return Algorithm("scaffold", init, broadcast, client_update, server_update,
-                     global_predict=_global_predict(model))
+                     global_predict=global_model_predict(model))
 
 
 # ---------------------------------------------------------------- Caldas et al.
@@ -277,7 +262,7 @@ def caldas(task: Task, *, keep, drop_dense, per_client, rescale, weighted) -> Al
                 "mask_key": server_state["mask_key"]}, {}
 
     return Algorithm("caldas", init, broadcast, client_update, server_update,
-                     global_predict=_global_predict(model))
+                     global_predict=global_model_predict(model))
 
 
 __all__ = ["CALDAS_OPTIONS", "FEDPROX_OPTIONS", "SCAFFOLD_OPTIONS", "caldas", "droppable_layers", "fedprox",

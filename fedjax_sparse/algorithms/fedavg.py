@@ -19,6 +19,33 @@ from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, repli
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import local_train, predict_fn, sgd
 
+def dense_client_update(task: Task, optimizer, extra_loss_for=None):
+    """The FedAvg family's client: local SGD from the broadcast model (fresh
+    optimiser state), the whole model back, float32 both ways.
+    ``extra_loss_for(variables)`` returns a loss term on the params that may
+    depend on the broadcast model (FedProx's proximal term)."""
+    model = task.model
+
+    def client_update(variables, client_state, data, ctx):
+        new_vars, _, stats = local_train(
+            model, optimizer, variables, optimizer.init(variables["params"]), data, ctx.key,
+            epochs=task.local_epochs, batch_size=task.batch_size, preprocess=task.preprocess,
+            extra_loss=None if extra_loss_for is None else extra_loss_for(variables))
+        bits = accounting.tree_bits(variables)
+        metrics = client_metrics(
+            loss=stats.loss, flops=accounting.training_flops(model, stats.num_examples),
+            uplink_bits=bits, downlink_bits=bits, density=1.0, num_examples=stats.num_examples)
+        return client_state, new_vars, metrics
+    return client_update
+
+
+def global_model_predict(model):
+    """global_predict for algorithms whose server state holds ``variables``."""
+    def global_predict(server_state, x):
+        return predict_fn(model, server_state["variables"])(x)
+    return global_predict
+
+
 FEDAVG_OPTIONS = dict(momentum=0.0, weight_decay=0.0, server_lr=1.0, weighted=True, clip_norm=0.0)
 
 
@@ -33,15 +60,7 @@ def fedavg(task: Task, *, momentum, weight_decay, server_lr, weighted, clip_norm
     def broadcast(server_state, round_index):
         return server_state["variables"]
 
-    def client_update(variables, client_state, data, ctx):
-        new_vars, _, stats = local_train(
-            model, optimizer, variables, optimizer.init(variables["params"]), data, ctx.key,
-            epochs=task.local_epochs, batch_size=task.batch_size, preprocess=task.preprocess)
-        bits = accounting.tree_bits(variables)
-        metrics = client_metrics(
-            loss=stats.loss, flops=accounting.training_flops(model, stats.num_examples),
-            uplink_bits=bits, downlink_bits=bits, density=1.0, num_examples=stats.num_examples)
-        return client_state, new_vars, metrics
+    client_update = dense_client_update(task, optimizer)
 
     def server_update(server_state, messages, ctx):
         weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
@@ -50,11 +69,8 @@ def fedavg(task: Task, *, momentum, weight_decay, server_lr, weighted, clip_norm
         new = jax.tree_util.tree_map(lambda o, m: o + server_lr * (m - o), old, mean)
         return {"variables": new}, {}
 
-    def global_predict(server_state, x):
-        return predict_fn(model, server_state["variables"])(x)
-
     return Algorithm("fedavg", init, broadcast, client_update, server_update,
-                     personal_predict=None, global_predict=global_predict)
+                     personal_predict=None, global_predict=global_model_predict(model))
 
 
 LOCAL_OPTIONS = dict(momentum=0.0, weight_decay=0.0, clip_norm=0.0)
