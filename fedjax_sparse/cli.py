@@ -19,6 +19,7 @@ RUN_FLAGS = [
     ("--model", "model", str, "model name (default: per dataset)"),
     ("--num-clients", "num_clients", int, "number of clients N"),
     ("--clients-per-round", "clients_per_round", int, "clients sampled per round K (<= N)"),
+    ("--resample-every", "resample_every", int, "keep each sampled cohort for this many rounds (default 1)"),
     ("--rounds", "rounds", int, "number of rounds"),
     ("--local-epochs", "local_epochs", int, "local epochs E per round"),
     ("--batch-size", "batch_size", int, "local batch size"),

@@ -2,7 +2,8 @@
 
 One round (pure, jittable)::
 
-    sample K of N clients without replacement (from the round's key)
+    sample K of N clients without replacement (a new cohort every
+        ``resample_every`` rounds; the cohort's key is the key of its first round)
     gather their persistent state and data rows
     map the algorithm's client_update over them      (vmap or lax.map)
     server_update on the stacked messages
@@ -83,11 +84,17 @@ class Engine:
     eval_clients_at_once: int = 1
     # Shard the sampled clients over all local devices (vmap mode only).
     shard_clients: bool = True
+    # Keep each sampled cohort for this many consecutive rounds (FedDrop's fractional-participation
+    # setting re-samples every 2 rounds, so the keep probabilities the server optimised for a cohort
+    # are used by that cohort). 1 = a new cohort every round.
+    resample_every: int = 1
 
     def __post_init__(self):
         if not 1 <= self.clients_per_round <= self.num_clients:
             raise ValueError(f"clients per round ({self.clients_per_round}) must be between 1 and the "
                              f"number of clients ({self.num_clients}); lower --clients-per-round")
+        if self.resample_every < 1:
+            raise ValueError(f"resample_every must be >= 1 round, got {self.resample_every}")
 
     @property
     def mode(self) -> str:
@@ -119,12 +126,19 @@ class Engine:
         return EngineState(server, clients, key_run, jnp.zeros((), jnp.int32))
 
     # ------------------------------------------------------------------ one round
+    def cohort(self, run_key: jax.Array, round_: jax.Array) -> jax.Array:
+        """[K] client ids of round ``round_``: drawn from the key of the cohort's first round
+        (with ``resample_every == 1`` that is the round's own key)."""
+        first_round = round_ // self.resample_every * self.resample_every
+        key_sample = jax.random.split(jax.random.fold_in(run_key, first_round), 4)[0]
+        return sample_clients(key_sample, self.num_clients, self.clients_per_round)
+
     def round_step(self, state: EngineState, data: FederatedData):
         """One federated round. Returns (new state, round metrics dict of scalars)."""
         alg = self.algorithm
         round_key = jax.random.fold_in(state.key, state.round)
-        key_sample, key_clients, key_shared, key_server = jax.random.split(round_key, 4)
-        ids = sample_clients(key_sample, self.num_clients, self.clients_per_round)
+        _, key_clients, key_shared, key_server = jax.random.split(round_key, 4)
+        ids = self.cohort(state.key, state.round)
         take = lambda tree: jax.tree_util.tree_map(lambda x: x[ids], tree)  # noqa: E731
         client_states = take(state.clients)
         idx_rows, counts = data.train_idx[ids], data.train_count[ids]

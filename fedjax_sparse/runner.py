@@ -63,6 +63,7 @@ class RunConfig:
     model: str | None = None
     num_clients: int = 20
     clients_per_round: int = 5
+    resample_every: int = 1  # keep each sampled cohort for this many rounds
     rounds: int = 30
     local_epochs: int = 2
     batch_size: int = 32
@@ -95,6 +96,7 @@ class RunConfig:
 def validate(config: RunConfig) -> None:
     """Raises RunError naming the problem and the fix."""
     positive = dict(num_clients=config.num_clients, clients_per_round=config.clients_per_round,
+                    resample_every=config.resample_every,
                     rounds=config.rounds, local_epochs=config.local_epochs,
                     batch_size=config.batch_size, eval_every=config.eval_every,
                     eval_batch_size=config.eval_batch_size if config.eval_batch_size is not None else 1)
@@ -171,7 +173,7 @@ def build(config: RunConfig) -> Experiment:
                 train_counts=np.asarray(data.train_count), seed=config.seed)
     algorithm = make_algorithm(config.algorithm, task, config.options)
     engine = Engine(algorithm, config.num_clients, config.clients_per_round,
-                    client_parallelism=config.client_parallelism,
+                    client_parallelism=config.client_parallelism, resample_every=config.resample_every,
                     eval_batch_size=config.eval_batch_size or auto_eval_batch_size(data))
     return Experiment(config, dataset, partition, data, task, engine)
 

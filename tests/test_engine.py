@@ -193,6 +193,29 @@ def test_local_only_sampled_clients_change_and_nothing_is_communicated():
     assert float(metrics["uplink_bits"]) == float(metrics["downlink_bits"]) == 0.0
 
 
+def test_cohort_is_kept_for_resample_every_rounds():
+    _, data = tiny_federated(SIZES)
+    alg = make_algorithm("local", make_task(data), {})
+    every_round = Engine(alg, data.num_clients, 2)
+    every_two = Engine(alg, data.num_clients, 2, resample_every=2)
+    key = jax.random.PRNGKey(3)
+    cohorts = [tuple(np.asarray(every_two.cohort(key, jnp.int32(r))).tolist()) for r in range(16)]
+    assert all(cohorts[2 * j] == cohorts[2 * j + 1] for j in range(8))
+    assert len(set(cohorts)) > 2
+    # A cohort is drawn exactly as the every-round engine draws its first round's clients.
+    for r in range(0, 16, 2):
+        np.testing.assert_array_equal(every_two.cohort(key, jnp.int32(r)), every_round.cohort(key, jnp.int32(r)))
+    # The engine trains exactly the cohort: with Local, rounds 0 and 1 touch the same two clients.
+    state = every_two.init(jax.random.PRNGKey(0))
+    before = np.asarray(state.clients["variables"]["params"]["conv1"]["kernel"])
+    state, _ = every_two.run_rounds(state, data, 2)
+    after = np.asarray(state.clients["variables"]["params"]["conv1"]["kernel"])
+    changed = [i for i in range(data.num_clients) if not np.array_equal(before[i], after[i])]
+    assert sorted(changed) == sorted(np.asarray(every_two.cohort(state.key, jnp.int32(0))).tolist())
+    with pytest.raises(ValueError, match="resample_every"):
+        Engine(alg, data.num_clients, 2, resample_every=0)
+
+
 def test_fedavg_learns_and_evaluates_both_ways():
     _, data = tiny_federated(SIZES)
     alg = make_algorithm("fedavg", make_task(data, epochs=3, lr=0.2), {})
