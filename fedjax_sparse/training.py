@@ -105,6 +105,30 @@ class EvalStats(NamedTuple):
     count: jax.Array     # [] int32
 
 
+def predict_examples(predict: Callable[[jax.Array], jax.Array], data: ClientData, *,
+                     batch_size: int, preprocess: Callable[[jax.Array], jax.Array]):
+    """Per-example correctness and loss of ``predict`` over rows ``data.indices``
+    (all of them: ``data.count`` must equal their number). Returns ([M] float32
+    hits, [M] float32 losses)."""
+    m = data.indices.shape[0]
+    num_batches = -(-m // batch_size)
+    order = jnp.arange(m, dtype=jnp.int32)
+
+    def body(b, acc):
+        hits, losses = acc
+        batch = gather_batch(data, order, b * batch_size, batch_size, preprocess)
+        logits = predict(batch.x)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch.y)
+        hit = (jnp.argmax(logits, -1) == batch.y).astype(jnp.float32)
+        # Outputs are padded to whole batches so every write starts exactly at b * B.
+        return (jax.lax.dynamic_update_slice(hits, hit * batch.mask, (b * batch_size,)),
+                jax.lax.dynamic_update_slice(losses, loss * batch.mask, (b * batch_size,)))
+
+    zeros = jnp.zeros((num_batches * batch_size,), jnp.float32)
+    hits, losses = jax.lax.fori_loop(0, num_batches, body, (zeros, zeros))
+    return hits[:m], losses[:m]
+
+
 def evaluate_client(predict: Callable[[jax.Array], jax.Array], data: ClientData, *,
                     batch_size: int, preprocess: Callable[[jax.Array], jax.Array]) -> EvalStats:
     """Accuracy numerator and summed loss of ``predict`` over one client's data,

@@ -234,6 +234,28 @@ def test_fedavg_learns_and_evaluates_both_ways():
     assert ev["accuracy_std"] == pytest.approx(np.std(accs), abs=1e-6)
 
 
+def test_one_shared_global_pass_evaluates_exactly_like_per_client_passes():
+    _, data = tiny_federated(SIZES)
+    # Clients 1 and 2 share client 0's test rows (overlapping test sets are allowed).
+    test_idx = np.asarray(data.test_idx).copy()
+    test_count = np.asarray(data.test_count).copy()
+    n0 = min(int(test_count[0]), test_idx.shape[1])
+    test_idx[1, :n0] = test_idx[2, :n0] = test_idx[0, :n0]
+    test_count[1] = test_count[2] = n0
+    data = data.replace(test_idx=jnp.asarray(test_idx), test_count=jnp.asarray(test_count))
+    alg = make_algorithm("fedavg", make_task(data, epochs=1, lr=0.2), {})
+    shared = Engine(alg, data.num_clients, 3, eval_batch_size=4)
+    separate = dataclasses.replace(shared, eval_shared_global_pass=False)
+    state, _ = shared.run_rounds(shared.init(jax.random.PRNGKey(0)), data, 2)
+    a, b = shared.evaluate(state, data), separate.evaluate(state, data)
+    np.testing.assert_array_equal(a["client_accuracies"], b["client_accuracies"])
+    for key in ("accuracy", "accuracy_std", "global_accuracy"):
+        assert a[key] == b[key]
+    for key in ("test_loss", "global_test_loss"):
+        assert a[key] == pytest.approx(b[key], rel=1e-5)
+    assert a["client_accuracies"][1] == a["client_accuracies"][2] == a["client_accuracies"][0]
+
+
 def test_reduce_client_metrics():
     m = {"loss": jnp.array([1.0, 3.0]), "num_examples": jnp.array([10.0, 30.0]),
          "flops": jnp.array([1e9, 2e9]), "uplink_bits": jnp.array([32.0, 32.0]),
