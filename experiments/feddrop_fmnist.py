@@ -328,6 +328,7 @@ def bench(args) -> None:
     clients and budget, no similarity/optimisation), and the optimiser alone."""
     import jax
     from fedjax_sparse import runner
+    from fedjax_sparse.timing import time_rounds
     results = {}
     for method in args.methods:
         options = {"budget": args.flops_ratios[0]} if method in ("feddrop", "unidrop") else {}
@@ -336,16 +337,7 @@ def bench(args) -> None:
         config = run_config(args, method, args.epochs[0], options, None, args.bench_rounds + 1)
         exp = runner.build(config)
         state = exp.engine.init(jax.random.PRNGKey(args.seed))
-        t0 = time.perf_counter()
-        state, metrics = exp.engine.round_fn(state, exp.data)
-        jax.block_until_ready(state)
-        first = time.perf_counter() - t0
-        times = []
-        for _ in range(args.bench_rounds):
-            t0 = time.perf_counter()
-            state, metrics = exp.engine.round_fn(state, exp.data)
-            jax.block_until_ready(state)
-            times.append(time.perf_counter() - t0)
+        state, first, times, metrics = time_rounds(exp.engine, state, exp.data, args.bench_rounds)
         entry = dict(first_round_incl_compile=first, seconds_per_round=float(np.median(times)), rounds=times)
         if method == "feddrop":
             entry["optimiser_iterations"] = float(metrics["server_opt_iterations"])

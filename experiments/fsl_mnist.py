@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -253,22 +252,14 @@ def bench(args, out: Path) -> dict:
     """Seconds per round (after a compile round) for FSL and FedAvg at several clients per round."""
     import jax
     from fedjax_sparse import runner
+    from fedjax_sparse.timing import time_rounds
     results = []
     for method in args.bench_methods:
         for k in args.bench_clients:
             args.overrides["clients_per_round"] = k
             exp = runner.build(make_config(method, 0, 0, args, None))
             state = exp.engine.init(jax.random.PRNGKey(0))
-            t0 = time.perf_counter()
-            state, _ = exp.engine.round_fn(state, exp.data)
-            jax.block_until_ready(state)
-            compile_s = time.perf_counter() - t0
-            times = []
-            for _ in range(args.bench_rounds):
-                t0 = time.perf_counter()
-                state, _ = exp.engine.round_fn(state, exp.data)
-                jax.block_until_ready(state)
-                times.append(time.perf_counter() - t0)
+            state, compile_s, times, _ = time_rounds(exp.engine, state, exp.data, args.bench_rounds)
             row = dict(method=method, clients_per_round=k, first_round_incl_compile_s=compile_s,
                        seconds_per_round=float(np.mean(times)), rounds_timed=len(times),
                        backend=jax.default_backend(), parallelism=exp.engine.mode)

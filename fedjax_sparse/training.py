@@ -105,6 +105,16 @@ class EvalStats(NamedTuple):
     count: jax.Array     # [] int32
 
 
+def _masked_hits_and_losses(predict, data: ClientData, order: jax.Array, b: jax.Array, batch_size: int,
+                            preprocess) -> tuple[jax.Array, jax.Array]:
+    """[B] correctness and loss of batch ``b`` (zero where masked)."""
+    batch = gather_batch(data, order, b * batch_size, batch_size, preprocess)
+    logits = predict(batch.x)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch.y)
+    hits = (jnp.argmax(logits, -1) == batch.y).astype(jnp.float32)
+    return hits * batch.mask, losses * batch.mask
+
+
 def predict_examples(predict: Callable[[jax.Array], jax.Array], data: ClientData, *,
                      batch_size: int, preprocess: Callable[[jax.Array], jax.Array]):
     """Per-example correctness and loss of ``predict`` over rows ``data.indices``
@@ -115,14 +125,9 @@ def predict_examples(predict: Callable[[jax.Array], jax.Array], data: ClientData
     order = jnp.arange(m, dtype=jnp.int32)
 
     def body(b, acc):
-        hits, losses = acc
-        batch = gather_batch(data, order, b * batch_size, batch_size, preprocess)
-        logits = predict(batch.x)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch.y)
-        hit = (jnp.argmax(logits, -1) == batch.y).astype(jnp.float32)
+        hit, loss = _masked_hits_and_losses(predict, data, order, b, batch_size, preprocess)
         # Outputs are padded to whole batches so every write starts exactly at b * B.
-        return (jax.lax.dynamic_update_slice(hits, hit * batch.mask, (b * batch_size,)),
-                jax.lax.dynamic_update_slice(losses, loss * batch.mask, (b * batch_size,)))
+        return tuple(jax.lax.dynamic_update_slice(a, x, (b * batch_size,)) for a, x in zip(acc, (hit, loss)))
 
     zeros = jnp.zeros((num_batches * batch_size,), jnp.float32)
     hits, losses = jax.lax.fori_loop(0, num_batches, body, (zeros, zeros))
@@ -136,12 +141,8 @@ def evaluate_client(predict: Callable[[jax.Array], jax.Array], data: ClientData,
     order = jnp.arange(data.indices.shape[0], dtype=jnp.int32)
 
     def body(b, acc):
-        correct, loss_sum = acc
-        batch = gather_batch(data, order, b * batch_size, batch_size, preprocess)
-        logits = predict(batch.x)
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch.y)
-        hit = (jnp.argmax(logits, -1) == batch.y).astype(jnp.float32)
-        return correct + (hit * batch.mask).sum(), loss_sum + (losses * batch.mask).sum()
+        hit, loss = _masked_hits_and_losses(predict, data, order, b, batch_size, preprocess)
+        return acc[0] + hit.sum(), acc[1] + loss.sum()
 
     correct, loss_sum = jax.lax.fori_loop(0, steps_per_epoch(data.count, batch_size), body,
                                           (jnp.zeros(()), jnp.zeros(())))

@@ -322,3 +322,12 @@ def test_sharding_clients_over_two_devices_gives_the_same_round(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_time_rounds_runs_one_compile_round_plus_the_timed_ones():
+    from fedjax_sparse.timing import time_rounds
+    _, data = tiny_federated(SIZES)
+    engine = Engine(make_algorithm("fedavg", make_task(data), {}), data.num_clients, 2)
+    state, first, times, metrics = time_rounds(engine, engine.init(jax.random.PRNGKey(0)), data, 2)
+    assert int(state.round) == 3 and len(times) == 2 and first > 0 and all(t > 0 for t in times)
+    assert "loss" in metrics
