@@ -225,6 +225,20 @@ def format_table(table: dict, methods, participation: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_summaries(runs: dict) -> list[dict]:
+    """Per run: rounds evaluated, final and best global accuracy, total TFLOPs and GB, GB per round
+    (so a "not reached" cell can be read against what was run)."""
+    out = []
+    for method, configs in runs.items():
+        for name, rows in configs.items():
+            last = rows[-1]
+            gbytes = (last["total_uplink_bits"] + last["total_downlink_bits"]) / 8e9
+            out.append(dict(method=method, config=name, rounds=int(last["round"]),
+                            final_accuracy=accuracy_of(last), best_accuracy=max(accuracy_of(r) for r in rows),
+                            tflops=last["total_flops"] / 1e12, gbytes=gbytes, gbytes_per_round=gbytes / last["round"]))
+    return out
+
+
 def sampled_flops_error(runs: dict) -> list[dict]:
     """App. D.5: relative error of the FLOPs of the drawn masks vs the expected FLOPs (FedDrop/UniDrop)."""
     out = []
@@ -305,6 +319,12 @@ def report(args, root: Path) -> None:
     methods = [m for m in args.methods if m in runs]
     table = compute_table(runs, args.targets, args.budgets)
     text = format_table(table, methods, args.participation)
+    summaries = run_summaries(runs)
+    text += ("\n## Runs\n\n| method | config | rounds | final acc. | best acc. | TFLOPs | GB | GB/round |\n"
+             "|---|---|---|---|---|---|---|---|\n")
+    text += "".join(f"| {r['method']} | {r['config']} | {r['rounds']} | {100 * r['final_accuracy']:.1f}% | "
+                    f"{100 * r['best_accuracy']:.1f}% | {r['tflops']:.1f} | {r['gbytes']:.2f} | "
+                    f"{r['gbytes_per_round']:.3f} |\n" for r in summaries)
     errors = sampled_flops_error(runs)
     if errors:
         text += "\n## Sampled vs expected FLOPs (App. D.5)\n\n| method | config | expected TFLOPs | sampled TFLOPs | rel. error |\n|---|---|---|---|---|\n"
@@ -315,7 +335,7 @@ def report(args, root: Path) -> None:
         "cells": [dict(target=t, budget_gb=b, results={m: (None if v is None else dict(tflops=v[0], config=v[1]))
                                                        for m, v in cell.items()})
                   for (t, b), cell in sorted(table.items())],
-        "sampled_flops": errors}, indent=2))
+        "runs": summaries, "sampled_flops": errors}, indent=2))
     plot_tradeoff(runs, args.targets, root / "tradeoff.png")
     plot_keep_probs(root, root / "keep_probs.png")
     print(text)
