@@ -142,7 +142,7 @@ class Engine:
         """One federated round. Returns (new state, round metrics dict of scalars)."""
         alg = self.algorithm
         round_key = jax.random.fold_in(state.key, state.round)
-        _, key_clients, key_shared, key_server = jax.random.split(round_key, 4)
+        _, key_clients, key_shared, key_server = jax.random.split(round_key, 4)  # first: cohort()'s
         ids = self.cohort(state.key, state.round)
         take = lambda tree: jax.tree_util.tree_map(lambda x: x[ids], tree)  # noqa: E731
         client_states = take(state.clients)
