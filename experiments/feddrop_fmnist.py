@@ -145,10 +145,8 @@ def run_all(args, root: Path) -> None:
 
 # ---------------------------------------------------------------------------- analysis
 def load_rows(path: Path) -> list[dict]:
-    file = path / "metrics.jsonl"
-    if not file.exists():
-        return []
-    return [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+    from fedjax_sparse.runner import read_metrics
+    return read_metrics(path)
 
 
 def accuracy_of(row: dict) -> float:

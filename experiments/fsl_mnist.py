@@ -140,9 +140,8 @@ def run_one(method: str, malicious_pct: int, seed: int, args, out: Path) -> None
 # ---------------------------------------------------------------------------- reporting
 def load_final(path: Path) -> dict | None:
     """The last evaluated round of one run (None when it has not been evaluated yet)."""
-    if not (path / "metrics.jsonl").exists():
-        return None
-    rows = [json.loads(l) for l in (path / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    from fedjax_sparse.runner import read_metrics
+    rows = read_metrics(path)
     if not rows:
         return None
     config = json.loads((path / "config.json").read_text())["config"]

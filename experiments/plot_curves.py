@@ -13,10 +13,11 @@ from pathlib import Path
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    from fedjax_sparse.runner import read_metrics
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise SystemExit(f"error: {path} not found; pass run directories written with --out")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_metrics(run_dir)
 
 
 def label_of(run_dir: Path) -> str:

@@ -148,9 +148,8 @@ def run_one(study: dict, method: str, seed: int, args, out: Path) -> dict:
 
 # ---------------------------------------------------------------------------- reporting
 def load_run(path: Path) -> dict | None:
-    if not (path / "metrics.jsonl").exists():
-        return None
-    rows = [json.loads(l) for l in (path / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    from fedjax_sparse.runner import read_metrics
+    rows = read_metrics(path)
     if not rows:
         return None
     run = {"rows": rows, "summary": json.loads((path / "summary.json").read_text())

@@ -197,6 +197,14 @@ def save_checkpoint(path: Path, state: EngineState, totals: dict) -> None:
     os.replace(tmp, path)
 
 
+def read_metrics(out: str | Path) -> list[dict]:
+    """The rows of ``OUT/metrics.jsonl`` (one per evaluated round); [] when there is none yet."""
+    path = Path(out) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def load_checkpoint(path: Path, template: EngineState) -> tuple[EngineState, dict]:
     leaves, treedef = jax.tree_util.tree_flatten(template)
     try:
@@ -293,9 +301,7 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
     if out is not None:
         if resume:
             state, totals = load_checkpoint(out / CHECKPOINT, state)
-            lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
-            rows = [json.loads(l) for l in lines if l.strip()]
-            rows = [r for r in rows if r["round"] <= totals["round"]]  # drop rows past the checkpoint
+            rows = [r for r in read_metrics(out) if r["round"] <= totals["round"]]  # drop rows past the checkpoint
             (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (out / "config.json").write_text(json.dumps({
             "config": config.to_json(), "algorithm_options": exp.algorithm.hparams,
