@@ -33,6 +33,12 @@ RUN_FLAGS = [
     ("--client-parallelism", "client_parallelism", str, "auto | vmap | map"),
     ("--round-mode", "round_mode", str, "scan (rounds in one jitted lax.scan per chunk) | per_round"),
     ("--eval-batch-size", "eval_batch_size", int, "evaluation batch size (default: from the clients' test-set sizes)"),
+    ("--partition-file", "partition_file", str,
+     "pinned partition: a fedjax_sparse.partition/1 JSON (client -> train/test indices; `partition --out` writes one)"),
+    ("--init-params", "init_params", str,
+     "pinned initial weights: .npz keyed params/<layer>/<name> (layouts in fedjax_sparse/pinning.py)"),
+    ("--cohort-schedule", "cohort_schedule", str,
+     "pinned cohorts: a fedjax_sparse.cohorts/1 JSON, the client ids of every round"),
 ]
 
 
@@ -122,13 +128,16 @@ def cmd_partition(args) -> int:
     report = partition.partition_report(dataset, part)
     print(partition.format_partition_report(report, max_rows=args.max_rows))
     if args.out:
+        from fedjax_sparse import pinning
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         target = out / "partition.json"
         if target.exists():
             raise ValueError(f"{target} already exists; choose another --out or delete it")
-        target.write_text(json.dumps(report, indent=1))
-        print(f"wrote {target}")
+        # Label statistics plus every client's indices: usable as `run --partition-file`.
+        doc = pinning.partition_to_json(part, dataset=args.dataset, seed=args.seed, report=report)
+        target.write_text(json.dumps(doc))
+        print(f"wrote {target} (usable as run --partition-file)")
     return 0
 
 

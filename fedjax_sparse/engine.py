@@ -36,8 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse.algorithms.base import (REQUIRED_CLIENT_METRICS, SUMMED_CLIENT_METRICS, Algorithm,
-                                           ClientContext, ServerContext)
+from fedjax_sparse.accounting import Cost, cost_per_round
+from fedjax_sparse.algorithms.base import (COST_METRICS, REQUIRED_CLIENT_METRICS, Algorithm, ClientContext,
+                                           ServerContext)
 from fedjax_sparse.data.federated import ClientData, FederatedData
 from fedjax_sparse.training import EvalStats, evaluate_client, predict_examples
 
@@ -93,6 +94,8 @@ class Engine:
     # setting re-samples every 2 rounds, so the keep probabilities the server optimised for a cohort
     # are used by that cohort). 1 = a new cohort every round.
     resample_every: int = 1
+    # Pinned cohorts (``--cohort-schedule``): row r = the client ids of round r; replaces sampling.
+    cohort_schedule: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self):
         if not 1 <= self.clients_per_round <= self.num_clients:
@@ -100,6 +103,11 @@ class Engine:
                              f"number of clients ({self.num_clients}); lower --clients-per-round")
         if self.resample_every < 1:
             raise ValueError(f"resample_every must be >= 1 round, got {self.resample_every}")
+        if self.cohort_schedule is not None:
+            widths = {len(row) for row in self.cohort_schedule}
+            if widths != {self.clients_per_round}:
+                raise ValueError(f"cohort schedule rows must hold {self.clients_per_round} client ids, got "
+                                 f"widths {sorted(widths)}")
 
     @property
     def mode(self) -> str:
@@ -133,7 +141,10 @@ class Engine:
     # ------------------------------------------------------------------ one round
     def cohort(self, run_key: jax.Array, round_: jax.Array) -> jax.Array:
         """[K] client ids of round ``round_``: drawn from the key of the cohort's first round
-        (with ``resample_every == 1`` that is the round's own key)."""
+        (with ``resample_every == 1`` that is the round's own key), or row ``round_`` of the
+        pinned ``cohort_schedule``."""
+        if self.cohort_schedule is not None:
+            return jnp.asarray(self.cohort_schedule, jnp.int32)[round_]
         first_round = round_ // self.resample_every * self.resample_every
         key_sample = jax.random.split(jax.random.fold_in(run_key, first_round), 4)[0]
         return sample_clients(key_sample, self.num_clients, self.clients_per_round)
@@ -161,11 +172,36 @@ class Engine:
         if missing:
             raise ValueError(f"{alg.name}.client_update must report metrics {missing}")
         server_ctx = ServerContext(state.round, ids, counts.astype(jnp.float32), key_server)
+        if alg.extra_clients is not None:
+            server_ctx = self._extra_updates(state, data, payload, key_shared, server_ctx, one_client)
         server, server_metrics = alg.server_update(state.server, messages, server_ctx)
         clients = jax.tree_util.tree_map(lambda all_, new: all_.at[ids].set(new), state.clients, new_states)
         round_metrics = reduce_client_metrics(metrics)
         round_metrics.update({f"server_{k}": jnp.asarray(v, jnp.float32) for k, v in server_metrics.items()})
         return EngineState(server, clients, state.key, state.round + 1), round_metrics
+
+    def _extra_updates(self, state: EngineState, data: FederatedData, payload, key_shared, server_ctx, one_client):
+        """Runs ``client_update`` for the algorithm's extra clients of this round (only when it
+        says they are active) and returns ``server_ctx`` carrying their ids and messages.
+        Their new states are dropped and their costs are not counted (they are not the
+        federation's work). The key is derived apart from the round's four keys, so
+        algorithms without extras draw exactly what they drew before."""
+        key_extra = jax.random.fold_in(jax.random.fold_in(state.key, state.round), 0x5EED)
+        key_pick, key_train = jax.random.split(key_extra)
+        extra_ids, active = self.algorithm.extra_clients(state.server, key_pick, state.round, server_ctx.client_ids)
+
+        def train(_):
+            rows = jax.tree_util.tree_map(lambda x: x[extra_ids], state.clients)
+            keys = jax.random.split(key_train, extra_ids.shape[0])
+            _, extra_messages, _ = _map_clients(one_client, self.mode, rows, data.train_idx[extra_ids],
+                                                data.train_count[extra_ids], extra_ids, keys)
+            return extra_messages
+
+        shapes = jax.eval_shape(train, None)
+        extra_messages = jax.lax.cond(active, train,
+                                      lambda _: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+                                      None)
+        return server_ctx._replace(extra_ids=extra_ids, extra_messages=extra_messages)
 
     @functools.cached_property
     def round_fn(self):
@@ -181,13 +217,15 @@ class Engine:
         return jax.jit(run, static_argnums=2, donate_argnums=0)
 
     def run_rounds(self, state: EngineState, data: FederatedData, num_rounds: int):
-        """``num_rounds`` rounds in one jitted scan. Returns (state, metrics with leaves [R])."""
-        return self._scan_fn(state, data, int(num_rounds))
+        """``num_rounds`` rounds in one jitted scan. Returns (state, host metrics:
+        see :func:`metrics_to_host`, one entry per round)."""
+        state, metrics = self._scan_fn(state, data, int(num_rounds))
+        return state, metrics_to_host(metrics)
 
     def advance(self, state: EngineState, data: FederatedData, num_rounds: int, round_mode: str = "scan"):
         """``num_rounds`` rounds by either path: ``"scan"`` (one jitted lax.scan)
         or ``"per_round"`` (the per-round jit called from Python). Returns
-        (state, metrics with leaves [num_rounds])."""
+        (state, host metrics with one entry per round, see :func:`metrics_to_host`)."""
         if round_mode == "scan":
             return self.run_rounds(state, data, num_rounds)
         if round_mode != "per_round":
@@ -196,7 +234,7 @@ class Engine:
         for _ in range(num_rounds):
             state, metrics = self.round_fn(state, data)
             per_round.append(metrics)
-        return state, jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *per_round)
+        return state, metrics_to_host(jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *per_round))
 
     # ------------------------------------------------------------------ evaluation
     @property
@@ -252,6 +290,16 @@ class Engine:
             return jax.jit(personal_and_global_in_one_pass)
         return jax.jit(separately)
 
+    @functools.cached_property
+    def _density_fn(self):
+        """jitted state -> [] mean over all N clients of the density of the model each holds."""
+        density = self.algorithm.personal_density
+
+        def all_clients(state: EngineState):
+            per_client = jax.lax.map(lambda c: density(state.server, c), state.clients)
+            return jnp.mean(per_client)
+        return jax.jit(all_clients)
+
     def evaluate(self, state: EngineState, data: FederatedData) -> dict:
         """Personalised accuracy (each client on its own test set; clients
         without test data are skipped) and global-model accuracy on the union of
@@ -272,19 +320,48 @@ class Engine:
         if g is not None:
             out["global_accuracy"] = float(g.correct / max(int(g.count), 1))
             out["global_test_loss"] = float(g.loss_sum / max(int(g.count), 1))
+        if self.algorithm.personal_density is not None:
+            # The authors' logs average the density over every client, sampled or not.
+            out["density_all_clients"] = float(self._density_fn(state))
         return out
 
 
 def reduce_client_metrics(metrics: dict) -> dict:
-    """Stacked per-client metrics [K] -> round scalars: FLOPs, bits and
-    examples summed; loss weighted by examples; everything else averaged."""
-    examples = metrics["num_examples"]
+    """Stacked per-client metrics [K] -> round metrics: loss weighted by
+    examples, other floats averaged; the exact counts (FLOPs, bits: ``Cost``
+    with [K] factors; ``num_examples`` [K] int32) stay per client, for the
+    host to sum exactly (:func:`metrics_to_host`)."""
+    examples = metrics["num_examples"].astype(jnp.float32)
     out = {}
     for key, value in metrics.items():
-        if key in SUMMED_CLIENT_METRICS:
-            out[key] = value.sum()
+        if key in COST_METRICS or key == "num_examples":
+            out[key] = value
         elif key == "loss":
             out[key] = (value * examples).sum() / jnp.maximum(examples.sum(), 1.0)
         else:
             out[key] = value.mean()
+    return out
+
+
+def metrics_to_host(metrics: dict) -> dict:
+    """Round metrics with a leading [R] round axis, fetched to the host.
+
+    Costs become [R] exact int64 arrays (float64 for expectations such as
+    FedDrop's FLOPs; Python-int object arrays in the unlikely case a round
+    exceeds int64); ``num_examples`` an [R] int64 sum over the clients;
+    everything else [R] float64. ``.tolist()`` gives Python numbers for totals."""
+    metrics = jax.device_get(metrics)
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, Cost):
+            values = cost_per_round(value)
+            if all(isinstance(v, int) for v in values):
+                fits = all(-2 ** 63 < v < 2 ** 63 for v in values)
+                out[key] = np.array(values, dtype=np.int64 if fits else object)
+            else:
+                out[key] = np.array(values, dtype=np.float64)
+        elif key == "num_examples":
+            out[key] = np.asarray(value, np.int64).reshape(np.shape(value)[0], -1).sum(1)
+        else:
+            out[key] = np.asarray(value, np.float64)
     return out

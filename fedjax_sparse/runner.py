@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_sparse import pinning
 from fedjax_sparse.algorithms import Task, make_algorithm
 from fedjax_sparse.algorithms.registry import algorithm_names, resolve_options
 from fedjax_sparse.data.federated import PREPROCESSING, FederatedData, build_federated_data
@@ -77,6 +78,10 @@ class RunConfig:
     client_parallelism: str = "auto"
     round_mode: str = "scan"
     eval_batch_size: int | None = None  # None: auto (see auto_eval_batch_size)
+    # Pinned draws (fedjax_sparse.pinning): replay another run's partition, initial weights, cohorts.
+    partition_file: str | None = None
+    init_params: str | None = None
+    cohort_schedule: str | None = None
     options: dict = dataclasses.field(default_factory=dict)
     model_options: dict = dataclasses.field(default_factory=dict)
     dataset_options: dict = dataclasses.field(default_factory=dict)
@@ -138,6 +143,9 @@ class Experiment:
     task: Task
     engine: Engine
 
+    # Paths and sha256 of the pinned-draw files used ({} when none).
+    pinned: dict = dataclasses.field(default_factory=dict)
+
     @property
     def algorithm(self):
         return self.engine.algorithm
@@ -157,9 +165,15 @@ def build(config: RunConfig) -> Experiment:
     dataset = datasets.load_dataset(config.dataset, config.data_dir, download=config.download,
                                     **dataset_options)
     min_samples = config.min_client_samples
+    pinned = {}
     try:
-        partition = partition_lib.partition_dataset(dataset, config.partition, config.num_clients,
-                                                    config.seed, min_train_samples=min_samples)
+        if config.partition_file:
+            partition = pinning.load_partition_file(config.partition_file, dataset, config.num_clients)
+            pinned["partition_file"] = {"path": config.partition_file,
+                                        "sha256": pinning.file_digest(config.partition_file)}
+        else:
+            partition = partition_lib.partition_dataset(dataset, config.partition, config.num_clients,
+                                                        config.seed, min_train_samples=min_samples)
         data = build_federated_data(dataset, partition, preprocess=config.preprocess)
     except datasets.DataError:
         raise
@@ -167,15 +181,54 @@ def build(config: RunConfig) -> Experiment:
         raise RunError(str(e)) from None
     model_name = config.model or DEFAULT_MODELS.get(config.dataset, "mlp")
     model = make_model(model_name, data.input_shape, data.num_classes, **config.model_options)
+    initial_variables = None
+    if config.init_params:
+        options = resolve_options(config.algorithm, config.options)
+        if options.get("init", "model") != "model":
+            raise RunError(f"--init-params gives the initial weights, but {config.algorithm} re-initialises "
+                           f"them (option init={options['init']!r}); add --option init=model")
+        template = jax.eval_shape(model.init, jax.random.PRNGKey(0))
+        try:
+            variables, extras = pinning.load_init_params(config.init_params, template)
+        except ValueError as e:
+            raise RunError(str(e)) from None
+        model = dataclasses.replace(model, init_fn=_constant_init(variables))
+        initial_variables = dict(variables)
+        if extras:
+            initial_variables["scores"] = {k.split("/")[1]: v for k, v in extras.items()}
+        pinned["init_params"] = {"path": config.init_params, "sha256": pinning.file_digest(config.init_params)}
+    schedule = None
+    if config.cohort_schedule:
+        if config.resample_every != 1:
+            raise RunError("--cohort-schedule fixes every round's cohort; drop --resample-every")
+        try:
+            schedule = pinning.load_cohort_schedule(config.cohort_schedule, num_clients=config.num_clients,
+                                                    clients_per_round=config.clients_per_round,
+                                                    rounds=config.rounds)
+        except ValueError as e:
+            raise RunError(str(e)) from None
+        pinned["cohort_schedule"] = {"path": config.cohort_schedule,
+                                     "sha256": pinning.file_digest(config.cohort_schedule)}
     task = Task(model=model, num_clients=config.num_clients, clients_per_round=config.clients_per_round,
                 local_epochs=config.local_epochs, batch_size=config.batch_size, lr=float(config.lr),
                 rounds=config.rounds, preprocess=data.preprocess,
-                train_counts=np.asarray(data.train_count), seed=config.seed)
+                train_counts=np.asarray(data.train_count), seed=config.seed,
+                initial_variables=initial_variables)
     algorithm = make_algorithm(config.algorithm, task, config.options)
     engine = Engine(algorithm, config.num_clients, config.clients_per_round,
                     client_parallelism=config.client_parallelism, resample_every=config.resample_every,
-                    eval_batch_size=config.eval_batch_size or auto_eval_batch_size(data))
-    return Experiment(config, dataset, partition, data, task, engine)
+                    eval_batch_size=config.eval_batch_size or auto_eval_batch_size(data),
+                    cohort_schedule=None if schedule is None else tuple(map(tuple, schedule.tolist())))
+    return Experiment(config, dataset, partition, data, task, engine, pinned)
+
+
+def _constant_init(variables: dict):
+    """model.init replacement returning the pinned variables whatever the key."""
+    def init(key):
+        return jax.tree_util.tree_map(jnp.asarray, variables)
+    return init
+
+
 
 
 def auto_eval_batch_size(data: FederatedData, cap: int = 512) -> int:
@@ -251,6 +304,16 @@ class Progress:
 
 
 # ---------------------------------------------------------------- the run
+COST_KEYS = ("uplink_bits", "downlink_bits", "flops")
+
+
+def _exact_number(value):
+    """A recorded cost as an exact Python int when it is integral (older checkpoints stored floats)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
 def _jsonable(value):
     if isinstance(value, (np.floating, np.integer)):
         return value.item()
@@ -296,18 +359,20 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
     engine, data = exp.engine, exp.data
     build_seconds = time.perf_counter() - t_build
     state = engine.init(jax.random.PRNGKey(config.seed))
-    totals = {"round": 0, "uplink_bits": 0.0, "downlink_bits": 0.0, "flops": 0.0, "seconds": 0.0}
+    # Costs are exact Python ints (float only for expectations such as FedDrop's FLOPs).
+    totals = {"round": 0, "uplink_bits": 0, "downlink_bits": 0, "flops": 0, "seconds": 0.0}
     rows: list[dict] = []
     if out is not None:
         if resume:
             state, totals = load_checkpoint(out / CHECKPOINT, state)
+            totals = {k: _exact_number(v) if k in COST_KEYS else v for k, v in totals.items()}
             rows = [r for r in read_metrics(out) if r["round"] <= totals["round"]]  # drop rows past the checkpoint
             (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (out / "config.json").write_text(json.dumps({
             "config": config.to_json(), "algorithm_options": exp.algorithm.hparams,
             "model": exp.model.name, "num_params": exp.model.num_params,
             "forward_macs_per_example": exp.model.forward_macs,
-            "jax": jax.__version__, "backend": jax.default_backend(),
+            "pinned_draws": exp.pinned, "jax": jax.__version__, "backend": jax.default_backend(),
             "devices": [str(d) for d in jax.devices()], "python": platform.python_version(),
             "client_parallelism": engine.mode}, indent=2))
     bar = Progress(config.rounds, int(totals["round"]), progress)
@@ -317,22 +382,24 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
         n = min(config.eval_every - int(totals["round"]) % config.eval_every, config.rounds - int(totals["round"]))
         t_chunk = time.perf_counter()
         state, metrics = engine.advance(state, data, n, config.round_mode)
-        metrics = {k: np.asarray(v, np.float64) for k, v in jax.device_get(metrics).items()}
         if not rows and int(totals["round"]) == 0:
             compile_seconds = time.perf_counter() - t_chunk  # first chunk includes compilation
         bad = [int(totals["round"]) + i + 1 for i in range(n) if not np.isfinite(metrics["loss"][i])]
         totals["round"] = int(totals["round"]) + n
-        for key in ("uplink_bits", "downlink_bits", "flops"):
-            totals[key] = float(totals[key]) + float(metrics[key].sum())
+        for key in COST_KEYS:
+            totals[key] = totals[key] + sum(metrics[key].tolist())
         evaluation = engine.evaluate(state, data)
         totals["seconds"] = time.perf_counter() - t0
         row = {"round": totals["round"],
                **{k: v for k, v in evaluation.items() if k != "client_accuracies"},
                "loss": float(metrics["loss"][-1]),
-               "uplink_bits": float(metrics["uplink_bits"][-1]),
-               "downlink_bits": float(metrics["downlink_bits"][-1]),
-               "flops": float(metrics["flops"][-1]),
+               "uplink_bits": metrics["uplink_bits"][-1],
+               "downlink_bits": metrics["downlink_bits"][-1],
+               "flops": metrics["flops"][-1],
                "density": float(metrics["density"][-1]),
+               # The same value under an explicit name: the mean over the round's sampled clients
+               # (``density_all_clients``, when the algorithm has personal models, is over all clients).
+               "density_sampled": float(metrics["density"][-1]),
                "seconds": totals["seconds"],
                "total_uplink_bits": totals["uplink_bits"],
                "total_downlink_bits": totals["downlink_bits"],

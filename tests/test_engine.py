@@ -10,7 +10,8 @@ import pytest
 
 from fedjax_sparse.algorithms import Algorithm, ClientContext, Task, client_metrics, make_algorithm
 from fedjax_sparse.data.federated import ClientData
-from fedjax_sparse.engine import Engine, reduce_client_metrics, sample_clients
+from fedjax_sparse.accounting import Cost
+from fedjax_sparse.engine import Engine, metrics_to_host, reduce_client_metrics, sample_clients
 from fedjax_sparse.models import make_model
 from fedjax_sparse.training import run_local_epochs
 
@@ -190,7 +191,7 @@ def test_local_only_sampled_clients_change_and_nothing_is_communicated():
     kernel_after = np.asarray(state1.clients["variables"]["params"]["conv1"]["kernel"])
     changed = [i for i in range(data.num_clients) if not np.array_equal(kernel_before[i], kernel_after[i])]
     assert sorted(changed) == sorted(ids.tolist())
-    assert float(metrics["uplink_bits"]) == float(metrics["downlink_bits"]) == 0.0
+    assert metrics["uplink_bits"].total() == metrics["downlink_bits"].total() == 0
 
 
 def test_cohort_is_kept_for_resample_every_rounds():
@@ -257,14 +258,18 @@ def test_one_shared_global_pass_evaluates_exactly_like_per_client_passes():
 
 
 def test_reduce_client_metrics():
-    m = {"loss": jnp.array([1.0, 3.0]), "num_examples": jnp.array([10.0, 30.0]),
-         "flops": jnp.array([1e9, 2e9]), "uplink_bits": jnp.array([32.0, 32.0]),
-         "downlink_bits": jnp.array([64.0, 64.0]), "density": jnp.array([0.5, 1.0])}
+    m = {"loss": jnp.array([1.0, 3.0]), "num_examples": jnp.array([10, 30], jnp.int32),
+         "flops": Cost.terms([1], jnp.array([[10**9], [2 * 10**9]], jnp.int32)),
+         "uplink_bits": Cost(jnp.ones((2, 1, 2), jnp.int32), (32,)),
+         "downlink_bits": Cost(jnp.ones((2, 1, 2), jnp.int32), (64,)), "density": jnp.array([0.5, 1.0])}
     r = reduce_client_metrics(m)
     assert float(r["loss"]) == pytest.approx(2.5)
-    assert float(r["flops"]) == pytest.approx(3e9)
-    assert float(r["uplink_bits"]) == 64 and float(r["downlink_bits"]) == 128
     assert float(r["density"]) == pytest.approx(0.75)
+    # Costs and examples stay per client on the device; the host sums them exactly.
+    host = metrics_to_host(jax.tree_util.tree_map(lambda x: x[None], r))
+    assert host["flops"].tolist() == [3 * 10**9]
+    assert host["uplink_bits"].tolist() == [64] and host["downlink_bits"].tolist() == [128]
+    assert host["num_examples"].tolist() == [40]
 
 
 def test_a_new_algorithm_needs_only_the_interface():

@@ -61,9 +61,16 @@ def test_lenet5_caffe_shapes_costs_and_rows():
     assert logits.shape == (3, 10)
     per_example = 2 * 2293000
     assert accounting.forward_flops(model) == per_example
-    assert accounting.training_flops(model, 7) == 3 * per_example * 7
-    half = accounting.training_flops(model, 1, jnp.array([1.0, 0.5, 0.5, 1.0]))
-    assert float(half) == pytest.approx(3 * 2 * (288000 + 800000 + 200000 + 5000))
+    assert accounting.training_flops(model, 7).total() == 3 * per_example * 7
+    half = accounting.forward_flops(model, jnp.array([1.0, 0.5, 0.5, 1.0]))
+    assert float(half) == pytest.approx(2 * (288000 + 800000 + 200000 + 5000))
+    # Per-row and per-weight training FLOPs are exact integers that add up to the dense count.
+    rows = accounting.row_training_flops(model)
+    assert rows == (6 * 14400, 6 * 32000, 6 * 800, 6 * 500)
+    assert sum(r * l.out_units for r, l in zip(rows, model.layers)) == 3 * per_example
+    weights = accounting.weight_training_flops(model)
+    assert weights == (6 * 576, 6 * 64, 6, 6)
+    assert sum(w * l.num_weights for w, l in zip(weights, model.layers)) == 3 * per_example
     assert accounting.tree_bits(v["params"]) == 32 * model.num_params
 
 

@@ -13,8 +13,11 @@ rounds). One round of the engine is::
 
 ``messages`` and the returned client states are stacked over the K sampled
 clients. ``client_update`` must return in ``metrics`` at least the keys of
-:data:`REQUIRED_CLIENT_METRICS` (the engine sums FLOPs, bits and examples over
-clients and averages the rest; ``loss`` is weighted by examples).
+:data:`REQUIRED_CLIENT_METRICS` (build them with :func:`client_metrics`).
+FLOPs and bits are exact :class:`fedjax_sparse.accounting.Cost` values and
+``num_examples`` an int32 count: the host sums them over clients and rounds
+as Python ints. ``loss`` is averaged weighted by examples, everything else
+uniformly over the sampled clients.
 
 Evaluation: ``personal_predict(server_state, client_state, client_id, x)``
 gives the logits a client would use (personalised accuracy); when it is None,
@@ -29,11 +32,14 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fedjax_sparse.accounting import as_cost
 from fedjax_sparse.data.federated import ClientData
 from fedjax_sparse.models.base import Model
 
 REQUIRED_CLIENT_METRICS = ("loss", "flops", "uplink_bits", "downlink_bits", "density", "num_examples")
-SUMMED_CLIENT_METRICS = ("flops", "uplink_bits", "downlink_bits", "num_examples")
+# Exact costs (Cost values), summed over clients and rounds on the host.
+COST_METRICS = ("flops", "uplink_bits", "downlink_bits")
+SUMMED_CLIENT_METRICS = COST_METRICS + ("num_examples",)
 
 
 class ClientContext(NamedTuple):
@@ -48,6 +54,10 @@ class ServerContext(NamedTuple):
     client_ids: jax.Array  # [K] int32, the sampled clients (order of ``messages``)
     weights: jax.Array     # [K] float32, the sampled clients' training-set sizes
     key: jax.Array
+    # Messages of the round's extra (never aggregated) client updates, stacked [M, ...], and their
+    # ids [M]; None unless the algorithm asks for them (``Algorithm.extra_clients``).
+    extra_ids: Any = None
+    extra_messages: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +75,9 @@ class Task:
     train_counts: Any = None
     # The rest of the command-line/config options an algorithm may read.
     seed: int = 0
+    # Pinned initial variables (``--init-params``), or None; ``model.init`` already
+    # returns them, this tells algorithms that re-initialise (FSL) to use them.
+    initial_variables: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,13 +91,28 @@ class Algorithm:
     global_predict: Callable[[Any, jax.Array], jax.Array] | None = None
     # Human-readable hyper-parameters, recorded in config.json / summary.json.
     hparams: dict = dataclasses.field(default_factory=dict)
+    # Optional: (server_state, client_state) -> [] kept fraction of the model the
+    # client holds now (evaluated over all clients: ``density_all_clients``).
+    personal_density: Callable[[Any, Any], jax.Array] | None = None
+    # Optional: (server_state, key, round, sampled_ids [K]) -> (ids [M], active []) of clients
+    # that also run ``client_update`` this round (from the broadcast, on their own data and state)
+    # without being aggregated or having their state written back; their messages reach
+    # ``server_update`` as ``ctx.extra_messages`` (zeros when ``active`` is false, and then
+    # nothing runs). Threat models use it: FSL's attackers train benign rankings of malicious
+    # clients that were not sampled.
+    extra_clients: Callable[[Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]] | None = None
 
 
 def client_metrics(*, loss, flops, uplink_bits, downlink_bits, density, num_examples, **extra) -> dict:
-    """Builds the metrics dict ``client_update`` returns (all float32 scalars)."""
-    out = dict(loss=loss, flops=flops, uplink_bits=uplink_bits, downlink_bits=downlink_bits,
-               density=density, num_examples=num_examples, **extra)
-    return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
+    """Builds the metrics dict ``client_update`` returns.
+
+    ``flops``, ``uplink_bits``, ``downlink_bits``: a :class:`Cost`, a static
+    Python number, or a traced int count (all kept exact); ``num_examples``: an
+    int count; the rest become float32 scalars."""
+    out = {k: jnp.asarray(v, jnp.float32) for k, v in dict(loss=loss, density=density, **extra).items()}
+    out.update(flops=as_cost(flops), uplink_bits=as_cost(uplink_bits), downlink_bits=as_cost(downlink_bits),
+               num_examples=jnp.asarray(num_examples, jnp.int32))
+    return out
 
 
 def replicate(tree, n: int):

@@ -236,12 +236,13 @@ def caldas(task: Task, *, keep, drop_dense, per_client, rescale, weighted) -> Al
             hooks=Hooks(activation=activation))
         inclusion = weight_inclusion(model, masks)
         included = _inclusion_like(variables["params"], inclusion)
-        sub_values = sum(x.sum() for x in jax.tree_util.tree_leaves(included))
-        bits = sub_values * accounting.FLOAT_BITS
-        layer_density = jnp.stack([inclusion[l.name]["kernel"].mean() for l in model.layers])
+        sub_values = sum(x.sum().astype(jnp.int32) for x in jax.tree_util.tree_leaves(included))
+        bits = accounting.Cost.term(accounting.FLOAT_BITS, sub_values)
+        # Exact: every kept weight costs its layer's per-weight FLOPs for every example.
+        kept_weights = jnp.stack([inclusion[l.name]["kernel"].sum().astype(jnp.int32) for l in model.layers])
+        flops = accounting.Cost.terms(accounting.weight_training_flops(model), kept_weights, stats.num_examples)
         metrics = client_metrics(
-            loss=stats.loss, flops=accounting.training_flops(model, stats.num_examples, layer_density),
-            uplink_bits=bits, downlink_bits=bits,
+            loss=stats.loss, flops=flops, uplink_bits=bits, downlink_bits=bits,
             density=sub_values / accounting.num_values(variables["params"]), num_examples=stats.num_examples)
         return client_state, new_vars, metrics
 

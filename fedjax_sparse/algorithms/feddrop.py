@@ -315,7 +315,8 @@ def _dropout_fedavg(task: Task, name: str, *, budget, mu, synchronized, rescale,
             rescale=rescale)
         model_bits = accounting.tree_bits(variables)
         down = model_bits + (layout.total * accounting.FLOAT_BITS if optimize else 0)
-        expected = 3.0 * flops.forward(keep_probs) * stats.num_examples
+        # An expectation under the keep probabilities: float factors, summed in float64 on the host.
+        expected = accounting.Cost.term(3, flops.forward(keep_probs), stats.num_examples.astype(jnp.float32))
         metrics = client_metrics(
             loss=stats.loss, flops=expected, uplink_bits=model_bits, downlink_bits=down,
             density=keep_probs.mean(), num_examples=stats.num_examples,

@@ -57,12 +57,16 @@ Options (``--option key=value``; defaults in :data:`SPAFL_OPTIONS`):
 
 Aliases: ``spafl_no_eq13``, ``spafl_thresholds_only``, ``spafl_local``.
 
-Cost accounting: 32 bits per threshold up and down per sampled client
-(Appendix A.3); training FLOPs per step use the step's actual per-layer kept
-fractions (pruned rows cost nothing forward or backward; unthresholded layers
-are dense), plus 1.5 x (thresholded weights) per eq. (13) application
-(Appendix A.4). The ``density`` metric is the mean over thresholded layers of
-the kept fraction of the client's model after training (the paper's density).
+Cost accounting (exact integers): 32 bits per threshold up and down per
+sampled client (Appendix A.3); training FLOPs per step use the step's actual
+kept rows per layer (pruned rows cost nothing forward or backward;
+unthresholded layers are dense): sum over layers of kept rows x examples x
+the training FLOPs of one row, plus 1.5 x (thresholded weights) per eq. (13)
+application (Appendix A.4). The ``density`` metric is the mean over
+thresholded layers of the kept fraction of the client's model after training
+(the paper's density), averaged over the round's sampled clients;
+``density_all_clients`` (at evaluation) averages it over all clients, as the
+authors' code logs it.
 """
 from __future__ import annotations
 
@@ -163,6 +167,12 @@ def kept_fractions(row_mask: Mapping[str, jax.Array]) -> dict:
 def mean_density(kept: Mapping[str, jax.Array]) -> jax.Array:
     """The paper's density: mean over thresholded layers of the kept fraction."""
     return jnp.mean(jnp.stack([jnp.asarray(v, jnp.float32) for v in kept.values()]))
+
+
+def kept_row_counts(model: Model, row_mask: Mapping[str, jax.Array]) -> jax.Array:
+    """[L] int32 kept rows of every weight layer of ``model`` (all rows when unthresholded)."""
+    return jnp.stack([jnp.sum(row_mask[layer.name] > 0).astype(jnp.int32) if layer.name in row_mask
+                      else jnp.int32(layer.out_units) for layer in model.layers])
 
 
 def layer_density_vector(model: Model, kept: Mapping[str, jax.Array]) -> jax.Array:
@@ -294,8 +304,9 @@ def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum,
     layers = setup.layers
     use_ramp = bool(ramp)
     n_tau = setup.num_thresholds
-    comm_bits = float(n_tau * accounting.FLOAT_BITS) if share_thresholds else 0.0
+    comm_bits = n_tau * accounting.FLOAT_BITS if share_thresholds else 0
     eq13_flops = EQ13_FLOPS_PER_WEIGHT * setup.num_thresholded_weights
+    row_flops = accounting.row_training_flops(model)   # [L] exact training FLOPs of one row, one example
     # SGD with momentum as PyTorch does it (buf = m*buf + g; p -= lr*buf); the
     # learning rate is applied by hand so it can change per round.
     optimizer = optax.chain(*([optax.clip_by_global_norm(clip_norm)] if clip_norm else []),
@@ -353,8 +364,9 @@ def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum,
                 trainable = {"params": params,
                              "tau": jax.tree_util.tree_map(lambda t: jnp.clip(t, 0.0, 1.0), trainable["tau"])}
             kept = kept_fractions(row_mask)
-            flops = flops + 3.0 * accounting.forward_flops(model, layer_density_vector(model, kept)) \
-                * batch.mask.sum()
+            # Exact cost: every layer's kept rows times this batch's real examples (int32 counts).
+            examples = batch.mask.sum().astype(jnp.int32)
+            flops = flops + kept_row_counts(model, row_mask) * examples
             return (trainable, new_stats, opt_state, kept, flops, resets), ce
         return step
 
@@ -378,7 +390,7 @@ def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum,
         lr_t = jnp.maximum(task.lr * jnp.power(lr_decay, ctx.round.astype(jnp.float32)), lr_min)
         coeff_t = alpha * (regulariser_ramp(ctx.round) if use_ramp else 1.0)
         carry = (trainable, client_state["batch_stats"], opt_state, client_state["kept"],
-                 jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+                 jnp.zeros((len(model.layers),), jnp.int32), jnp.zeros((), jnp.float32))
         (trainable, stats, opt_state, kept, flops, resets), local = run_local_epochs(
             local_step(lr_t, coeff_t), carry, data, ctx.key, epochs=task.local_epochs,
             batch_size=task.batch_size, preprocess=task.preprocess)
@@ -389,8 +401,10 @@ def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum,
         final_tau = reset_layer_thresholds(trainable["tau"], kept) if reset_threshold else trainable["tau"]
         density = mean_density(kept_fractions(row_masks(trainable["params"], final_tau, ste)))
         message = trainable["tau"] if share_thresholds else ()
+        training = accounting.Cost.terms(row_flops, flops)
+        eq13_cost = accounting.Cost.term(eq13_flops, eq13_applied.astype(jnp.int32))
         metrics = client_metrics(
-            loss=local.loss, flops=flops + eq13_flops * eq13_applied, uplink_bits=comm_bits,
+            loss=local.loss, flops=training + eq13_cost, uplink_bits=comm_bits,
             downlink_bits=comm_bits, density=density, num_examples=local.num_examples,
             tau_mean=jnp.mean(flatten_thresholds(trainable["tau"], layers)), threshold_resets=resets)
         return new_client, message, metrics
@@ -406,6 +420,9 @@ def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum,
             new["num_deltas"] = (ctx.round + 1).astype(jnp.int32)
         return new, {"global_tau_mean": jnp.mean(flatten_thresholds(new_tau, layers))}
 
+    def personal_density(server_state, client_state):
+        return mean_density(kept_fractions(personal_row_masks(setup, server_state, client_state)))
+
     def personal_predict(server_state, client_state, client_id, x):
         params = personal_params(setup, server_state, client_state)
         row_mask = personal_row_masks(setup, server_state, client_state)
@@ -415,7 +432,8 @@ def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum,
     hparams = {"num_thresholds": n_tau, "thresholded_layers": [layer.name for layer in layers],
                "eq13_effective": setup.eq13}
     return Algorithm(name, init, broadcast, client_update, server_update,
-                     personal_predict=personal_predict, global_predict=None, hparams=hparams)
+                     personal_predict=personal_predict, global_predict=None, hparams=hparams,
+                     personal_density=personal_density)
 
 
 
