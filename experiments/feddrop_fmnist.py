@@ -28,10 +28,14 @@ plus ``tradeoff.png`` (FLOPs vs communication to reach each target, Pareto
 front per method), ``keep_probs.png`` (Fig. 9) and the sampled-vs-expected
 FLOPs error of FedDrop (App. D.5). ``--report-only`` rebuilds them.
 
-FLOPs convention: a multiply-accumulate is 2 FLOPs, training = 3 x forward,
-summed over clients (the paper's Table 6 counts a MAC as one FLOP, so its
-absolute TFLOPs may be about half of ours; ratios are comparable). GB = 1e9
-bytes of float32 traffic, both directions, all clients.
+FLOPs convention (ours, ``fedjax_sparse.accounting``): a multiply-accumulate is
+2 FLOPs, training = forward + 2 x forward backward = 3 x forward, so one
+training example costs 6 x its forward MACs; FedDrop's are expected FLOPs
+under the keep probabilities; summed over the sampled clients. The paper counts
+forward MACs per example only (``OURS_PER_PAPER_FLOP`` = 6, derived there), so
+every TFLOPs table is written in both units: "ours" and "paper" (= ours / 6).
+Ratios between methods are the same in both. GB = 1e9 bytes of float32
+traffic, both directions, all clients.
 
 ``--bench`` instead times rounds (after compilation) of the FMNIST setting
 for the given methods and reports the FedDrop server optimisation's share.
@@ -56,7 +60,33 @@ BASE = dict(dataset="fashion_mnist", model="feddrop_fmnist_cnn", partition="diri
             lr=0.02, preprocess="standardize", min_client_samples=4, eval_every=1)
 ALL_METHODS = ("feddrop", "unidrop", "fedavg", "fedprox", "scaffold", "caldas")
 
-# Paper Table 1 (full participation) and Table 2 (1000 clients, 1 %), FMNIST rows: TFLOPs.
+# Our FLOPs per FLOP of the FedDrop paper (exact for the MACs; the paper also adds ReLU outputs,
+# +0.34 % on the FMNIST CNN). Ours (fedjax_sparse.accounting): 2 FLOPs per multiply-accumulate and
+# training = forward + backward (2 x forward) = 3 x forward, i.e. 3 x 2 = 6 FLOPs per forward MAC of
+# every example trained on. The paper's "FLOPs" are forward MACs per example (times examples), no
+# factor 2 and no backward pass:
+# * Table 6 lists one FLOP per MAC (+ ReLU outputs) despite eq. (9)'s leading 2: conv1
+#   32x28x28 outputs x 25 MACs = 627,200 + 25,088 ReLUs = 652 k (Table 6: 652 k, not 1.30 M);
+# * Table 5 (FMNIST, r = 0.5, R = 100 rounds, E = 8, 100 clients holding the 60,000 training images)
+#   reports 281.85 expected TFLOPs; 0.5 x 11,720,192 forward MACs x 60,000 x 8 x 100 = 281.28 T
+#   (+0.2 %; with the ReLU outputs 282.24 T). Forward 2 x MACs would give 562.6 T, MACs with backward
+#   (3 x MACs) 843.8 T, our 6 x MACs 1687.7 T. Its r = 0.25 / 0.75 columns agree the same way;
+# * App. D.2 (VGG-9, 20 clients, E = 8, r = 0.5, CIFAR-10's 50,000 images): 25.8 T per round vs
+#   0.5 x 133.4 M MACs x 50,000 x 8 = 26.7 T.
+# Hence paper TFLOPs = our TFLOPs / 6 (not / 2).
+OURS_PER_PAPER_FLOP = 6
+
+
+def to_paper_unit(flops_ours: float) -> float:
+    """Our FLOPs (2 per MAC, forward + backward) in the FedDrop paper's unit (forward MACs)."""
+    return flops_ours / OURS_PER_PAPER_FLOP
+
+
+UNIT_OURS = "TFLOPs (ours: 2 FLOPs/MAC, fwd+bwd)"
+UNIT_PAPER = "TFLOPs (paper: forward MACs)"
+
+# Paper Table 1 (full participation) and Table 2 (1000 clients, 1 %), FMNIST rows: TFLOPs in the
+# paper's unit (forward MACs; OURS_PER_PAPER_FLOP x these in ours).
 PAPER = {
     "full": {(0.80, 4): dict(feddrop=12.85, unidrop=29.81, fedavg=32.68, fedprox=32.68, scaffold=31.25, caldas=34.82),
              (0.80, 8): dict(feddrop=9.82, unidrop=26.97, fedavg=30.54, fedprox=30.54, scaffold=26.99, caldas=31.65),
@@ -198,28 +228,36 @@ def compute_table(runs: dict, targets, budgets_gb) -> dict:
 
 
 def format_table(table: dict, methods, participation: str) -> str:
+    """Table 1/2 in markdown, twice: in our unit (the paper's numbers x OURS_PER_PAPER_FLOP) and in
+    the paper's (ours / OURS_PER_PAPER_FLOP). Multiples of FedDrop are the same in both."""
     lines = [f"# FedDrop, Fashion-MNIST, {participation} participation: TFLOPs to reach the target accuracy "
              "within the communication budget", "",
-             "Ours: cumulative training FLOPs (2 per MAC, all clients) at the first round whose global test "
-             "accuracy reaches the target with up+down traffic <= budget; best configuration per method "
-             "(in brackets; x = multiple of FedDrop). Paper: Table 1/2 (its FLOPs may count a MAC as one).", "",
-             "| acc | comm | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
+             "Ours: cumulative training FLOPs (all clients) at the first round whose global test accuracy "
+             "reaches the target with up+down traffic <= budget; best configuration per method (in brackets; "
+             "x = multiple of FedDrop). Paper: Table 1/2. Two units: ours counts 2 FLOPs per multiply-accumulate "
+             "and training = 3 x forward (6 FLOPs per forward MAC per example); the paper counts forward MACs "
+             f"per example (Table 5 / Table 6), so paper = ours / {OURS_PER_PAPER_FLOP}."]
     paper = PAPER.get(participation, {})
-    for (target, budget), cell in sorted(table.items()):
-        ref = cell.get("feddrop")
-        entries = []
-        for method in methods:
-            value = cell.get(method)
-            if value is None:
-                entries.append("not reached")
-                continue
-            ratio = f" ({value[0] / ref[0]:.2f}x)" if ref and method != "feddrop" else ""
-            entries.append(f"{value[0]:.2f}{ratio} [{value[1]}]")
-        lines.append(f"| {100 * target:.0f}% | {budget:g} GB | " + " | ".join(entries) + " |")
-        ref_paper = paper.get((round(target, 2), budget))
-        if ref_paper:
-            lines.append("| | paper | " + " | ".join(
-                f"{ref_paper[m]:.2f}" if m in ref_paper else "-" for m in methods) + " |")
+    for unit, ours_in_unit, paper_scale, paper_label in (
+            (UNIT_OURS, float, OURS_PER_PAPER_FLOP, f"paper x{OURS_PER_PAPER_FLOP}"),
+            (UNIT_PAPER, to_paper_unit, 1.0, "paper")):
+        lines += ["", f"## {unit}", "",
+                  "| acc | comm | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
+        for (target, budget), cell in sorted(table.items()):
+            ref = cell.get("feddrop")
+            entries = []
+            for method in methods:
+                value = cell.get(method)
+                if value is None:
+                    entries.append("not reached")
+                    continue
+                ratio = f" ({value[0] / ref[0]:.2f}x)" if ref and method != "feddrop" else ""
+                entries.append(f"{ours_in_unit(value[0]):.2f}{ratio} [{value[1]}]")
+            lines.append(f"| {100 * target:.0f}% | {budget:g} GB | " + " | ".join(entries) + " |")
+            ref_paper = paper.get((round(target, 2), budget))
+            if ref_paper:
+                lines.append(f"| | {paper_label} | " + " | ".join(
+                    f"{paper_scale * ref_paper[m]:.2f}" if m in ref_paper else "-" for m in methods) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -233,7 +271,9 @@ def run_summaries(runs: dict) -> list[dict]:
             gbytes = (last["total_uplink_bits"] + last["total_downlink_bits"]) / 8e9
             out.append(dict(method=method, config=name, rounds=int(last["round"]),
                             final_accuracy=accuracy_of(last), best_accuracy=max(accuracy_of(r) for r in rows),
-                            tflops=last["total_flops"] / 1e12, gbytes=gbytes, gbytes_per_round=gbytes / last["round"]))
+                            tflops=last["total_flops"] / 1e12,
+                            tflops_paper_unit=to_paper_unit(last["total_flops"]) / 1e12,
+                            gbytes=gbytes, gbytes_per_round=gbytes / last["round"]))
     return out
 
 
@@ -274,7 +314,9 @@ def plot_tradeoff(runs: dict, targets, path: Path) -> None:
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("communication to target (GB)")
-        ax.set_ylabel("training TFLOPs to target")
+        ax.set_ylabel("TFLOPs to target, ours (2/MAC, fwd+bwd)")
+        ax.secondary_yaxis("right", functions=(to_paper_unit, lambda x: x * OURS_PER_PAPER_FLOP)).set_ylabel(
+            f"paper's unit (fwd MACs) = ours / {OURS_PER_PAPER_FLOP}")
         ax.set_title(f"target accuracy {100 * target:.0f}%")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
@@ -318,20 +360,26 @@ def report(args, root: Path) -> None:
     table = compute_table(runs, args.targets, args.budgets)
     text = format_table(table, methods, args.participation)
     summaries = run_summaries(runs)
-    text += ("\n## Runs\n\n| method | config | rounds | final acc. | best acc. | TFLOPs | GB | GB/round |\n"
-             "|---|---|---|---|---|---|---|---|\n")
+    text += (f"\n## Runs\n\n| method | config | rounds | final acc. | best acc. | {UNIT_OURS} | {UNIT_PAPER} "
+             "| GB | GB/round |\n|---|---|---|---|---|---|---|---|---|\n")
     text += "".join(f"| {r['method']} | {r['config']} | {r['rounds']} | {100 * r['final_accuracy']:.1f}% | "
-                    f"{100 * r['best_accuracy']:.1f}% | {r['tflops']:.1f} | {r['gbytes']:.2f} | "
-                    f"{r['gbytes_per_round']:.3f} |\n" for r in summaries)
+                    f"{100 * r['best_accuracy']:.1f}% | {r['tflops']:.1f} | {r['tflops_paper_unit']:.2f} | "
+                    f"{r['gbytes']:.2f} | {r['gbytes_per_round']:.3f} |\n" for r in summaries)
     errors = sampled_flops_error(runs)
     if errors:
-        text += "\n## Sampled vs expected FLOPs (App. D.5)\n\n| method | config | expected TFLOPs | sampled TFLOPs | rel. error |\n|---|---|---|---|---|\n"
+        text += ("\n## Sampled vs expected FLOPs (App. D.5; our unit)\n\n"
+                 "| method | config | expected TFLOPs | sampled TFLOPs | rel. error |\n|---|---|---|---|---|\n")
         text += "".join(f"| {e['method']} | {e['config']} | {e['expected_tflops']:.3f} | {e['sampled_tflops']:.3f} | "
                         f"{100 * e['relative_error']:+.3f}% |\n" for e in errors)
     (root / "table.md").write_text(text)
+    paper = PAPER.get(args.participation, {})
     (root / "table.json").write_text(json.dumps({
-        "cells": [dict(target=t, budget_gb=b, results={m: (None if v is None else dict(tflops=v[0], config=v[1]))
-                                                       for m, v in cell.items()})
+        "units": {"tflops": UNIT_OURS, "tflops_paper_unit": UNIT_PAPER, "ours_per_paper_flop": OURS_PER_PAPER_FLOP},
+        "cells": [dict(target=t, budget_gb=b,
+                       results={m: (None if v is None else dict(tflops=v[0], tflops_paper_unit=to_paper_unit(v[0]),
+                                                                config=v[1]))
+                                for m, v in cell.items()},
+                       paper_tflops_paper_unit=paper.get((round(t, 2), b)))
                   for (t, b), cell in sorted(table.items())],
         "runs": summaries, "sampled_flops": errors}, indent=2))
     plot_tradeoff(runs, args.targets, root / "tradeoff.png")

@@ -52,3 +52,31 @@ def test_fsl_script_runs_reports_and_skips_finished_runs(tmp_path, capsys):
     capsys.readouterr()
     assert fsl_mnist.main(argv) == 0
     assert capsys.readouterr().out.count("[skip]") == 2
+
+
+def test_feddrop_paper_unit_is_forward_macs_per_example():
+    """Our FLOPs (2 per MAC, training = 3 x forward) / 6 = the FedDrop paper's unit (forward MACs):
+    hand count of the Table 6 CNN, then the paper's Table 5 (r = 0.5, R = 100, E = 8, 100 clients
+    holding FMNIST's 60,000 training images: 281.85 expected TFLOPs). A factor 2 gives 843.8."""
+    from fedjax_sparse.accounting import layer_forward_flops
+    from fedjax_sparse.models import make_model
+    model = make_model("feddrop_fmnist_cnn", (28, 28, 1), 10)
+    # Forward MACs per image: out positions x out channels x kernel x in channels, then the dense layers.
+    macs = (28 * 28 * 32 * 5 * 5 * 1 + 14 * 14 * 64 * 5 * 5 * 32 + 5 * 5 * 64 * 3 * 3 * 64
+            + 256 * 512 + 512 * 10)
+    assert macs == model.forward_macs == 11_720_192
+    examples = 60_000 * 8 * 100
+    ours = 0.5 * examples * 3 * float(layer_forward_flops(model).sum())  # the engine's convention
+    assert ours == 0.5 * examples * 6 * macs
+    paper_tflops = feddrop_fmnist.to_paper_unit(ours) / 1e12
+    assert paper_tflops == pytest.approx(0.5 * examples * macs / 1e12, rel=1e-12)  # 281.28
+    assert paper_tflops == pytest.approx(281.85, rel=5e-3)
+
+    # The report shows both units: a run with 6 TFLOPs (ours) is 1 TFLOP in the paper's unit, and the
+    # paper's FedAvg 30.54 (80 %, 8 GB) is 183.24 in ours.
+    table = feddrop_fmnist.compute_table({"fedavg": {"E1": ROWS}}, [0.80], [8.0])
+    text = feddrop_fmnist.format_table(table, ["fedavg"], "full")
+    ours_part, paper_part = text.split(f"## {feddrop_fmnist.UNIT_PAPER}")
+    assert f"## {feddrop_fmnist.UNIT_OURS}" in ours_part
+    assert "| 80% | 8 GB | 6.00 [E1] |" in ours_part and "| 183.24 |" in ours_part
+    assert "| 80% | 8 GB | 1.00 [E1] |" in paper_part and "| 30.54 |" in paper_part
