@@ -66,7 +66,8 @@ METHODS = {
     **{f"fsl_k{k}": dict(algorithm="fsl", lr=SUPERMASK_LR, options=dict(subnet_fraction=k / 100))
        for k in (10, 20, 30, 40, 60, 70, 80, 90)},
 }
-LABELS = {"fedavg": "FedAvg", "fedavg_minmax": "FedAvg (min-max attack)", "trimmed_mean": "Trimmed-mean", "multi_krum": "Multi-Krum", "signsgd": "SignSGD",
+LABELS = {"fedavg": "FedAvg", "fedavg_minmax": "FedAvg (min-max attack)", "trimmed_mean": "Trimmed-mean",
+          "multi_krum": "Multi-Krum", "signsgd": "SignSGD",
           "topk50": "TopK 50%", "topk10": "TopK 10%", "fsl": "FSL", "sfsl50": "SFSL top 50%",
           "sfsl10": "SFSL top 10%", "fsl_kaiming_normal": "FSL, Kaiming normal weights",
           "fsl_glorot_normal": "FSL, Glorot normal weights"}
@@ -108,6 +109,8 @@ def make_config(method: str, malicious_pct: int, seed: int, args, out: Path | No
     options = dict(spec["options"])
     if malicious_pct:
         options["malicious_fraction"] = malicious_pct / 100
+        if spec["algorithm"] in ("fsl", "sfsl") and args.attacker_knowledge is not None:
+            options["attacker_knowledge"] = args.attacker_knowledge
     if spec["algorithm"] == "signsgd":
         options["server_lr"] = args.signsgd_server_lr
     base = dict(BASE, **args.overrides)
@@ -176,18 +179,21 @@ def fmt_acc(s: dict | None) -> str:
 def write_report(out: Path, tables: list[str], seeds) -> dict:
     results, lines = {}, ["# FSL on MNIST (LeNet, 1000 clients, Dirichlet 1.0, 25 clients per round)", "",
                           "Accuracy: final global model on each client's local test set, mean (std over "
-                          "clients) in %; ±x = std over seeds when several; [rN] = rounds completed (with 'diverged': the "
-                          "attack made the loss NaN/inf at round N; the accuracy is that round's). "
+                          "clients) in %; ±x = std over seeds when several; [rN] = rounds completed (with "
+                          "'diverged': the attack made the loss NaN/inf at round N; the accuracy is that round's). "
                           "MB = 2^20 bytes per client per round, as in the paper.", ""]
     if "table1" in tables:
         lines += ["## Table 1: accuracy and communication", "",
-                  "| method | accuracy | paper | upload MB | paper | download MB | paper |", "|---|---|---|---|---|---|---|"]
+                  "| method | accuracy | paper | upload MB | paper | download MB | paper |",
+                  "|---|---|---|---|---|---|---|"]
         for method, (acc, up, down) in PAPER_TABLE1.items():
             s = summarize_runs(out, method, 0, seeds)
-            results.setdefault("table1", {})[method] = dict(ours=s, paper=dict(accuracy=acc, upload_mb=up, download_mb=down))
-            mb = (lambda v: "–" if s is None else f"{v:.2f}")
-            lines.append(f"| {LABELS[method]} | {fmt_acc(s)} | {acc} | {mb(s and s['upload_mb'])} | {up:.2f} | "
-                         f"{mb(s and s['download_mb'])} | {down:.2f} |")
+            results.setdefault("table1", {})[method] = dict(ours=s, paper=dict(accuracy=acc, upload_mb=up,
+                                                                                download_mb=down))
+            up_ours = "–" if s is None else f"{s['upload_mb']:.2f}"
+            down_ours = "–" if s is None else f"{s['download_mb']:.2f}"
+            lines.append(f"| {LABELS[method]} | {fmt_acc(s)} | {acc} | {up_ours} | {up:.2f} | "
+                         f"{down_ours} | {down:.2f} |")
         lines.append("")
     if "table2" in tables:
         lines += ["## Table 2: robustness (ours / paper)", "",
@@ -286,6 +292,11 @@ def parse_args(argv):
                         help=f"only these methods of the chosen tables (of {', '.join(METHODS)})")
     parser.add_argument("--malicious", type=int, nargs="+", default=None, help="only these malicious %% (table 2)")
     parser.add_argument("--signsgd-server-lr", type=float, default=1e-3)
+    parser.add_argument("--attacker-knowledge", default=None,
+                        choices=["malicious_population", "malicious", "all"],
+                        help="FSL/SFSL reverse-ranking attacker's knowledge (default: the algorithm's, "
+                             "malicious_population = paper App. A.1 / FRL code; `malicious` = the sampled "
+                             "malicious clients only, which produced the cpu_40rounds Table 2 FSL rows)")
     parser.add_argument("--eval-every", type=int, default=None)
     parser.add_argument("--num-clients", type=int, default=None, help="override (smoke tests)")
     parser.add_argument("--clients-per-round", type=int, default=None, help="override (smoke tests)")

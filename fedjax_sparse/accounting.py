@@ -187,6 +187,6 @@ def cost_per_round(cost: Cost, leading_axes: int = 1):
         products = factors[..., 0].astype(np.int64) * factors[..., 1].astype(np.int64)   # [R, K, T]
         per_term = products.sum(axis=1)                                                  # [R, T] int64
         return [sum(int(c) * u for c, u in zip(row, cost.units)) for row in per_term]
-    products = factors[..., 0].astype(np.float64) * factors[..., 1].astype(np.float64)
-    per_term = products.sum(axis=1)
-    return [float(sum(float(c) * float(u) for c, u in zip(row, cost.units))) for row in per_term]
+    real_products = factors[..., 0].astype(np.float64) * factors[..., 1].astype(np.float64)
+    real_per_term = real_products.sum(axis=1)
+    return [float(sum(float(c) * float(u) for c, u in zip(row, cost.units))) for row in real_per_term]

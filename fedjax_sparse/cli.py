@@ -110,7 +110,8 @@ def cmd_run(args) -> int:
         config.download = True
     config.options = {**config.options, **_key_values(args.option, "--option")}
     config.model_options = {**config.model_options,
-                            **{k: _model_option(v) for k, v in _key_values(args.model_option, "--model-option").items()}}
+                            **{k: _model_option(v)
+                               for k, v in _key_values(args.model_option, "--model-option").items()}}
     if args.resume and not config.out:
         raise ValueError("--resume needs --out pointing at the interrupted run's directory")
     summary = runner.run(config, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)

@@ -180,7 +180,7 @@ class SparseFlopsModel:
         """g(p) of eq. (5): r - mean over clients of the FLOPs ratio; p [K, total]."""
         return budget - self.ratio(keep_probs).mean()
 
-    def scaling_coefficients(self, keep_probs: jax.Array):
+    def scaling_coefficients(self, keep_probs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(a, b, c) with mean_k ratio(s * p_k) = a s^2 + b s + c for a scalar s."""
         m_out, m_in = self._terms(self.layout.layer_means(keep_probs))
         dense = jnp.asarray(self.dense_flops, jnp.float32)

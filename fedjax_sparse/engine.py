@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -188,7 +188,9 @@ class Engine:
         algorithms without extras draw exactly what they drew before."""
         key_extra = jax.random.fold_in(jax.random.fold_in(state.key, state.round), 0x5EED)
         key_pick, key_train = jax.random.split(key_extra)
-        extra_ids, active = self.algorithm.extra_clients(state.server, key_pick, state.round, server_ctx.client_ids)
+        extra_clients = self.algorithm.extra_clients
+        assert extra_clients is not None, "only for algorithms with extra_clients"
+        extra_ids, active = extra_clients(state.server, key_pick, state.round, server_ctx.client_ids)
 
         def train(_):
             rows = jax.tree_util.tree_map(lambda x: x[extra_ids], state.clients)
@@ -293,7 +295,9 @@ class Engine:
     @functools.cached_property
     def _density_fn(self):
         """jitted state -> [] mean over all N clients of the density of the model each holds."""
-        density = self.algorithm.personal_density
+        personal_density = self.algorithm.personal_density
+        assert personal_density is not None, "only for algorithms with personal_density"
+        density: Callable[[Any, Any], jax.Array] = personal_density
 
         def all_clients(state: EngineState):
             per_client = jax.lax.map(lambda c: density(state.server, c), state.clients)

@@ -144,10 +144,13 @@ def flatten_variables(variables: Mapping, prefix: str = "") -> dict[str, np.ndar
 
 def save_init_params(variables: Mapping, path: str | Path) -> None:
     """Writes ``variables`` as an ``--init-params`` file."""
-    np.savez(Path(path), **{k: np.asarray(v) for k, v in flatten_variables(variables).items()})
+    arrays = {k: np.asarray(v) for k, v in flatten_variables(variables).items()}
+    # numpy's stub confuses **kwds with allow_pickle
+    np.savez(Path(path), **arrays)  # type: ignore[arg-type]
 
 
-def load_init_params(path: str | Path, template: Mapping, *, extra_prefixes: tuple[str, ...] = ("scores/",)) -> dict:
+def load_init_params(path: str | Path, template: Mapping, *,
+                     extra_prefixes: tuple[str, ...] = ("scores/",)) -> tuple[dict, dict]:
     """Reads an ``--init-params`` file shaped like ``template`` (the model's
     variables, arrays or ShapeDtypeStructs). Returns (variables, extras) where
     extras holds the arrays under ``extra_prefixes`` (FSL scores)."""
@@ -170,7 +173,8 @@ def load_init_params(path: str | Path, template: Mapping, *, extra_prefixes: tup
     for key, ref in expected.items():
         if tuple(arrays[key].shape) != tuple(ref.shape):
             raise PinningError(f"{flag} {path}: {key} has shape {tuple(arrays[key].shape)}, the model needs "
-                               f"{tuple(ref.shape)} (layouts: conv HWIO, dense [in, out]; see fedjax_sparse/pinning.py)")
+                               f"{tuple(ref.shape)} (layouts: conv HWIO, dense [in, out]; "
+                               "see fedjax_sparse/pinning.py)")
         if not np.all(np.isfinite(arrays[key])):
             raise PinningError(f"{flag} {path}: {key} holds NaN or inf values")
     variables: dict = {}

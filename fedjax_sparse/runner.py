@@ -420,7 +420,7 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
             save_checkpoint(out / CHECKPOINT, state, totals)
         if on_eval is not None:
             on_eval(row, state, exp)
-        bar.update(totals["round"], row["accuracy"])
+        bar.update(int(totals["round"]), row["accuracy"])
     bar.close()
     summary = summarize(config, exp, rows, totals, build_seconds, compile_seconds)
     if out is not None:

@@ -102,7 +102,7 @@ def masked_cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array) 
 class EvalStats(NamedTuple):
     correct: jax.Array   # [] float32
     loss_sum: jax.Array  # [] float32
-    count: jax.Array     # [] int32
+    count: jax.Array     # type: ignore[assignment]  # [] int32 (shadows tuple.count; a public field)
 
 
 def _masked_hits_and_losses(predict, data: ClientData, order: jax.Array, b: jax.Array, batch_size: int,

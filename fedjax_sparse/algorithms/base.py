@@ -109,7 +109,7 @@ def client_metrics(*, loss, flops, uplink_bits, downlink_bits, density, num_exam
     ``flops``, ``uplink_bits``, ``downlink_bits``: a :class:`Cost`, a static
     Python number, or a traced int count (all kept exact); ``num_examples``: an
     int count; the rest become float32 scalars."""
-    out = {k: jnp.asarray(v, jnp.float32) for k, v in dict(loss=loss, density=density, **extra).items()}
+    out: dict[str, Any] = {k: jnp.asarray(v, jnp.float32) for k, v in dict(loss=loss, density=density, **extra).items()}
     out.update(flops=as_cost(flops), uplink_bits=as_cost(uplink_bits), downlink_bits=as_cost(downlink_bits),
                num_examples=jnp.asarray(num_examples, jnp.int32))
     return out

@@ -43,8 +43,8 @@ from fedjax_sparse.training import masked_cross_entropy, run_local_epochs
 
 
 def tree_sq_distance(a, b) -> jax.Array:
-    return sum(jnp.sum(jnp.square(x - y)) for x, y in zip(jax.tree_util.tree_leaves(a),
-                                                           jax.tree_util.tree_leaves(b)))
+    return jnp.asarray(sum(jnp.sum(jnp.square(x - y)) for x, y in zip(jax.tree_util.tree_leaves(a),
+                                                                       jax.tree_util.tree_leaves(b))))
 
 
 # ---------------------------------------------------------------- FedProx

@@ -167,7 +167,7 @@ def optimise_keep_probs(similarity: jax.Array, keep_probs: jax.Array, flops: Spa
     """
     use_barrier = budget is not None and budget < 1.0 and mu > 0
     barrier_value_and_grad = jax.value_and_grad(
-        lambda x: -mu * jnp.log(flops.budget_slack(1.0 / x, budget)))
+        lambda x: -mu * jnp.log(flops.budget_slack(1.0 / x, 1.0 if budget is None else budget)))
 
     def value_and_grad(x):
         value, grad = dropout_objective_and_grad(x, similarity)

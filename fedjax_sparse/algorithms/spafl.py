@@ -209,7 +209,7 @@ def unflatten_thresholds(flat: jax.Array, layers: tuple[LayerInfo, ...]) -> dict
 
 def regulariser(tau: Thresholds) -> jax.Array:
     """R = sum over all thresholds of exp(-tau) (eq. 5)."""
-    return sum(jnp.sum(jnp.exp(-t)) for t in tau.values())
+    return jnp.asarray(sum(jnp.sum(jnp.exp(-t)) for t in tau.values()))
 
 
 def regulariser_ramp(round_index: jax.Array) -> jax.Array:

@@ -318,12 +318,12 @@ def parse_idx(raw: bytes, display: str = "<bytes>") -> np.ndarray:
         raise DataError(f"{display}: truncated IDX header ({len(raw)} bytes); re-download the original file")
     dims = tuple(int(d) for d in np.frombuffer(raw, ">u4", count=ndim, offset=4))
     expected = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
-    got = len(raw) - header_len
-    if got != expected:
+    got_bytes = len(raw) - header_len
+    if got_bytes != expected:
         shape = "x".join(map(str, dims))
         raise DataError(
             f"{display}: truncated or corrupt IDX data: header says {shape} ({expected} bytes) "
-            f"but the file holds {got}; re-download the original file"
+            f"but the file holds {got_bytes}; re-download the original file"
         )
     arr = np.frombuffer(raw, dtype, offset=header_len).reshape(dims)
     return arr.astype(dtype.newbyteorder("="), copy=False)
@@ -559,7 +559,8 @@ def _load_cifar10_sample(data_dir, verify_checksums: bool) -> Dataset:
         except Exception as e:  # zip/npy errors come in many types
             raise DataError(f"{path}: not a readable npz with arrays 'x' and 'y' ({e}); re-copy the file") from e
         if x.dtype != np.uint8 or x.ndim != 4 or x.shape[1:] != (32, 32, 3) or len(x) != len(y):
-            raise DataError(f"{path}: expected x uint8 [n,32,32,3] and n labels, got {x.dtype} {x.shape}; re-copy the file")
+            raise DataError(f"{path}: expected x uint8 [n,32,32,3] and n labels, got {x.dtype} {x.shape}; "
+                            "re-copy the file")
         _check_md5(name, path, raw, verify_checksums)
         arrays.append((x, _labels_int32(name, str(path), y, 10)))
     (x_tr, y_tr), (x_te, y_te) = arrays
@@ -584,7 +585,8 @@ def _load_svhn(data_dir, verify_checksums: bool) -> Dataset:
         except Exception as e:  # scipy raises assorted errors for damaged files
             raise DataError(f"{path}: not a readable SVHN .mat file with 'X' and 'y' ({e}); re-download it") from e
         if x.ndim != 4 or x.shape[:3] != (32, 32, 3) or x.shape[3] != y.size:
-            raise DataError(f"{path}: expected X [32,32,3,n] and n labels, got X {x.shape}, y {y.shape}; re-download it")
+            raise DataError(f"{path}: expected X [32,32,3,n] and n labels, got X {x.shape}, y {y.shape}; "
+                            "re-download it")
         _check_md5(name, path, raw, verify_checksums)
         y = np.asarray(y).reshape(-1).astype(np.int64)
         y[y == 10] = 0  # SVHN labels digit 0 as 10
@@ -662,7 +664,7 @@ def _load_synthetic(
         b_global = rng.normal(0, 1, num_classes)
     else:
         mean_x = rng.normal(big_b[:, None], 1, (num_clients, dimension))
-    parts = {"train": ([], [], []), "test": ([], [], [])}
+    parts: dict[str, tuple[list, list, list]] = {"train": ([], [], []), "test": ([], [], [])}
     for k in range(num_clients):
         if iid:
             w, b = w_global, b_global

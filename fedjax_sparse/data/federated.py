@@ -26,7 +26,7 @@ class ClientData(NamedTuple):
     x: jax.Array        # [n_pool, ...] uint8 or float32, shared by all clients
     y: jax.Array        # [n_pool] int32
     indices: jax.Array  # [max_n] int32, only the first ``count`` are valid
-    count: jax.Array    # [] int32
+    count: jax.Array    # type: ignore[assignment]  # [] int32 (shadows tuple.count; a public field)
 
 
 @struct.dataclass

@@ -92,7 +92,7 @@ def avg_pool(x: jax.Array, window: int, stride: int | None = None) -> jax.Array:
         ho, wo = (h - window) // stride + 1, (w - window) // stride + 1
         total = sum(x[:, i:i + stride * (ho - 1) + 1:stride, j:j + stride * (wo - 1) + 1:stride, :]
                     for i in range(window) for j in range(window))
-        return total / (window * window)
+        return jnp.asarray(total) / (window * window)
     ho, wo = h // window, w // window
     x = x[:, :ho * window, :wo * window, :]
     return x.reshape(b, ho, window, wo, window, c).mean(axis=(2, 4))
@@ -126,7 +126,8 @@ def batch_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, stats: dict,
     has_data = n > 1.0  # an all-padding step must not move the running stats
     new_stats = {
         "mean": jnp.where(has_data, (1 - momentum) * stats["mean"] + momentum * lax.stop_gradient(mean), stats["mean"]),
-        "var": jnp.where(has_data, (1 - momentum) * stats["var"] + momentum * lax.stop_gradient(unbiased), stats["var"]),
+        "var": jnp.where(has_data, (1 - momentum) * stats["var"] + momentum * lax.stop_gradient(unbiased),
+                         stats["var"]),
     }
     return y, new_stats
 
