@@ -143,13 +143,16 @@ def cmd_partition(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from fedjax_sparse.algorithms import algorithm_defaults, algorithm_names
+    import dataclasses
+
+    from fedjax_sparse.algorithms import algorithm_names, algorithm_options
     from fedjax_sparse.data import datasets, partition
     from fedjax_sparse.models import model_names
-    print("algorithms:")
+    print("algorithms: (--option KEY=VALUE; type = default)")
     for name in algorithm_names():
-        options = ", ".join(f"{k}={v!r}" for k, v in algorithm_defaults(name).items())
-        print(f"  {name:<24} {options}")
+        fields = dataclasses.fields(algorithm_options(name))
+        options = ", ".join(f"{f.name}: {type(f.default).__name__} = {f.default!r}" for f in fields)
+        print(f"  {name:<24} {options or '(no options)'}")
     print("datasets:   " + ", ".join(datasets.DATASETS))
     print("models:     " + ", ".join(model_names()))
     print("partitions: " + ", ".join(partition.PARTITION_SCHEMES))

@@ -98,8 +98,8 @@ class RunConfig:
         return cls(**data)
 
 
-def validate(config: RunConfig) -> None:
-    """Raises RunError naming the problem and the fix."""
+def validate(config: RunConfig):
+    """Raises RunError naming the problem and the fix; returns the algorithm's typed options."""
     positive = dict(num_clients=config.num_clients, clients_per_round=config.clients_per_round,
                     resample_every=config.resample_every,
                     rounds=config.rounds, local_epochs=config.local_epochs,
@@ -128,7 +128,7 @@ def validate(config: RunConfig) -> None:
     if config.round_mode not in ROUND_MODES:
         raise RunError(f"unknown --round-mode {config.round_mode!r}; valid: {', '.join(ROUND_MODES)}")
     try:
-        resolve_options(config.algorithm, config.options)
+        return resolve_options(config.algorithm, config.options)
     except ValueError as e:
         raise RunError(str(e)) from None
 
@@ -156,7 +156,7 @@ class Experiment:
 
 
 def build(config: RunConfig) -> Experiment:
-    validate(config)
+    options = validate(config)   # resolved once: typed, before any data is loaded
     from fedjax_sparse.data import datasets, partition as partition_lib
     dataset_options = dict(config.dataset_options)
     if config.dataset == "synthetic":
@@ -183,10 +183,9 @@ def build(config: RunConfig) -> Experiment:
     model = make_model(model_name, data.input_shape, data.num_classes, **config.model_options)
     initial_variables = None
     if config.init_params:
-        options = resolve_options(config.algorithm, config.options)
-        if options.get("init", "model") != "model":
+        if getattr(options, "init", "model") != "model":
             raise RunError(f"--init-params gives the initial weights, but {config.algorithm} re-initialises "
-                           f"them (option init={options['init']!r}); add --option init=model")
+                           f"them (option init={options.init!r}); add --option init=model")
         template = jax.eval_shape(model.init, jax.random.PRNGKey(0))
         try:
             variables, extras = pinning.load_init_params(config.init_params, template)
@@ -214,7 +213,7 @@ def build(config: RunConfig) -> Experiment:
                 rounds=config.rounds, preprocess=data.preprocess,
                 train_counts=np.asarray(data.train_count), seed=config.seed,
                 initial_variables=initial_variables)
-    algorithm = make_algorithm(config.algorithm, task, config.options)
+    algorithm = make_algorithm(config.algorithm, task, options)
     engine = Engine(algorithm, config.num_clients, config.clients_per_round,
                     client_parallelism=config.client_parallelism, resample_every=config.resample_every,
                     eval_batch_size=config.eval_batch_size or auto_eval_batch_size(data),

@@ -64,7 +64,7 @@ def test_interrupted_run_resumes_to_identical_results(tmp_path):
     (["--rounds", "0"], "--rounds must be a positive integer"),
     (["--batch-size", "-3"], "--batch-size must be a positive integer"),
     (["--lr", "-1"], "--lr must be a positive number"),
-    (["--option", "momentum=fast"], "expected a float"),
+    (["--option", "momentum=fast"], "--option momentum='fast' of algorithm fedavg: expected a number"),
     (["--option", "bogus=1"], "unknown option(s) ['bogus'] for algorithm 'fedavg'"),
     (["--partition", "dirichlet:-1"], "ALPHA must be > 0"),
 ])

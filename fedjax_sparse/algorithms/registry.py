@@ -1,7 +1,12 @@
-"""Name -> algorithm builder, with declared options and their defaults.
+"""Name -> algorithm builder, with typed options.
 
-A builder is ``make(task, **options) -> Algorithm``; registering it with its
-option defaults lets the CLI and config files validate ``--option k=v``.
+Every algorithm registers once with its options: a frozen dataclass (one
+typed field per option, with its default), or a dict of defaults from which
+that dataclass is made. ``resolve_options`` turns user input (CLI strings
+from ``--option KEY=VALUE``, or JSON values from a config file) into an
+instance of it, coercing strings to the field's type and rejecting unknown
+keys and wrong types with a one-line error that names the flag. A builder is
+``make(task, **options) -> Algorithm``.
 """
 from __future__ import annotations
 
@@ -15,23 +20,48 @@ from fedjax_sparse.algorithms.base import Algorithm, Task
 class AlgorithmEntry:
     name: str
     builder: Callable[..., Algorithm]
-    defaults: dict
+    options: type   # a frozen dataclass
+
+    @property
+    def defaults(self) -> dict:
+        return {f.name: f.default for f in dataclasses.fields(self.options)}
 
 
 _REGISTRY: dict[str, AlgorithmEntry] = {}
 
 
-def register_algorithm(name: str, defaults: dict | None = None):
+def options_class(name: str, defaults: dict) -> type:
+    """A frozen dataclass ``<Name>Options`` with one field per default, typed by the default."""
+    class_name = "".join(part.capitalize() for part in name.split("_")) + "Options"
+    fields = [(key, type(value), dataclasses.field(default=value)) for key, value in defaults.items()]
+    cls = dataclasses.make_dataclass(class_name, fields, frozen=True)
+    cls.__doc__ = f"Options of algorithm {name!r} (--option KEY=VALUE)."
+    return cls
+
+
+def register_algorithm(name: str, options: type | dict | None = None):
+    """Registers ``builder(task, **options)`` under ``name``. ``options``: a frozen
+    dataclass type, or a dict of defaults (a dataclass is made from it)."""
+    if options is None or isinstance(options, dict):
+        options = options_class(name, dict(options or {}))
+    if not dataclasses.is_dataclass(options):
+        raise TypeError(f"options of {name!r} must be a dataclass type or a dict of defaults")
+
     def wrap(builder):
         if name in _REGISTRY:
             raise ValueError(f"algorithm {name!r} registered twice")
-        _REGISTRY[name] = AlgorithmEntry(name, builder, dict(defaults or {}))
+        _REGISTRY[name] = AlgorithmEntry(name, builder, options)
         return builder
     return wrap
 
 
 def algorithm_names() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def algorithm_options(name: str) -> type:
+    """The options dataclass of an algorithm."""
+    return _entry(name).options
 
 
 def algorithm_defaults(name: str) -> dict:
@@ -44,41 +74,61 @@ def _entry(name: str) -> AlgorithmEntry:
     return _REGISTRY[name]
 
 
-def coerce_option(name: str, key: str, value: Any, default: Any) -> Any:
-    """Converts a CLI string to the default's type; explains a bad value."""
-    if not isinstance(value, str) or isinstance(default, str):
-        return value
-    try:
-        if isinstance(default, bool):
-            if value.lower() in ("1", "true", "yes", "on"):
-                return True
-            if value.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if isinstance(default, int):
-            return int(value)
-        if isinstance(default, float):
-            return float(value)
-    except ValueError:
-        raise ValueError(f"option {key}={value!r} of {name}: expected a {type(default).__name__} "
-                         f"(default {default!r})") from None
+def _type_name(kind: type) -> str:
+    return {bool: "boolean (true/false)", int: "integer", float: "number", str: "string"}.get(kind, kind.__name__)
+
+
+def _article(kind: type) -> str:
+    return "an" if kind is int else "a"
+
+
+def coerce_option(name: str, key: str, value: Any, kind: type) -> Any:
+    """``value`` (a CLI string or a JSON value) as a ``kind``; a one-line ValueError otherwise."""
+    def bad():
+        return ValueError(f"--option {key}={value!r} of algorithm {name}: expected {_article(kind)} {_type_name(kind)}")
+    if isinstance(value, str) and kind is not str:
+        text = value.strip().lower()
+        try:
+            if kind is bool:
+                if text in ("1", "true", "yes", "on"):
+                    return True
+                if text in ("0", "false", "no", "off"):
+                    return False
+                raise bad()
+            if kind is int:
+                return int(text)
+            if kind is float:
+                return float(text)
+        except ValueError:
+            raise bad() from None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is bool and not isinstance(value, bool):
+        raise bad()
+    if kind in (int, float) and isinstance(value, bool):
+        raise bad()
+    if not isinstance(value, kind):
+        raise bad()
     return value
 
 
-def resolve_options(name: str, options: dict | None) -> dict:
+def resolve_options(name: str, options: Any = None):
+    """User options (dict, or already an options instance) -> the algorithm's options dataclass instance."""
     entry = _entry(name)
+    if isinstance(options, entry.options):
+        return options
     options = dict(options or {})
-    unknown = sorted(set(options) - set(entry.defaults))
+    known = {f.name: f for f in dataclasses.fields(entry.options)}
+    unknown = sorted(set(options) - set(known))
     if unknown:
         valid = ", ".join(f"{k}={v!r}" for k, v in sorted(entry.defaults.items())) or "(none)"
-        raise ValueError(f"unknown option(s) {unknown} for algorithm {name!r}; valid options: {valid}")
-    resolved = dict(entry.defaults)
-    for key, value in options.items():
-        resolved[key] = coerce_option(name, key, value, entry.defaults[key])
-    return resolved
+        raise ValueError(f"unknown option(s) {unknown} for algorithm {name!r} (--option KEY=VALUE); "
+                         f"valid options: {valid}")
+    typed = {key: coerce_option(name, key, value, type(known[key].default)) for key, value in options.items()}
+    return entry.options(**typed)
 
 
-def make_algorithm(name: str, task: Task, options: dict | None = None) -> Algorithm:
-    resolved = resolve_options(name, options)
+def make_algorithm(name: str, task: Task, options: Any = None) -> Algorithm:
+    resolved = dataclasses.asdict(resolve_options(name, options))
     algorithm = _entry(name).builder(task, **resolved)
     return dataclasses.replace(algorithm, hparams={**resolved, **algorithm.hparams})

@@ -1,0 +1,44 @@
+"""Typed algorithm options: one frozen dataclass per algorithm, CLI strings coerced to its
+field types, unknown keys and wrong types refused with one line naming --option."""
+import dataclasses
+
+import pytest
+
+from fedjax_sparse.algorithms import algorithm_names, algorithm_options, resolve_options
+
+
+def test_every_algorithm_has_a_frozen_typed_options_class():
+    for name in algorithm_names():
+        cls = algorithm_options(name)
+        assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen
+        instance = cls()
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(instance, "x", 1)
+
+
+def test_cli_strings_and_json_values_are_coerced_to_the_field_types():
+    options = resolve_options("fedavg", {"momentum": "0.9", "weighted": "false", "server_lr": 1})
+    assert options.momentum == 0.9 and options.weighted is False
+    assert options.server_lr == 1.0 and isinstance(options.server_lr, float)
+    fsl = resolve_options("fsl", {"attacker_clients": "7", "mask_by": "raw"})
+    assert fsl.attacker_clients == 7 and fsl.mask_by == "raw"
+    assert resolve_options("fsl", fsl) is fsl
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"bogus": "1"}, "unknown option(s) ['bogus'] for algorithm 'fedavg' (--option KEY=VALUE)"),
+    ({"momentum": "fast"}, "--option momentum='fast' of algorithm fedavg: expected a number"),
+    ({"weighted": "maybe"}, "--option weighted='maybe' of algorithm fedavg: expected a boolean"),
+    ({"weighted": 1}, "expected a boolean"),
+    ({"momentum": [0.9]}, "expected a number"),
+    ({"momentum": True}, "expected a number"),
+])
+def test_bad_options_are_one_line_errors(options, message):
+    with pytest.raises(ValueError) as info:
+        resolve_options("fedavg", options)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_integer_options_refuse_fractions():
+    with pytest.raises(ValueError, match="expected an integer"):
+        resolve_options("fsl", {"attacker_clients": "2.5"})
