@@ -169,8 +169,7 @@ def run_all(args, root: Path) -> None:
             print(f"[run] {method} {name} -> {out}" + (" (resuming)" if resume else ""), flush=True)
             config = run_config(args, method, spec["local_epochs"], spec["options"], out, args.rounds)
             recorder = KeepProbRecorder(out / "keep_hist.npz") if method == "feddrop" else None
-            summary = runner.run(config, resume=resume, progress=not args.quiet, on_eval=recorder)
-            summary.pop("_state", None)
+            runner.run(config, resume=resume, progress=not args.quiet, on_eval=recorder)
 
 
 # ---------------------------------------------------------------------------- analysis

@@ -129,8 +129,7 @@ def run_one(method: str, malicious_pct: int, seed: int, args, out: Path) -> None
           flush=True)
     config = make_config(method, malicious_pct, seed, args, out)
     try:
-        summary = runner.run(config, resume=resume, overwrite=not resume, progress=not args.quiet)
-        summary.pop("_state", None)
+        runner.run(config, resume=resume, overwrite=not resume, progress=not args.quiet)
     except runner.RunError as e:
         if "diverged" not in str(e) or not malicious_pct:
             raise

@@ -141,8 +141,7 @@ def run_one(study: dict, method: str, seed: int, args, out: Path) -> dict:
     resume = (out / runner.CHECKPOINT).exists()
     recorder = MaskRecorder(out / "spafl_masks.npz") if is_spafl(spec["algorithm"]) else None
     print(f"[run] {method} seed {seed} -> {out}" + (" (resuming)" if resume else ""), flush=True)
-    summary = runner.run(config, resume=resume, progress=not args.quiet, on_eval=recorder)
-    summary.pop("_state", None)
+    summary, _ = runner.run(config, resume=resume, progress=not args.quiet, on_eval=recorder)
     return summary
 
 

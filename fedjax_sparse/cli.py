@@ -114,7 +114,7 @@ def cmd_run(args) -> int:
                                for k, v in _key_values(args.model_option, "--model-option").items()}}
     if args.resume and not config.out:
         raise ValueError("--resume needs --out pointing at the interrupted run's directory")
-    summary = runner.run(config, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)
+    summary, _ = runner.run(config, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)
     print(runner.format_summary(summary))
     if config.out:
         print(f"outputs: {config.out}/{{config.json,metrics.jsonl,summary.json}}")

@@ -32,6 +32,7 @@ import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,7 +86,8 @@ class Engine:
     eval_clients_at_once: int = 1
     # Algorithms without a personal model are evaluated with one pass of the global model over the
     # union of the clients' test sets; per-client accuracies are then gathered from its per-example
-    # results (2-3x faster with many small clients: no per-client padding and loop overhead).
+    # results (faster with many small clients: no per-client padding and loop overhead; measured in
+    # experiments/results/, see CHANGELOG).
     # False: evaluate every client separately (the general path; same numbers, tested).
     eval_shared_global_pass: bool = True
     # Shard the sampled clients over all local devices (vmap mode only).
@@ -157,6 +159,7 @@ class Engine:
         ids = self.cohort(state.key, state.round)
         take = lambda tree: jax.tree_util.tree_map(lambda x: x[ids], tree)  # noqa: E731
         client_states = take(state.clients)
+        chex.assert_tree_shape_prefix(client_states, (self.clients_per_round,))
         idx_rows, counts = data.train_idx[ids], data.train_count[ids]
         payload = alg.broadcast(state.server, state.round)
         client_keys = jax.random.split(key_clients, self.clients_per_round)
@@ -175,6 +178,8 @@ class Engine:
         if alg.extra_clients is not None:
             server_ctx = self._extra_updates(state, data, payload, key_shared, server_ctx, one_client)
         server, server_metrics = alg.server_update(state.server, messages, server_ctx)
+        # A client_update must return its state with the shapes it received (scatter writes rows back).
+        chex.assert_trees_all_equal_shapes_and_dtypes(new_states, client_states)
         clients = jax.tree_util.tree_map(lambda all_, new: all_.at[ids].set(new), state.clients, new_states)
         round_metrics = reduce_client_metrics(metrics)
         round_metrics.update({f"server_{k}": jnp.asarray(v, jnp.float32) for k, v in server_metrics.items()})

@@ -20,13 +20,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import platform
 import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,104 +33,13 @@ import numpy as np
 
 from fedjax_sparse import pinning
 from fedjax_sparse.algorithms import Task, make_algorithm
-from fedjax_sparse.algorithms.registry import algorithm_names, resolve_options
-from fedjax_sparse.data.federated import PREPROCESSING, FederatedData, build_federated_data
-from fedjax_sparse.engine import CLIENT_PARALLELISM, Engine, EngineState
-from fedjax_sparse.models import make_model, model_names
-
-ROUND_MODES = ("scan", "per_round")
-CHECKPOINT = "checkpoint.npz"
-
-
-class RunError(ValueError):
-    """A user error in a run's configuration or output directory."""
-
-
-# Model used when --model is not given.
-DEFAULT_MODELS = {
-    "mnist": "lenet5_caffe", "fashion_mnist": "lenet5_caffe", "emnist_letters": "lenet5_caffe",
-    "digits": "cnn_small", "synthetic": "logreg", "cifar10": "cnn7", "cifar10_sample": "cnn7",
-    "cifar100": "resnet18_narrow", "svhn": "lenet5_caffe",
-}
-
-
-@dataclasses.dataclass
-class RunConfig:
-    algorithm: str = "fedavg"
-    dataset: str = "digits"
-    data_dir: str | None = None
-    download: bool = False
-    model: str | None = None
-    num_clients: int = 20
-    clients_per_round: int = 5
-    resample_every: int = 1  # keep each sampled cohort for this many rounds
-    rounds: int = 30
-    local_epochs: int = 2
-    batch_size: int = 32
-    lr: float = 0.1
-    partition: str = "dirichlet:0.5"
-    min_client_samples: int = 1  # the partition is redrawn until every client has this many
-    seed: int = 0
-    eval_every: int = 1
-    out: str | None = None
-    preprocess: str = "unit"
-    client_parallelism: str = "auto"
-    round_mode: str = "scan"
-    eval_batch_size: int | None = None  # None: auto (see auto_eval_batch_size)
-    # Pinned draws (fedjax_sparse.pinning): replay another run's partition, initial weights, cohorts.
-    partition_file: str | None = None
-    init_params: str | None = None
-    cohort_schedule: str | None = None
-    options: dict = dataclasses.field(default_factory=dict)
-    model_options: dict = dataclasses.field(default_factory=dict)
-    dataset_options: dict = dataclasses.field(default_factory=dict)
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict) -> "RunConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise RunError(f"unknown config key(s) {unknown}; valid keys: {sorted(names)}")
-        return cls(**data)
-
-
-def validate(config: RunConfig):
-    """Raises RunError naming the problem and the fix; returns the algorithm's typed options."""
-    positive = dict(num_clients=config.num_clients, clients_per_round=config.clients_per_round,
-                    resample_every=config.resample_every,
-                    rounds=config.rounds, local_epochs=config.local_epochs,
-                    batch_size=config.batch_size, eval_every=config.eval_every,
-                    eval_batch_size=config.eval_batch_size if config.eval_batch_size is not None else 1)
-    for name, value in positive.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise RunError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-    if not (isinstance(config.lr, (int, float)) and math.isfinite(config.lr) and config.lr > 0):
-        raise RunError(f"--lr must be a positive number, got {config.lr!r}")
-    if config.clients_per_round > config.num_clients:
-        raise RunError(f"--clients-per-round ({config.clients_per_round}) is larger than --num-clients "
-                       f"({config.num_clients}); sample at most as many clients as there are")
-    if config.algorithm not in algorithm_names():
-        raise RunError(f"unknown algorithm {config.algorithm!r}; valid algorithms: {', '.join(algorithm_names())}")
-    if config.model is not None and config.model not in model_names():
-        raise RunError(f"unknown model {config.model!r}; valid models: {', '.join(model_names())}")
-    from fedjax_sparse.data import datasets
-    if config.dataset not in datasets.DATASETS:
-        raise RunError(f"unknown dataset {config.dataset!r}; valid datasets: {', '.join(datasets.DATASETS)}")
-    if config.preprocess not in PREPROCESSING:
-        raise RunError(f"unknown --preprocess {config.preprocess!r}; valid: {', '.join(PREPROCESSING)}")
-    if config.client_parallelism not in CLIENT_PARALLELISM:
-        raise RunError(f"unknown --client-parallelism {config.client_parallelism!r}; valid: "
-                       f"{', '.join(CLIENT_PARALLELISM)}")
-    if config.round_mode not in ROUND_MODES:
-        raise RunError(f"unknown --round-mode {config.round_mode!r}; valid: {', '.join(ROUND_MODES)}")
-    try:
-        return resolve_options(config.algorithm, config.options)
-    except ValueError as e:
-        raise RunError(str(e)) from None
-
+# The config and checkpoint modules' names stay importable from here (scripts use runner.RunConfig).
+from fedjax_sparse.checkpoint import (CHECKPOINT, load_checkpoint, prepare_out_dir, read_metrics,  # noqa: F401
+                                      save_checkpoint)
+from fedjax_sparse.config import DEFAULT_MODELS, ROUND_MODES, RunConfig, RunError, validate  # noqa: F401
+from fedjax_sparse.data.federated import FederatedData, build_federated_data
+from fedjax_sparse.engine import Engine, EngineState
+from fedjax_sparse.models import make_model
 
 @dataclasses.dataclass
 class Experiment:
@@ -239,40 +147,6 @@ def auto_eval_batch_size(data: FederatedData, cap: int = 512) -> int:
     return int(min(cap, max(16, 2 ** math.ceil(math.log2(max(mean, 1.0))))))
 
 
-# ---------------------------------------------------------------- checkpoints
-def save_checkpoint(path: Path, state: EngineState, totals: dict) -> None:
-    """Atomic: write a temp file, then rename over the old checkpoint."""
-    leaves = jax.tree_util.tree_leaves(jax.device_get(state))
-    tmp = path.with_suffix(".tmp.npz")
-    with open(tmp, "wb") as f:
-        np.savez(f, *[np.asarray(x) for x in leaves], totals=json.dumps(totals))
-    os.replace(tmp, path)
-
-
-def read_metrics(out: str | Path) -> list[dict]:
-    """The rows of ``OUT/metrics.jsonl`` (one per evaluated round); [] when there is none yet."""
-    path = Path(out) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def load_checkpoint(path: Path, template: EngineState) -> tuple[EngineState, dict]:
-    leaves, treedef = jax.tree_util.tree_flatten(template)
-    try:
-        with np.load(path) as f:
-            loaded = [f[f"arr_{i}"] for i in range(len(leaves))]
-            totals = json.loads(str(f["totals"]))
-    except (OSError, KeyError, ValueError) as e:
-        raise RunError(f"checkpoint {path} is unreadable or from another configuration ({e}); "
-                       "start a fresh run in a new --out directory") from None
-    for new, old in zip(loaded, leaves):
-        if new.shape != old.shape:
-            raise RunError(f"checkpoint {path} does not match this configuration (a leaf of shape "
-                           f"{new.shape} where {old.shape} is expected); use a new --out directory")
-    return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(x) for x in loaded]), totals
-
-
 # ---------------------------------------------------------------- progress
 class Progress:
     """A one-line progress bar on stderr (round, accuracy, rounds/s, ETA)."""
@@ -321,26 +195,25 @@ def _jsonable(value):
     return value
 
 
-def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise RunError(f"--out {out} exists and is not a directory; choose another --out")
-    if resume:
-        if not (out / CHECKPOINT).exists():
-            raise RunError(f"nothing to resume in {out}: no {CHECKPOINT} there; run without --resume")
-        return
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise RunError(f"output directory {out} is not empty (it holds a previous run); pass --resume "
-                           "to continue it, --overwrite to replace it, or choose another --out")
-        for name in ("config.json", "metrics.jsonl", "summary.json", CHECKPOINT):
-            (out / name).unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
+class RunResult(NamedTuple):
+    """What ``run`` returns: ``summary, state = run(config)``. Indexing it with a summary key
+    (``result["final_accuracy"]``) still reads the summary, as when ``run`` returned a dict."""
+    summary: dict
+    state: EngineState
+
+    def __getitem__(self, key):  # type: ignore[override]
+        if isinstance(key, str):
+            return self.state if key == "_state" else self.summary[key]
+        return tuple.__getitem__(self, key)
+
+    def get(self, key: str, default=None):
+        return self.summary.get(key, default)
 
 
 def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True,
         on_eval: Callable[[dict, EngineState, Experiment], None] | None = None,
-        experiment: Experiment | None = None) -> dict:
-    """Runs an experiment; returns the summary dict (also written to OUT/summary.json).
+        experiment: Experiment | None = None) -> RunResult:
+    """Runs an experiment; returns ``(summary, state)`` (the summary is also OUT/summary.json).
 
     ``on_eval(row, state, experiment)`` is called after every evaluation (e.g.
     to record masks for plots). ``experiment`` reuses an already built one.
@@ -424,8 +297,7 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
     summary = summarize(config, exp, rows, totals, build_seconds, compile_seconds)
     if out is not None:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    summary["_state"] = state
-    return summary
+    return RunResult(summary, state)
 
 
 def summarize(config, exp, rows, totals, build_seconds, compile_seconds) -> dict:

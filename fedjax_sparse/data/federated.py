@@ -53,12 +53,6 @@ class FederatedData:
     def num_clients(self) -> int:
         return int(self.train_idx.shape[0])
 
-    def client_train(self, idx_rows: jax.Array, counts: jax.Array) -> ClientData:
-        return ClientData(self.train_x, self.train_y, idx_rows, counts)
-
-    def client_test(self, idx_rows: jax.Array, counts: jax.Array) -> ClientData:
-        return ClientData(self.test_x, self.test_y, idx_rows, counts)
-
     def preprocess(self, x: jax.Array) -> jax.Array:
         """Raw pool samples -> float32 model inputs."""
         x = x.astype(jnp.float32)
@@ -67,10 +61,6 @@ class FederatedData:
         if self.preprocess_name == "unit":
             return x / 255.0 if self.train_x.dtype == jnp.uint8 else x
         return (x - self.mean) / self.std
-
-    def nbytes(self) -> int:
-        return sum(int(a.nbytes) for a in (self.train_x, self.train_y, self.train_idx, self.train_count,
-                                            self.test_x, self.test_y, self.test_idx, self.test_count))
 
 
 def pad_index_rows(index_lists, pad_to: int | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -9,8 +9,8 @@ Convolutions have two implementations:
 
 * ``"xla"``: ``lax.conv_general_dilated`` (cuDNN on GPU).
 * ``"im2col"``: shifted slices concatenated into patches, then one matmul.
-  XLA:CPU runs convolutions inside ``lax.scan``/``while`` 5-10x slower than
-  outside (see shared/notes/performance-facts.md) while matmuls do not suffer,
+  XLA:CPU runs convolutions inside ``lax.scan``/``while`` several times slower
+  than outside (measured: shared/notes/performance-facts.md) while matmuls do not suffer,
   so on CPU the round engine's scanned local steps use this form.
 
 ``"auto"`` (default) picks im2col on CPU and xla elsewhere, at trace time.

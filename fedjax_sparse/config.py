@@ -1,0 +1,103 @@
+"""A run's configuration: the ``RunConfig`` fields (the CLI flags and config-file keys),
+their validation, and the one-line ``RunError`` users see."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from fedjax_sparse.algorithms.registry import algorithm_names, resolve_options
+from fedjax_sparse.data.federated import PREPROCESSING
+from fedjax_sparse.engine import CLIENT_PARALLELISM
+from fedjax_sparse.models import model_names
+
+ROUND_MODES = ("scan", "per_round")
+
+
+class RunError(ValueError):
+    """A user error in a run's configuration or output directory."""
+
+
+# Model used when --model is not given.
+DEFAULT_MODELS = {
+    "mnist": "lenet5_caffe", "fashion_mnist": "lenet5_caffe", "emnist_letters": "lenet5_caffe",
+    "digits": "cnn_small", "synthetic": "logreg", "cifar10": "cnn7", "cifar10_sample": "cnn7",
+    "cifar100": "resnet18_narrow", "svhn": "lenet5_caffe",
+}
+
+
+@dataclasses.dataclass
+class RunConfig:
+    algorithm: str = "fedavg"
+    dataset: str = "digits"
+    data_dir: str | None = None
+    download: bool = False
+    model: str | None = None
+    num_clients: int = 20
+    clients_per_round: int = 5
+    resample_every: int = 1  # keep each sampled cohort for this many rounds
+    rounds: int = 30
+    local_epochs: int = 2
+    batch_size: int = 32
+    lr: float = 0.1
+    partition: str = "dirichlet:0.5"
+    min_client_samples: int = 1  # the partition is redrawn until every client has this many
+    seed: int = 0
+    eval_every: int = 1
+    out: str | None = None
+    preprocess: str = "unit"
+    client_parallelism: str = "auto"
+    round_mode: str = "scan"
+    eval_batch_size: int | None = None  # None: auto (see auto_eval_batch_size)
+    # Pinned draws (fedjax_sparse.pinning): replay another run's partition, initial weights, cohorts.
+    partition_file: str | None = None
+    init_params: str | None = None
+    cohort_schedule: str | None = None
+    options: dict = dataclasses.field(default_factory=dict)
+    model_options: dict = dataclasses.field(default_factory=dict)
+    dataset_options: dict = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "RunConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise RunError(f"unknown config key(s) {unknown}; valid keys: {sorted(names)}")
+        return cls(**data)
+
+
+def validate(config: RunConfig):
+    """Raises RunError naming the problem and the fix; returns the algorithm's typed options."""
+    positive = dict(num_clients=config.num_clients, clients_per_round=config.clients_per_round,
+                    resample_every=config.resample_every,
+                    rounds=config.rounds, local_epochs=config.local_epochs,
+                    batch_size=config.batch_size, eval_every=config.eval_every,
+                    eval_batch_size=config.eval_batch_size if config.eval_batch_size is not None else 1)
+    for name, value in positive.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise RunError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    if not (isinstance(config.lr, (int, float)) and math.isfinite(config.lr) and config.lr > 0):
+        raise RunError(f"--lr must be a positive number, got {config.lr!r}")
+    if config.clients_per_round > config.num_clients:
+        raise RunError(f"--clients-per-round ({config.clients_per_round}) is larger than --num-clients "
+                       f"({config.num_clients}); sample at most as many clients as there are")
+    if config.algorithm not in algorithm_names():
+        raise RunError(f"unknown algorithm {config.algorithm!r}; valid algorithms: {', '.join(algorithm_names())}")
+    if config.model is not None and config.model not in model_names():
+        raise RunError(f"unknown model {config.model!r}; valid models: {', '.join(model_names())}")
+    from fedjax_sparse.data import datasets
+    if config.dataset not in datasets.DATASETS:
+        raise RunError(f"unknown dataset {config.dataset!r}; valid datasets: {', '.join(datasets.DATASETS)}")
+    if config.preprocess not in PREPROCESSING:
+        raise RunError(f"unknown --preprocess {config.preprocess!r}; valid: {', '.join(PREPROCESSING)}")
+    if config.client_parallelism not in CLIENT_PARALLELISM:
+        raise RunError(f"unknown --client-parallelism {config.client_parallelism!r}; valid: "
+                       f"{', '.join(CLIENT_PARALLELISM)}")
+    if config.round_mode not in ROUND_MODES:
+        raise RunError(f"unknown --round-mode {config.round_mode!r}; valid: {', '.join(ROUND_MODES)}")
+    try:
+        return resolve_options(config.algorithm, config.options)
+    except ValueError as e:
+        raise RunError(str(e)) from None
