@@ -320,3 +320,9 @@ def ranking_bits(layer_sizes: Sequence[int], fraction: float = 1.0) -> int:
 def mebibytes(bits: float) -> float:
     """Bits -> the paper's "MB" (2^20 bytes: FedAvg's MNIST LeNet is 6.20 MB)."""
     return bits / MIB_BITS
+
+
+__all__ = ["MASK_BY", "MIB_BITS", "WEIGHT_INITS", "argsort", "frozen_weights", "initial_scores", "kept_count",
+           "kth_largest_key", "mask_from_ranking", "mebibytes", "order_keys", "rank_bits", "ranking", "ranking_bits",
+           "reorder_scores", "reputations", "reverse_ranking", "sparse_reputations", "straight_through_topk",
+           "supermask", "supernet_from_seed", "top_of_ranking", "topk_mask", "vote", "vote_sparse"]

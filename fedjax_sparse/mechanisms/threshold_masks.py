@@ -1,4 +1,4 @@
-"""Binary weight masks with straight-through gradients, shared by the sparse algorithms.
+"""SpaFL's threshold row masks with straight-through gradients.
 
 Kernels follow the models' layout (HWIO convs, ``[in, out]`` dense), so
 "row i" of a layer -- one output neuron or conv filter, together with all its
@@ -13,8 +13,8 @@ replaced by a straight-through estimator (STE); gradients then reach both the
 weights (through ``mean |w|``) and the thresholds.
 
 Everything here is a small pure function of arrays: it composes with
-jit/vmap/grad and knows nothing about models or algorithms. Other algorithms
-(e.g. FSL's top-k supermask) may add their own masks to this module.
+jit/vmap/grad and knows nothing about models or algorithms. FSL's top-k
+supermask is in :mod:`fedjax_sparse.mechanisms.supermask`.
 """
 from __future__ import annotations
 
@@ -112,3 +112,7 @@ def reset_thresholds(tau: jax.Array, previous_kept: jax.Array,
     kept ``<= min_fraction`` of its rows in the previous forward pass.
     ``tau``: ``[out]``, ``previous_kept``: [] scalar."""
     return jnp.where(previous_kept <= min_fraction, jnp.zeros_like(tau), tau)
+
+
+__all__ = ["RESET_KEPT_FRACTION", "STE_ESTIMATORS", "apply_row_mask", "kept_fraction", "reset_thresholds",
+           "row_mean_abs", "row_sum", "step_ste", "threshold_row_mask"]
