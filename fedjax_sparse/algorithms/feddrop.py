@@ -5,7 +5,7 @@ FedDrop, one round (paper Alg. 1):
 * client c trains from the global model with SyncDrop after every conv+ReLU,
   using its own keep probabilities ``p_c`` ([num_channels], indexed from the
   server's ``[N, num_channels]`` table by ``ctx.client_id``) and uniforms
-  shared by all clients of the round (``fedjax_sparse.dropout``);
+  shared by all clients of the round (``fedjax_sparse.mechanisms.syncdrop``);
 * the server averages the returned models (data-weighted FedAvg), then
   measures per channel n the trajectory similarity of the sampled clients
   ``S_ij^n = l_i l_j max(p_i^n, p_j^n) dtheta_i^n . dtheta_j^n`` (dtheta: the
@@ -44,8 +44,9 @@ from fedjax_sparse import accounting
 from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, tree_weighted_mean
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import predict_fn, sgd
-from fedjax_sparse.dropout import (INIT_SCHEMES, ChannelLayout, SparseFlopsModel, channel_scale_hooks,
-                                   channel_uniforms, dropout_aware_init, dropout_scale, keep_mask, solve_scaling)
+from fedjax_sparse.mechanisms.syncdrop import (INIT_SCHEMES, ChannelLayout, SparseFlopsModel, channel_scale_hooks,
+                                              channel_uniforms, dropout_aware_init, dropout_scale, keep_mask,
+                                              solve_scaling)
 from fedjax_sparse.models.base import Model
 from fedjax_sparse.training import masked_cross_entropy, run_local_epochs
 

@@ -19,7 +19,7 @@ most important). One round:
    masked by the reordered initial scores.
 
 Attack (``malicious_fraction`` > 0, App. A.1 Alg. 3): malicious clients (a
-fixed subset of ids, see ``robust.malicious_clients``) compute benign rankings,
+fixed subset of ids, see ``mechanisms.attacks.malicious_clients``) compute benign rankings,
 VOTE among themselves and every sampled malicious client submits the reverse
 of that aggregate. What the attacker knows (``attacker_knowledge``):
 
@@ -60,11 +60,12 @@ import numpy as np
 import optax
 
 from fedjax_sparse import accounting
-from fedjax_sparse import supermask as sm
 from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.robust import KNOWLEDGE, LR_SCHEDULES, _Threat, local_lr
 from fedjax_sparse.algorithms.supervised import predict_fn
+from fedjax_sparse.mechanisms import supermask as sm
+from fedjax_sparse.mechanisms.attacks import reverse_attack
 from fedjax_sparse.models.base import Hooks
 from fedjax_sparse.training import masked_cross_entropy, run_local_epochs
 
@@ -95,24 +96,6 @@ def global_kernels(ranking: dict, weights: dict, sorted_scores: dict, fraction: 
         else:
             mask = sm.topk_mask(jnp.abs(sm.reorder_scores(sorted_scores[name], ranking[name])), fraction)
         out[name] = w * mask.reshape(w.shape)
-    return out
-
-
-def reverse_attack(messages: dict, sizes: dict, is_malicious, known, upload_fraction: float,
-                   knowledge: dict | None = None) -> dict:
-    """App. A.1: the malicious rows become the reverse of the VOTE over the
-    attacker's benign rankings: ``knowledge`` ({layer: [M, ...]}) when given,
-    else the rows of ``messages`` with ``known`` true."""
-    out = {}
-    for name, msg in messages.items():
-        source, include = (msg, known) if knowledge is None else (knowledge[name], None)
-        if upload_fraction >= 1.0:
-            aggregate = sm.vote(source, include=include)
-            bad = sm.reverse_ranking(aggregate)
-        else:
-            aggregate = sm.vote_sparse(source, sizes[name], include=include)
-            bad = sm.top_of_ranking(sm.reverse_ranking(aggregate), upload_fraction)
-        out[name] = jnp.where(is_malicious[:, None], bad[None, :], msg)
     return out
 
 

@@ -55,7 +55,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.flatten_util import ravel_pytree
 
@@ -63,12 +62,18 @@ from fedjax_sparse import accounting
 from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, replicate
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import local_train, predict_fn
-from fedjax_sparse.supermask import order_keys, kept_count, topk_mask
+# The aggregators and attacks moved to fedjax_sparse.mechanisms; still importable from here.
+from fedjax_sparse.mechanisms.attacks import (  # noqa: F401
+    DEVIATIONS, _trimmed_mean_with_copies, deviation, halving_search, malicious_clients, min_max_attack,
+    sign_reverse_attack, tailored_multi_krum_attack, tailored_trimmed_mean_attack)
+from fedjax_sparse.mechanisms.robust_aggregation import (  # noqa: F401
+    _keys_to_floats, krum_count, masked_mean, multi_krum, multi_krum_select, pairwise_sq_distances,
+    sign_majority, sort_rows, topk_sparsify, trimmed_mean)
+from fedjax_sparse.mechanisms.supermask import kept_count, order_keys  # noqa: F401
 from fedjax_sparse.training import steps_per_epoch
 
 AGGREGATORS = ("mean", "trimmed_mean", "multi_krum")
 ATTACKS = ("none", "min_max", "tailored", "scale")
-DEVIATIONS = ("std", "sign", "unit_vec")
 KNOWLEDGE = ("all", "malicious")
 LR_SCHEDULES = ("cosine_epoch", "cosine_step", "constant")
 
@@ -76,17 +81,6 @@ LR_SCHEDULES = ("cosine_epoch", "cosine_step", "constant")
 def _check(name: str, value, valid) -> None:
     if value not in valid:
         raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
-
-
-# ---------------------------------------------------------------- malicious clients
-def malicious_clients(num_clients: int, fraction: float, seed: int) -> np.ndarray:
-    """[N] bool: the first floor(fraction * N) clients of a seeded permutation."""
-    if not 0.0 <= fraction < 1.0:
-        raise ValueError(f"malicious_fraction must be in [0, 1), got {fraction}")
-    count = int(math.floor(fraction * num_clients))
-    mask = np.zeros(num_clients, bool)
-    mask[np.random.default_rng(seed).permutation(num_clients)[:count]] = True
-    return mask
 
 
 # ---------------------------------------------------------------- local training
@@ -126,222 +120,6 @@ def train_update(task: Task, variables: dict, data, ctx, *, momentum, weight_dec
     old_flat, _ = ravel_pytree(variables["params"])
     new_flat, _ = ravel_pytree(new_vars["params"])
     return new_flat - old_flat, stats
-
-
-# ---------------------------------------------------------------- aggregators
-def masked_mean(x: jax.Array, include: jax.Array) -> jax.Array:
-    """Mean over the rows of [K, P] with ``include`` [K] true (0 if none)."""
-    w = include.astype(x.dtype)
-    return (w @ x) / jnp.maximum(w.sum(), 1.0)
-
-
-def _keys_to_floats(keys: jax.Array) -> jax.Array:
-    positive = (keys >> 31) == 1
-    bits = jnp.where(positive, keys & jnp.uint32(0x7FFFFFFF), ~keys)
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def sort_rows(x: jax.Array) -> jax.Array:
-    """Sorts [K, P] float32 along axis 0 through order-preserving integer keys
-    (XLA:CPU sorts plain integers about 4x faster than floats)."""
-    return _keys_to_floats(jnp.sort(order_keys(x), axis=0))
-
-
-def trimmed_mean(x: jax.Array, trim) -> jax.Array:
-    """Coordinate-wise mean of [K, P] after dropping the ``trim`` largest and
-    ``trim`` smallest values of each coordinate (``trim`` may be traced)."""
-    k = x.shape[0]
-    trim = jnp.clip(trim, 0, (k - 1) // 2)
-    ranks = jnp.arange(k)
-    keep = ((ranks >= trim) & (ranks < k - trim)).astype(x.dtype)
-    return (keep @ sort_rows(x)) / (k - 2 * trim).astype(x.dtype)
-
-
-def pairwise_sq_distances(x: jax.Array) -> jax.Array:
-    """[K, P] -> [K, K] squared Euclidean distances (Gram form, clamped at 0)."""
-    sq = jnp.sum(x * x, axis=1)
-    return jnp.maximum(sq[:, None] + sq[None, :] - 2.0 * (x @ x.T), 0.0)
-
-
-def multi_krum_select(d2: jax.Array, f, num_select) -> jax.Array:
-    """[K, K] squared distances -> [K] bool, the ``num_select`` updates Multi-Krum keeps.
-
-    Repeatedly picks the remaining update whose sum of squared distances to
-    its ``r - f - 2`` nearest remaining neighbours (r = remaining count, at
-    least 1 neighbour) is smallest. ``f`` and ``num_select`` may be traced.
-    """
-    k = d2.shape[0]
-    eye = jnp.eye(k, dtype=bool)
-
-    def body(t, state):
-        selected, remaining = state
-        r = remaining.sum()
-        neighbours = jnp.clip(r - f - 2, 1, k - 1)
-        d = jnp.where(remaining[None, :] & ~eye, d2, jnp.inf)
-        nearest = jnp.sort(d, axis=1)
-        ranks = jnp.arange(k)[None, :]
-        score = jnp.where(ranks < neighbours, jnp.where(jnp.isfinite(nearest), nearest, 0.0), 0.0).sum(1)
-        score = jnp.where(remaining, score, jnp.inf)
-        pick = jnp.argmin(score)
-        active = t < num_select
-        selected = selected.at[pick].set(selected[pick] | active)
-        remaining = remaining.at[pick].set(remaining[pick] & ~active)
-        return selected, remaining
-
-    selected, _ = jax.lax.fori_loop(0, k, body, (jnp.zeros(k, bool), jnp.ones(k, bool)))
-    return selected
-
-
-def krum_count(k: int, f, krum_select: int = -1):
-    """How many updates Multi-Krum averages: ``K - 2f - 2`` (>= 1) unless overridden."""
-    if krum_select > 0:
-        return jnp.int32(min(krum_select, k))
-    return jnp.clip(k - 2 * f - 2, 1, k)
-
-
-def multi_krum(x: jax.Array, f, num_select=None) -> tuple[jax.Array, jax.Array]:
-    """Mean of the Multi-Krum selection of [K, P]; returns (aggregate [P], selected [K])."""
-    num_select = krum_count(x.shape[0], f) if num_select is None else num_select
-    selected = multi_krum_select(pairwise_sq_distances(x), f, num_select)
-    return masked_mean(x, selected), selected
-
-
-def sign_majority(signs: jax.Array) -> jax.Array:
-    """[K, P] signs (+-1, int8) -> [P] float32 majority sign (0 on a tie)."""
-    return jnp.sign(signs.astype(jnp.int32).sum(0)).astype(jnp.float32)
-
-
-def topk_sparsify(x: jax.Array, fraction: float) -> jax.Array:
-    """Keeps the ``kept_count(P, fraction)`` largest-magnitude coordinates of [P]."""
-    return x * topk_mask(jnp.abs(x), fraction)
-
-
-# ---------------------------------------------------------------- attacks
-def deviation(updates: jax.Array, known: jax.Array, kind: str) -> jax.Array:
-    """The perturbation direction ``dev`` ([P]); the attack subtracts gamma * dev."""
-    mean = masked_mean(updates, known)
-    if kind == "unit_vec":
-        return mean / jnp.maximum(jnp.linalg.norm(mean), 1e-12)
-    if kind == "sign":
-        return jnp.sign(mean)
-    if kind == "std":
-        w = known.astype(updates.dtype)
-        var = (w @ jnp.square(updates - mean)) / jnp.maximum(w.sum() - 1.0, 1.0)
-        return jnp.sqrt(var)
-    raise ValueError(f"unknown deviation {kind!r}; valid: {DEVIATIONS}")
-
-
-def halving_search(accept, gamma_init: float, steps: int, carry_init=None):
-    """Shejwalkar & Houmansadr's search for the largest accepted gamma.
-
-    Starts at ``gamma_init``; after each test moves gamma up (accepted) or down
-    by a step that halves every time (gamma_init / 2, / 4, ...). ``accept(gamma,
-    carry) -> (bool, carry)``. Returns the last accepted gamma (0 if none).
-    """
-    def body(_, state):
-        gamma, step, best, carry = state
-        ok, carry = accept(gamma, carry)
-        best = jnp.where(ok, gamma, best)
-        gamma = jnp.where(ok, gamma + step, gamma - step)
-        return gamma, step / 2, best, carry
-
-    g0 = jnp.float32(gamma_init)
-    state = (g0, g0 / 2, jnp.float32(0.0), carry_init)
-    return jax.lax.fori_loop(0, steps, body, state)[2]
-
-
-def min_max_attack(updates, is_malicious, known, *, kind="std", gamma_init=10.0, steps=20):
-    """AGR-agnostic min-max: replaces the malicious rows of [K, P] by mean - gamma * dev."""
-    mean = masked_mean(updates, known)
-    dev = deviation(updates, known, kind)
-    d2 = pairwise_sq_distances(updates)
-    both = known[:, None] & known[None, :]
-    max_benign = jnp.max(jnp.where(both, d2, 0.0))
-    diff = mean[None, :] - updates
-    a, b, c = jnp.sum(diff * diff, 1), diff @ dev, jnp.sum(dev * dev)
-
-    def accept(gamma, carry):
-        dist = a - 2.0 * gamma * b + gamma * gamma * c   # |mean - gamma dev - delta_i|^2
-        return jnp.max(jnp.where(known, dist, 0.0)) <= max_benign, carry
-
-    gamma = halving_search(accept, gamma_init, steps)
-    malicious = mean - gamma * dev
-    return jnp.where(is_malicious[:, None], malicious[None, :], updates), gamma
-
-
-def _trimmed_mean_with_copies(sorted_benign, prefix, benign_count, value, copies, trim):
-    """Trimmed mean (trimming ``trim`` each side) of the benign values plus
-    ``copies`` copies of ``value`` per coordinate, from the benign values sorted
-    along axis 0 (rows >= benign_count unused) and their prefix sums
-    (``prefix[j]`` = sum of the j smallest). O(K P), no sort."""
-    k = sorted_benign.shape[0]
-    rows = jnp.arange(k)[:, None]
-    below = ((sorted_benign < value[None, :]) & (rows < benign_count)).sum(0)   # [P]
-
-    def prefix_of_merged(j):   # sum of the j smallest of the merged list, per coordinate
-        j = jnp.broadcast_to(j, below.shape)
-        take_b = jnp.where(j <= below, j, jnp.where(j <= below + copies, below, j - copies))
-        n_val = jnp.clip(j - below, 0, copies)
-        return jnp.take_along_axis(prefix, take_b[None, :], axis=0)[0] + n_val * value
-
-    total = benign_count + copies
-    kept = prefix_of_merged(total - trim) - prefix_of_merged(trim)
-    return kept / jnp.maximum(total - 2 * trim, 1).astype(value.dtype)
-
-
-def tailored_trimmed_mean_attack(updates, is_malicious, known, trim, *, kind="std", gamma_init=10.0,
-                                 steps=20):
-    """DYN-OPT against Trimmed-mean: keeps gamma while |TrMean(messages) - mean| grows."""
-    mean = masked_mean(updates, known)
-    dev = deviation(updates, known, kind)
-    benign = ~is_malicious
-    keys = jnp.where(benign[:, None], order_keys(updates), jnp.uint32(0xFFFFFFFF))
-    sorted_benign = _keys_to_floats(jnp.sort(keys, axis=0))
-    n_benign = benign.sum()
-    valid = (jnp.arange(updates.shape[0]) < n_benign)[:, None]
-    prefix = jnp.concatenate([jnp.zeros_like(updates[:1]),
-                              jnp.cumsum(jnp.where(valid, sorted_benign, 0.0), axis=0)], axis=0)
-    copies = is_malicious.sum()
-
-    def accept(gamma, prev_loss):
-        agg = _trimmed_mean_with_copies(sorted_benign, prefix, n_benign, mean - gamma * dev, copies, trim)
-        loss = jnp.linalg.norm(agg - mean)
-        return loss > prev_loss, loss
-
-    gamma = halving_search(accept, gamma_init, steps, carry_init=jnp.float32(-1.0))
-    malicious = mean - gamma * dev
-    return jnp.where(is_malicious[:, None], malicious[None, :], updates), gamma
-
-
-def tailored_multi_krum_attack(updates, is_malicious, known, f, num_select, *, kind="std",
-                               gamma_init=10.0, steps=20):
-    """DYN-OPT against Multi-Krum: keeps gamma while every malicious update is selected."""
-    mean = masked_mean(updates, known)
-    dev = deviation(updates, known, kind)
-    d2_honest = pairwise_sq_distances(updates)
-    diff = mean[None, :] - updates
-    a, b, c = jnp.sum(diff * diff, 1), diff @ dev, jnp.sum(dev * dev)
-    mal = is_malicious
-    count = mal.sum()
-
-    def accept(gamma, carry):
-        to_mal = jnp.maximum(a - 2.0 * gamma * b + gamma * gamma * c, 0.0)   # |mal - delta_i|^2
-        d2 = jnp.where(mal[:, None] & mal[None, :], 0.0,
-                       jnp.where(mal[:, None], to_mal[None, :],
-                                 jnp.where(mal[None, :], to_mal[:, None], d2_honest)))
-        selected = multi_krum_select(d2, f, num_select)
-        return (selected & mal).sum() == count, carry
-
-    gamma = halving_search(accept, gamma_init, steps)
-    malicious = mean - gamma * dev
-    return jnp.where(is_malicious[:, None], malicious[None, :], updates), gamma
-
-
-def sign_reverse_attack(signs, is_malicious, known):
-    """SignSGD: malicious rows become -sign(sum of the known signs) (ties -> -1)."""
-    votes = (signs.astype(jnp.int32) * known[:, None].astype(jnp.int32)).sum(0)
-    reverse = jnp.where(votes >= 0, -1, 1).astype(signs.dtype)
-    return jnp.where(is_malicious[:, None], reverse[None, :], signs)
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -408,7 +186,7 @@ ROBUST_OPTIONS = dict(aggregator="mean", attack="min_max", deviation="std", gamm
 
 
 @register_algorithm("fedavg_robust", ROBUST_OPTIONS)
-def fedavg_robust(task: Task, *, aggregator, attack, deviation, gamma_init, attack_scale, search_steps, trim_fraction,
+def fedavg_robust(task: Task, *, aggregator, attack, deviation, gamma_init, attack_scale, search_steps, trim_fraction,  # noqa: F811
                   krum_select, server_lr, weighted, momentum, weight_decay, lr_decay, lr_schedule,
                   malicious_fraction, attacker_knowledge, malicious_seed, name="fedavg_robust") -> Algorithm:
     """FedAvg whose server aggregates the float updates with ``aggregator``,

@@ -3,7 +3,8 @@ structures by sharing only one trainable threshold per neuron / conv filter.
 
 Per thresholded layer (a layer whose kernel the model routes through
 ``hooks.kernel``) row i is kept iff ``mean_j |w_ij| > tau_i`` (eq. 1,
-:func:`fedjax_sparse.masks.threshold_row_mask`, straight-through gradients).
+:func:`fedjax_sparse.mechanisms.threshold_masks.threshold_row_mask`,
+straight-through gradients).
 
 One round (Algorithm 1), defaults = the paper / its FMNIST code:
 
@@ -77,10 +78,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_sparse import accounting, masks as masks_lib
+from fedjax_sparse import accounting
 from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, replicate
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.data.federated import ClientData
+from fedjax_sparse.mechanisms import threshold_masks as masks_lib
 from fedjax_sparse.models.base import Hooks, LayerInfo, Model
 from fedjax_sparse.training import masked_cross_entropy, run_local_epochs
 

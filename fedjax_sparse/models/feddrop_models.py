@@ -1,6 +1,6 @@
 """The FedDrop paper's CNNs (App. E, Tables 6-8). All layers carry biases (the
 tables' parameter counts include them); no BatchNorm. FedDrop places a
-SyncDrop layer after every conv+ReLU (see fedjax_sparse.dropout).
+SyncDrop layer after every conv+ReLU (see fedjax_sparse.mechanisms.syncdrop).
 
 The tables list the 5x5 (FMNIST) and 3x3 (SVHN) maps being average-pooled
 to 2x2 before the classifier; the parameter counts fix the classifier input

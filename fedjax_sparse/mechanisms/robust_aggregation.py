@@ -1,0 +1,112 @@
+"""Robust aggregation of K client updates ``[K, P]`` (FSL paper's baselines, seed 003).
+
+* Trimmed-mean (Yin et al. 2018): coordinate-wise mean after dropping the
+  ``trim`` largest and smallest values (``trimmed_mean``, ``sort_rows``);
+* Multi-Krum (Blanchard et al. 2017): repeatedly picks the remaining update
+  with the smallest sum of squared distances to its ``r - f - 2`` nearest
+  remaining neighbours, ``K - 2f - 2`` picks by default, and averages them
+  (``multi_krum``, ``multi_krum_select``, ``krum_count``);
+* SignSGD's majority vote (Bernstein et al. 2019): ``sign_majority``;
+* TopK sparsification (Aji & Heafield 2017): ``topk_sparsify``.
+
+Pure array functions (jit/vmap-friendly; ``f``, ``trim`` and ``num_select``
+may be traced); the algorithms using them are in
+``fedjax_sparse.algorithms.robust``.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_sparse.mechanisms.supermask import order_keys, topk_mask
+
+
+def masked_mean(x: jax.Array, include: jax.Array) -> jax.Array:
+    """Mean over the rows of [K, P] with ``include`` [K] true (0 if none)."""
+    w = include.astype(x.dtype)
+    return (w @ x) / jnp.maximum(w.sum(), 1.0)
+
+
+def _keys_to_floats(keys: jax.Array) -> jax.Array:
+    positive = (keys >> 31) == 1
+    bits = jnp.where(positive, keys & jnp.uint32(0x7FFFFFFF), ~keys)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def sort_rows(x: jax.Array) -> jax.Array:
+    """Sorts [K, P] float32 along axis 0 through order-preserving integer keys
+    (XLA:CPU sorts plain integers about 4x faster than floats)."""
+    return _keys_to_floats(jnp.sort(order_keys(x), axis=0))
+
+
+def trimmed_mean(x: jax.Array, trim) -> jax.Array:
+    """Coordinate-wise mean of [K, P] after dropping the ``trim`` largest and
+    ``trim`` smallest values of each coordinate (``trim`` may be traced)."""
+    k = x.shape[0]
+    trim = jnp.clip(trim, 0, (k - 1) // 2)
+    ranks = jnp.arange(k)
+    keep = ((ranks >= trim) & (ranks < k - trim)).astype(x.dtype)
+    return (keep @ sort_rows(x)) / (k - 2 * trim).astype(x.dtype)
+
+
+def pairwise_sq_distances(x: jax.Array) -> jax.Array:
+    """[K, P] -> [K, K] squared Euclidean distances (Gram form, clamped at 0)."""
+    sq = jnp.sum(x * x, axis=1)
+    return jnp.maximum(sq[:, None] + sq[None, :] - 2.0 * (x @ x.T), 0.0)
+
+
+def multi_krum_select(d2: jax.Array, f, num_select) -> jax.Array:
+    """[K, K] squared distances -> [K] bool, the ``num_select`` updates Multi-Krum keeps.
+
+    Repeatedly picks the remaining update whose sum of squared distances to
+    its ``r - f - 2`` nearest remaining neighbours (r = remaining count, at
+    least 1 neighbour) is smallest. ``f`` and ``num_select`` may be traced.
+    """
+    k = d2.shape[0]
+    eye = jnp.eye(k, dtype=bool)
+
+    def body(t, state):
+        selected, remaining = state
+        r = remaining.sum()
+        neighbours = jnp.clip(r - f - 2, 1, k - 1)
+        d = jnp.where(remaining[None, :] & ~eye, d2, jnp.inf)
+        nearest = jnp.sort(d, axis=1)
+        ranks = jnp.arange(k)[None, :]
+        score = jnp.where(ranks < neighbours, jnp.where(jnp.isfinite(nearest), nearest, 0.0), 0.0).sum(1)
+        score = jnp.where(remaining, score, jnp.inf)
+        pick = jnp.argmin(score)
+        active = t < num_select
+        selected = selected.at[pick].set(selected[pick] | active)
+        remaining = remaining.at[pick].set(remaining[pick] & ~active)
+        return selected, remaining
+
+    selected, _ = jax.lax.fori_loop(0, k, body, (jnp.zeros(k, bool), jnp.ones(k, bool)))
+    return selected
+
+
+def krum_count(k: int, f, krum_select: int = -1):
+    """How many updates Multi-Krum averages: ``K - 2f - 2`` (>= 1) unless overridden."""
+    if krum_select > 0:
+        return jnp.int32(min(krum_select, k))
+    return jnp.clip(k - 2 * f - 2, 1, k)
+
+
+def multi_krum(x: jax.Array, f, num_select=None) -> tuple[jax.Array, jax.Array]:
+    """Mean of the Multi-Krum selection of [K, P]; returns (aggregate [P], selected [K])."""
+    num_select = krum_count(x.shape[0], f) if num_select is None else num_select
+    selected = multi_krum_select(pairwise_sq_distances(x), f, num_select)
+    return masked_mean(x, selected), selected
+
+
+def sign_majority(signs: jax.Array) -> jax.Array:
+    """[K, P] signs (+-1, int8) -> [P] float32 majority sign (0 on a tie)."""
+    return jnp.sign(signs.astype(jnp.int32).sum(0)).astype(jnp.float32)
+
+
+def topk_sparsify(x: jax.Array, fraction: float) -> jax.Array:
+    """Keeps the ``kept_count(P, fraction)`` largest-magnitude coordinates of [P]."""
+    return x * topk_mask(jnp.abs(x), fraction)
+
+
+__all__ = ["krum_count", "masked_mean", "multi_krum", "multi_krum_select", "pairwise_sq_distances", "sign_majority",
+           "sort_rows", "topk_sparsify", "trimmed_mean"]

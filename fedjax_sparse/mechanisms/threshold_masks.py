@@ -1,0 +1,118 @@
+"""SpaFL's threshold row masks with straight-through gradients.
+
+Kernels follow the models' layout (HWIO convs, ``[in, out]`` dense), so
+"row i" of a layer -- one output neuron or conv filter, together with all its
+incoming weights -- is ``kernel[..., i]`` and a row mask has shape ``[out]``.
+
+SpaFL (Kim et al.) prunes whole rows with one trainable threshold per row::
+
+    mask_i = step(mean_j |w_ij| - tau_i)         (eq. 1 of the paper)
+
+The step has zero derivative almost everywhere, so its backward pass is
+replaced by a straight-through estimator (STE); gradients then reach both the
+weights (through ``mean |w|``) and the thresholds.
+
+Everything here is a small pure function of arrays: it composes with
+jit/vmap/grad and knows nothing about models or algorithms. FSL's top-k
+supermask is in :mod:`fedjax_sparse.mechanisms.supermask`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# "identity": d step(x)/dx := 1 (the SpaFL paper and its FMNIST code).
+# "truncated": d step(x)/dx := 1[|x| > 1] (SpaFL's CIFAR code). Row means of
+# |w| and thresholds are far below 1, so this passes almost no loss gradient
+# to the thresholds, which then move by the regulariser alone.
+STE_ESTIMATORS = ("identity", "truncated")
+
+# SpaFL's reset rule: a layer keeping at most this fraction of its rows gets
+# its thresholds set back to 0 (Appendix A.1, following Liu et al. 2020).
+RESET_KEPT_FRACTION = 0.01
+
+
+def _heaviside(x: jax.Array) -> jax.Array:
+    # step(0) = 0, as in the reference code ((x > 0).float()).
+    return (x > 0).astype(x.dtype)
+
+
+@jax.custom_vjp
+def _step_identity(x):
+    return _heaviside(x)
+
+
+def _step_identity_fwd(x):
+    return _heaviside(x), None
+
+
+def _step_identity_bwd(_, g):
+    return (g,)
+
+
+_step_identity.defvjp(_step_identity_fwd, _step_identity_bwd)
+
+
+@jax.custom_vjp
+def _step_truncated(x):
+    return _heaviside(x)
+
+
+def _step_truncated_fwd(x):
+    return _heaviside(x), x
+
+
+def _step_truncated_bwd(x, g):
+    return (g * (jnp.abs(x) > 1.0).astype(g.dtype),)
+
+
+_step_truncated.defvjp(_step_truncated_fwd, _step_truncated_bwd)
+
+
+def step_ste(x: jax.Array, estimator: str = "identity") -> jax.Array:
+    """Unit step ``1[x > 0]`` (same shape and dtype as ``x``) whose gradient is
+    the straight-through ``estimator`` (one of :data:`STE_ESTIMATORS`)."""
+    if estimator == "identity":
+        return _step_identity(x)
+    if estimator == "truncated":
+        return _step_truncated(x)
+    raise ValueError(f"unknown straight-through estimator {estimator!r}; valid: {STE_ESTIMATORS}")
+
+
+def row_mean_abs(kernel: jax.Array) -> jax.Array:
+    """``[..., out]`` kernel -> ``[out]`` mean |w| over each row (in*kh*kw weights)."""
+    return jnp.mean(jnp.abs(kernel), axis=tuple(range(kernel.ndim - 1)))
+
+
+def row_sum(kernel: jax.Array) -> jax.Array:
+    """``[..., out]`` kernel -> ``[out]`` signed sum of each row's weights."""
+    return jnp.sum(kernel, axis=tuple(range(kernel.ndim - 1)))
+
+
+def threshold_row_mask(kernel: jax.Array, tau: jax.Array, estimator: str = "identity") -> jax.Array:
+    """SpaFL's row mask ``step(mean_j |w_ij| - tau_i)``: kernel ``[..., out]``,
+    tau ``[out]`` -> ``[out]`` in {0, 1}, differentiable in both arguments
+    through the straight-through ``estimator``."""
+    return step_ste(row_mean_abs(kernel) - tau, estimator)
+
+
+def apply_row_mask(kernel: jax.Array, mask: jax.Array) -> jax.Array:
+    """Multiplies every row ``kernel[..., i]`` by ``mask[i]`` (``mask``: ``[out]``)."""
+    return kernel * mask.astype(kernel.dtype)
+
+
+def kept_fraction(mask: jax.Array) -> jax.Array:
+    """[] fraction of kept rows (= kept weights, as whole rows are pruned)."""
+    return jnp.mean(mask.astype(jnp.float32))
+
+
+def reset_thresholds(tau: jax.Array, previous_kept: jax.Array,
+                     min_fraction: float = RESET_KEPT_FRACTION) -> jax.Array:
+    """SpaFL's reset rule: all of a layer's thresholds become 0 when the layer
+    kept ``<= min_fraction`` of its rows in the previous forward pass.
+    ``tau``: ``[out]``, ``previous_kept``: [] scalar."""
+    return jnp.where(previous_kept <= min_fraction, jnp.zeros_like(tau), tau)
+
+
+__all__ = ["RESET_KEPT_FRACTION", "STE_ESTIMATORS", "apply_row_mask", "kept_fraction", "reset_thresholds",
+           "row_mean_abs", "row_sum", "step_ste", "threshold_row_mask"]
