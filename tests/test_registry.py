@@ -13,7 +13,7 @@ def test_every_algorithm_has_a_frozen_typed_options_class():
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen
         instance = cls()
         with pytest.raises(dataclasses.FrozenInstanceError):
-            setattr(instance, "x", 1)
+            instance.x = 1
 
 
 def test_cli_strings_and_json_values_are_coerced_to_the_field_types():
