@@ -56,16 +56,9 @@ class ChannelLayout:
     def offsets(self) -> tuple[int, ...]:
         return tuple(int(x) for x in np.cumsum((0,) + self.sizes[:-1]))
 
-    def index(self, name: str) -> int:
-        return self.names.index(name)
-
     def split(self, flat: jax.Array) -> dict[str, jax.Array]:
         """[..., total] -> {name: [..., size]}."""
         return {name: flat[..., o:o + s] for name, o, s in zip(self.names, self.offsets, self.sizes)}
-
-    def group_of_channel(self) -> np.ndarray:
-        """[total] int: the layer (group) index of each channel."""
-        return np.repeat(np.arange(len(self.sizes)), self.sizes)
 
     def layer_means(self, flat: jax.Array) -> jax.Array:
         """[..., total] -> [..., num_layers]: the mean over each layer's channels."""
