@@ -33,6 +33,8 @@ RUN_FLAGS = [
     ("--client-parallelism", "client_parallelism", str, "auto | vmap | map"),
     ("--round-mode", "round_mode", str, "scan (rounds in one jitted lax.scan per chunk) | per_round"),
     ("--eval-batch-size", "eval_batch_size", int, "evaluation batch size (default: from the clients' test-set sizes)"),
+    ("--personal-eval", "personal_eval", str,
+     "personalised evaluation: batched (vmap over chunks of clients, default) | loop (one client after another)"),
     ("--partition-file", "partition_file", str,
      "pinned partition: a fedjax_sparse.partition/1 JSON (client -> train/test indices; `partition --out` writes one)"),
     ("--init-params", "init_params", str,

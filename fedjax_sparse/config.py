@@ -8,6 +8,7 @@ import math
 from fedjax_sparse.algorithms.registry import algorithm_names, resolve_options
 from fedjax_sparse.data.federated import PREPROCESSING
 from fedjax_sparse.engine import CLIENT_PARALLELISM
+from fedjax_sparse.evaluation import PERSONAL_EVAL_MODES
 from fedjax_sparse.models import model_names
 
 ROUND_MODES = ("scan", "per_round")
@@ -48,6 +49,7 @@ class RunConfig:
     client_parallelism: str = "auto"
     round_mode: str = "scan"
     eval_batch_size: int | None = None  # None: auto (see auto_eval_batch_size)
+    personal_eval: str = "batched"      # batched (vmap over client chunks) | loop
     # Pinned draws (fedjax_sparse.pinning): replay another run's partition, initial weights, cohorts.
     partition_file: str | None = None
     init_params: str | None = None
@@ -95,6 +97,8 @@ def validate(config: RunConfig):
     if config.client_parallelism not in CLIENT_PARALLELISM:
         raise RunError(f"unknown --client-parallelism {config.client_parallelism!r}; valid: "
                        f"{', '.join(CLIENT_PARALLELISM)}")
+    if config.personal_eval not in PERSONAL_EVAL_MODES:
+        raise RunError(f"unknown --personal-eval {config.personal_eval!r}; valid: {', '.join(PERSONAL_EVAL_MODES)}")
     if config.round_mode not in ROUND_MODES:
         raise RunError(f"unknown --round-mode {config.round_mode!r}; valid: {', '.join(ROUND_MODES)}")
     try:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import chex
 import jax
@@ -41,7 +41,7 @@ from fedjax_sparse.accounting import Cost, cost_per_round
 from fedjax_sparse.algorithms.base import (COST_METRICS, REQUIRED_CLIENT_METRICS, Algorithm, ClientContext,
                                            ServerContext)
 from fedjax_sparse.data.federated import ClientData, FederatedData
-from fedjax_sparse.training import EvalStats, evaluate_client, predict_examples
+from fedjax_sparse.evaluation import Evaluator
 
 CLIENT_PARALLELISM = ("auto", "vmap", "map")
 
@@ -90,6 +90,8 @@ class Engine:
     # experiments/results/, see CHANGELOG).
     # False: evaluate every client separately (the general path; same numbers, tested).
     eval_shared_global_pass: bool = True
+    # Personalised evaluation: "batched" (vmap over chunks of clients) or "loop" (one client after another).
+    personal_eval: str = "batched"
     # Shard the sampled clients over all local devices (vmap mode only).
     shard_clients: bool = True
     # Keep each sampled cohort for this many consecutive rounds (FedDrop's fractional-participation
@@ -244,95 +246,16 @@ class Engine:
         return state, metrics_to_host(jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *per_round))
 
     # ------------------------------------------------------------------ evaluation
-    @property
-    def global_eval_batch_size(self) -> int:
-        """Batch of the passes over the union of the test sets: ``eval_batch_size`` is sized for one
-        client's small test set, far too small for thousands of examples."""
-        return max(self.eval_batch_size, 128)
-
     @functools.cached_property
-    def _eval_fn(self):
-        """jitted (state, data) -> (personal EvalStats with [N] leaves, global EvalStats or None)."""
-        alg = self.algorithm
-
-        def personal(state: EngineState, data: FederatedData):
-            cids = jnp.arange(self.num_clients, dtype=jnp.int32)
-
-            def one(args):
-                client_state, rows, count, cid = args
-                if alg.personal_predict is not None:
-                    predict = functools.partial(alg.personal_predict, state.server, client_state, cid)
-                else:
-                    predict = functools.partial(alg.global_predict, state.server)
-                return evaluate_client(predict, ClientData(data.test_x, data.test_y, rows, count),
-                                       batch_size=self.eval_batch_size, preprocess=data.preprocess)
-            return jax.lax.map(one, (state.clients, data.test_idx, data.test_count, cids),
-                               batch_size=self.eval_clients_at_once if self.eval_clients_at_once > 1 else None)
-
-        def global_(state: EngineState, data: FederatedData):
-            rows = data.global_test_idx
-            return evaluate_client(functools.partial(alg.global_predict, state.server),
-                                   ClientData(data.test_x, data.test_y, rows, jnp.int32(rows.shape[0])),
-                                   batch_size=self.global_eval_batch_size, preprocess=data.preprocess)
-
-        def personal_and_global_in_one_pass(state: EngineState, data: FederatedData):
-            rows = data.global_test_idx
-            hits, losses = predict_examples(
-                functools.partial(alg.global_predict, state.server),
-                ClientData(data.test_x, data.test_y, rows, jnp.int32(rows.shape[0])),
-                batch_size=self.global_eval_batch_size, preprocess=data.preprocess)
-            pool = data.test_y.shape[0]
-            hit_of_row = jnp.zeros((pool,), jnp.float32).at[rows].set(hits)
-            loss_of_row = jnp.zeros((pool,), jnp.float32).at[rows].set(losses)
-            valid = (jnp.arange(data.test_idx.shape[1]) < data.test_count[:, None]).astype(jnp.float32)
-            personal_stats = EvalStats((hit_of_row[data.test_idx] * valid).sum(1),
-                                       (loss_of_row[data.test_idx] * valid).sum(1), data.test_count)
-            global_stats = EvalStats(hits.sum(), losses.sum(), jnp.int32(rows.shape[0]))
-            return personal_stats, global_stats
-
-        def separately(state: EngineState, data: FederatedData):
-            return personal(state, data), (global_(state, data) if alg.global_predict is not None else None)
-
-        if alg.personal_predict is None and alg.global_predict is not None and self.eval_shared_global_pass:
-            return jax.jit(personal_and_global_in_one_pass)
-        return jax.jit(separately)
-
-    @functools.cached_property
-    def _density_fn(self):
-        """jitted state -> [] mean over all N clients of the density of the model each holds."""
-        personal_density = self.algorithm.personal_density
-        assert personal_density is not None, "only for algorithms with personal_density"
-        density: Callable[[Any, Any], jax.Array] = personal_density
-
-        def all_clients(state: EngineState):
-            per_client = jax.lax.map(lambda c: density(state.server, c), state.clients)
-            return jnp.mean(per_client)
-        return jax.jit(all_clients)
+    def evaluator(self) -> Evaluator:
+        """Evaluation lives in fedjax_sparse.evaluation; the engine's eval_* fields configure it."""
+        return Evaluator(self.algorithm, self.num_clients, eval_batch_size=self.eval_batch_size,
+                         eval_clients_at_once=self.eval_clients_at_once,
+                         eval_shared_global_pass=self.eval_shared_global_pass, personal_eval=self.personal_eval)
 
     def evaluate(self, state: EngineState, data: FederatedData) -> dict:
-        """Personalised accuracy (each client on its own test set; clients
-        without test data are skipped) and global-model accuracy on the union of
-        the clients' test sets (None without a global model)."""
-        stats, g = jax.device_get(self._eval_fn(state, data))
-        count = np.asarray(stats.count, np.float64)
-        has = count > 0
-        acc = np.asarray(stats.correct, np.float64)[has] / count[has]
-        out = {
-            "accuracy": float(acc.mean()),
-            "accuracy_std": float(acc.std()),
-            "accuracy_min": float(acc.min()),
-            "accuracy_max": float(acc.max()),
-            "test_loss": float(np.asarray(stats.loss_sum, np.float64)[has].sum() / count[has].sum()),
-            "client_accuracies": acc,
-            "global_accuracy": None,
-        }
-        if g is not None:
-            out["global_accuracy"] = float(g.correct / max(int(g.count), 1))
-            out["global_test_loss"] = float(g.loss_sum / max(int(g.count), 1))
-        if self.algorithm.personal_density is not None:
-            # The authors' logs average the density over every client, sampled or not.
-            out["density_all_clients"] = float(self._density_fn(state))
-        return out
+        """See :meth:`fedjax_sparse.evaluation.Evaluator.evaluate`."""
+        return self.evaluator.evaluate(state, data)
 
 
 def reduce_client_metrics(metrics: dict) -> dict:

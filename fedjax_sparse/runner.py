@@ -125,6 +125,7 @@ def build(config: RunConfig) -> Experiment:
     engine = Engine(algorithm, config.num_clients, config.clients_per_round,
                     client_parallelism=config.client_parallelism, resample_every=config.resample_every,
                     eval_batch_size=config.eval_batch_size or auto_eval_batch_size(data),
+                    personal_eval=config.personal_eval,
                     cohort_schedule=None if schedule is None else tuple(map(tuple, schedule.tolist())))
     return Experiment(config, dataset, partition, data, task, engine, pinned)
 

@@ -1,0 +1,61 @@
+"""Batched personalised evaluation (vmap over chunks of clients) gives the same per-client
+counts as evaluating one client after another, for personal and global models."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from fedjax_sparse.algorithms import Task, make_algorithm
+from fedjax_sparse.data.federated import build_federated_data
+from fedjax_sparse.engine import Engine
+from fedjax_sparse.evaluation import Evaluator, plan_chunks
+from fedjax_sparse.models import make_model
+from helpers import split_partition, tiny_dataset
+
+
+def test_chunks_group_clients_by_test_size_within_the_budget():
+    counts = np.array([5, 0, 30, 7, 16, 3, 64])
+    chunks = plan_chunks(counts, chunk_examples=40)
+    # Sorted by count (client 1 has no test data and is skipped), widths are powers of two.
+    assert [ids.tolist() for ids, _ in chunks] == [[5, 0, 3], [4], [2], [6]]
+    assert [w for _, w in chunks] == [8, 16, 32, 64]
+    assert all(len(ids) * w <= 40 or len(ids) == 1 for ids, w in chunks)
+    assert sorted(c for ids, _ in chunks for c in ids.tolist()) == [0, 2, 3, 4, 5, 6]
+
+
+def _uneven_data():
+    ds = tiny_dataset(n_train=240, n_test=90)
+    part = split_partition(ds, (10, 37, 64, 23, 50, 41))
+    rng = np.random.default_rng(1)
+    perm = rng.permutation(90)
+    bounds = np.cumsum([0, 3, 30, 9, 17, 0, 31])   # unequal test sets, one client without any
+    part.test_indices = [np.sort(perm[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    return build_federated_data(ds, part)
+
+
+@pytest.mark.parametrize("algorithm, options", [("local", {}), ("spafl", {}), ("fedavg", {})])
+def test_batched_loop_and_shared_pass_agree(algorithm, options):
+    data = _uneven_data()
+    model = make_model("cnn_small", data.input_shape, data.num_classes)
+    task = Task(model=model, num_clients=6, clients_per_round=3, local_epochs=1, batch_size=16, lr=0.05,
+                rounds=2, preprocess=data.preprocess, seed=0)
+    alg = make_algorithm(algorithm, task, options)
+    engine = Engine(alg, 6, 3, eval_batch_size=8)
+    state, _ = engine.run_rounds(engine.init(jax.random.PRNGKey(0)), data, 2)
+    loop = Evaluator(alg, 6, eval_batch_size=8, personal_eval="loop", eval_shared_global_pass=False)
+    batched = dataclasses.replace(loop, personal_eval="batched", chunk_examples=40)
+    a = loop.personal_stats(state, data)
+    b = batched.personal_stats(state, data)
+    np.testing.assert_array_equal(np.asarray(a.count), np.asarray(b.count))
+    np.testing.assert_array_equal(np.asarray(a.correct), np.asarray(b.correct))
+    np.testing.assert_allclose(np.asarray(a.loss_sum), np.asarray(b.loss_sum), rtol=2e-5, atol=1e-5)
+    ev_loop, ev_batched = loop.evaluate(state, data), batched.evaluate(state, data)
+    for key in ("accuracy", "accuracy_std", "accuracy_min", "accuracy_max", "global_accuracy"):
+        assert ev_loop[key] == ev_batched[key], key
+    if algorithm == "fedavg":   # the shared global pass gives the same personalised numbers too
+        shared = dataclasses.replace(batched, eval_shared_global_pass=True).evaluate(state, data)
+        assert shared["accuracy"] == pytest.approx(ev_batched["accuracy"], abs=1e-12)
+    # Not a trivial agreement: some but not all test examples are right, and clients differ.
+    assert 0 < float(np.sum(b.correct)) < float(np.sum(b.count))
+    assert ev_batched["accuracy_max"] > ev_batched["accuracy_min"]
