@@ -72,7 +72,7 @@ class Evaluator:
     eval_shared_global_pass: bool = True
     personal_eval: str = "batched"
     # Padded test examples per batched chunk (memory: about chunk_examples inputs and activations).
-    chunk_examples: int = 8192
+    chunk_examples: int = 2048
 
     def __post_init__(self):
         if self.personal_eval not in PERSONAL_EVAL_MODES:
