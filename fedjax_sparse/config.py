@@ -50,6 +50,12 @@ class RunConfig:
     round_mode: str = "scan"
     eval_batch_size: int | None = None  # None: auto (see auto_eval_batch_size)
     personal_eval: str = "batched"      # batched (vmap over client chunks) | loop
+    # Composition (fedjax_sparse.algorithms.compose): a robust aggregator and/or a model-poisoning attack
+    # around the algorithm's server side.
+    aggregator: str | None = None       # mean | trimmed_mean | multi_krum
+    trim_fraction: float = 0.1          # trimmed / assumed-malicious fraction of the cohort
+    attack: str | None = None           # min_max
+    malicious_fraction: float = 0.0     # fixed fraction of malicious client ids (seeded by --seed)
     # Pinned draws (fedjax_sparse.pinning): replay another run's partition, initial weights, cohorts.
     partition_file: str | None = None
     init_params: str | None = None
@@ -97,6 +103,15 @@ def validate(config: RunConfig):
     if config.client_parallelism not in CLIENT_PARALLELISM:
         raise RunError(f"unknown --client-parallelism {config.client_parallelism!r}; valid: "
                        f"{', '.join(CLIENT_PARALLELISM)}")
+    from fedjax_sparse.algorithms.compose import WRAPPER_AGGREGATORS, WRAPPER_ATTACKS
+    if config.aggregator is not None and config.aggregator not in WRAPPER_AGGREGATORS:
+        raise RunError(f"unknown --aggregator {config.aggregator!r}; valid: {', '.join(WRAPPER_AGGREGATORS)}")
+    if config.attack is not None and config.attack not in WRAPPER_ATTACKS:
+        raise RunError(f"unknown --attack {config.attack!r}; valid: {', '.join(WRAPPER_ATTACKS)}")
+    if config.attack is not None and not 0.0 < config.malicious_fraction < 1.0:
+        raise RunError(f"--attack needs --malicious-fraction in (0, 1), got {config.malicious_fraction}")
+    if not 0.0 <= config.trim_fraction < 0.5:
+        raise RunError(f"--trim-fraction must be in [0, 0.5), got {config.trim_fraction}")
     if config.personal_eval not in PERSONAL_EVAL_MODES:
         raise RunError(f"unknown --personal-eval {config.personal_eval!r}; valid: {', '.join(PERSONAL_EVAL_MODES)}")
     if config.round_mode not in ROUND_MODES:

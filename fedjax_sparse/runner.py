@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_sparse import pinning
-from fedjax_sparse.algorithms import Task, make_algorithm
+from fedjax_sparse.algorithms import Task, compose, make_algorithm
 # The config and checkpoint modules' names stay importable from here (scripts use runner.RunConfig).
 from fedjax_sparse.checkpoint import (CHECKPOINT, load_checkpoint, prepare_out_dir, read_metrics,  # noqa: F401
                                       save_checkpoint)
@@ -122,6 +122,14 @@ def build(config: RunConfig) -> Experiment:
                 train_counts=np.asarray(data.train_count), seed=config.seed,
                 initial_variables=initial_variables)
     algorithm = make_algorithm(config.algorithm, task, options)
+    try:
+        if config.aggregator is not None:
+            algorithm = compose.with_aggregator(algorithm, config.aggregator, trim_fraction=config.trim_fraction)
+        if config.attack is not None:
+            algorithm = compose.with_attack(algorithm, config.attack, num_clients=config.num_clients,
+                                            malicious_fraction=config.malicious_fraction, seed=config.seed)
+    except ValueError as e:
+        raise RunError(str(e)) from None
     engine = Engine(algorithm, config.num_clients, config.clients_per_round,
                     client_parallelism=config.client_parallelism, resample_every=config.resample_every,
                     eval_batch_size=config.eval_batch_size or auto_eval_batch_size(data),

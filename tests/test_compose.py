@@ -79,3 +79,20 @@ def test_any_attack_meets_any_aggregator_on_the_engine(name, aggregator):
     assert metrics["server_malicious_clients"].sum() > 0
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(state.server)
                if jnp.issubdtype(np.asarray(x).dtype, jnp.floating))
+
+
+def test_cli_flags_wrap_any_algorithm(tmp_path, capsys):
+    import json
+
+    from fedjax_sparse.cli import main
+    out = tmp_path / "run"
+    code = main(["run", "--algorithm", "spafl", "--dataset", "digits", "--num-clients", "10", "--clients-per-round",
+                 "5", "--rounds", "2", "--local-epochs", "1", "--aggregator", "trimmed_mean", "--trim-fraction", "0.2",
+                 "--attack", "min_max", "--malicious-fraction", "0.3", "--quiet", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert "server_malicious_clients" in rows[-1] and "server_attack_gamma" in rows[-1]
+    hparams = json.loads((out / "config.json").read_text())["algorithm_options"]
+    assert hparams["aggregator"] == "trimmed_mean" and hparams["attack"] == "min_max"
+    assert main(["run", "--dataset", "digits", "--aggregator", "median", "--rounds", "1", "--quiet"]) == 2
+    assert "unknown --aggregator 'median'" in capsys.readouterr().err
