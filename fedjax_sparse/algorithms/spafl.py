@@ -72,7 +72,7 @@ authors' code logs it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,7 +84,7 @@ from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.data.federated import ClientData
 from fedjax_sparse.mechanisms import threshold_masks as masks_lib
 from fedjax_sparse.models.base import Hooks, LayerInfo, Model
-from fedjax_sparse.training import masked_cross_entropy, run_local_epochs
+from fedjax_sparse.training import Batch, masked_cross_entropy, run_local_epochs
 
 SPAFL_OPTIONS = dict(
     alpha=0.002, ramp=False, momentum=0.9, keep_optimizer_state=True, clip_norm=0.0,
@@ -232,6 +232,8 @@ class SpaflSetup:
     eq13_apply: str
     share_thresholds: bool
     eval_thresholds: str
+    train_weights: bool = True
+    clamp: bool = False
 
     @property
     def num_thresholds(self) -> int:
@@ -264,7 +266,8 @@ def make_setup(model: Model, options: Mapping) -> SpaflSetup:
     return SpaflSetup(model=model, layers=layers, ste=o["ste"], reset_threshold=bool(o["reset_threshold"]),
                       divisors=eq13_divisors(layers, o["eq13_divisor"]),
                       eq13=bool(o["eq13"]) and bool(o["share_thresholds"]), eq13_apply=o["eq13_apply"],
-                      share_thresholds=bool(o["share_thresholds"]), eval_thresholds=o["eval_thresholds"])
+                      share_thresholds=bool(o["share_thresholds"]), eval_thresholds=o["eval_thresholds"],
+                      train_weights=bool(o["train_weights"]), clamp=bool(o["clamp"]))
 
 
 def replay_eq13(setup: SpaflSetup, params: dict, history: jax.Array, start: jax.Array,
@@ -294,6 +297,55 @@ def personal_row_masks(setup: SpaflSetup, server_state, client_state) -> dict:
     return row_masks(params, tau, setup.ste)
 
 
+# ---------------------------------------------------------------------------- the local step
+class SpaflCarry(NamedTuple):
+    """What one local SGD step of SpaFL reads and writes."""
+    trainable: dict               # {"params": weights, "tau": {layer: [out]} thresholds}
+    batch_stats: dict             # BatchNorm running statistics
+    opt_state: Any                # SGD momentum of (params, tau)
+    kept: dict                    # {layer: []} kept fraction of each thresholded layer, last forward
+    kept_row_examples: jax.Array  # [L] int32: sum over steps of kept rows x real examples (exact FLOPs)
+    resets: jax.Array             # [] float32: layers whose thresholds the reset rule zeroed
+
+
+def spafl_local_step(setup: SpaflSetup, optimizer: optax.GradientTransformation, lr: jax.Array,
+                     reg_coeff: jax.Array, carry: SpaflCarry, batch: Batch) -> tuple[SpaflCarry, jax.Array]:
+    """One step on ``CE + reg_coeff * sum exp(-tau)`` (eq. 5) of the masked model (eq. 1),
+    straight-through gradients to weights and thresholds, SGD ``p -= lr * update``.
+    Before the forward pass the reset rule zeroes a layer's thresholds when it kept <= 1 % of
+    its rows in the previous pass. Returns (carry, the batch's cross-entropy)."""
+    model = setup.model
+    trainable, resets = carry.trainable, carry.resets
+    tau = trainable["tau"]
+    if setup.reset_threshold:
+        resets = resets + sum((carry.kept[n] <= masks_lib.RESET_KEPT_FRACTION).astype(jnp.float32) for n in tau)
+        tau = reset_layer_thresholds(tau, carry.kept)
+        trainable = {**trainable, "tau": tau}
+
+    def loss_fn(tr):
+        row_mask = row_masks(tr["params"], tr["tau"], setup.ste)
+        logits, new_stats = model.apply({"params": tr["params"], "batch_stats": carry.batch_stats}, batch.x,
+                                        train=True, hooks=masking_hooks(row_mask), sample_mask=batch.mask)
+        ce = masked_cross_entropy(logits, batch.y, batch.mask)
+        return ce + reg_coeff * regulariser(tr["tau"]), (ce, new_stats, row_mask)
+
+    (_, (ce, new_stats, row_mask)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+    if not setup.train_weights:
+        grads = {**grads, "params": jax.tree_util.tree_map(jnp.zeros_like, grads["params"])}
+    updates, opt_state = optimizer.update(grads, carry.opt_state, trainable)
+    trainable = jax.tree_util.tree_map(lambda p, u: p - lr * u, trainable, updates)
+    if setup.clamp:
+        params = dict(trainable["params"])
+        for n in trainable["tau"]:
+            params[n] = {**params[n], "kernel": jnp.clip(params[n]["kernel"], -1.0, 1.0)}
+        trainable = {"params": params,
+                     "tau": jax.tree_util.tree_map(lambda t: jnp.clip(t, 0.0, 1.0), trainable["tau"])}
+    # Exact cost: every layer's kept rows times this batch's real examples (int32 counts).
+    examples = batch.mask.sum().astype(jnp.int32)
+    kept_row_examples = carry.kept_row_examples + kept_row_counts(model, row_mask) * examples
+    return SpaflCarry(trainable, new_stats, opt_state, kept_fractions(row_mask), kept_row_examples, resets), ce
+
+
 # ---------------------------------------------------------------------------- the algorithm
 def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum, keep_optimizer_state,
                 clip_norm, lr_decay, lr_min, ste, clamp, eq13, eq13_divisor, eq13_apply, train_weights,
@@ -302,7 +354,7 @@ def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum,
     setup = make_setup(model, dict(
         ste=ste, reset_threshold=reset_threshold, eq13=eq13, eq13_divisor=eq13_divisor,
         eq13_apply=eq13_apply, train_weights=train_weights, share_thresholds=share_thresholds,
-        eval_thresholds=eval_thresholds))
+        eval_thresholds=eval_thresholds, clamp=clamp))
     layers = setup.layers
     use_ramp = bool(ramp)
     n_tau = setup.num_thresholds
@@ -336,42 +388,6 @@ def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum,
     def broadcast(server_state, round_index):
         return server_state
 
-    def local_step(lr_t, coeff_t):
-        def step(carry, batch, step_index, num_steps, key):
-            trainable, stats, opt_state, kept, flops, resets = carry
-            tau = trainable["tau"]
-            if reset_threshold:
-                resets = resets + sum((kept[n] <= masks_lib.RESET_KEPT_FRACTION).astype(jnp.float32)
-                                      for n in tau)
-                tau = reset_layer_thresholds(tau, kept)
-                trainable = {**trainable, "tau": tau}
-
-            def loss_fn(tr):
-                row_mask = row_masks(tr["params"], tr["tau"], ste)
-                logits, new_stats = model.apply({"params": tr["params"], "batch_stats": stats}, batch.x,
-                                                train=True, hooks=masking_hooks(row_mask),
-                                                sample_mask=batch.mask)
-                ce = masked_cross_entropy(logits, batch.y, batch.mask)
-                return ce + coeff_t * regulariser(tr["tau"]), (ce, new_stats, row_mask)
-
-            (_, (ce, new_stats, row_mask)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
-            if not train_weights:
-                grads = {**grads, "params": jax.tree_util.tree_map(jnp.zeros_like, grads["params"])}
-            updates, opt_state = optimizer.update(grads, opt_state, trainable)
-            trainable = jax.tree_util.tree_map(lambda p, u: p - lr_t * u, trainable, updates)
-            if clamp:
-                params = dict(trainable["params"])
-                for n in trainable["tau"]:
-                    params[n] = {**params[n], "kernel": jnp.clip(params[n]["kernel"], -1.0, 1.0)}
-                trainable = {"params": params,
-                             "tau": jax.tree_util.tree_map(lambda t: jnp.clip(t, 0.0, 1.0), trainable["tau"])}
-            kept = kept_fractions(row_mask)
-            # Exact cost: every layer's kept rows times this batch's real examples (int32 counts).
-            examples = batch.mask.sum().astype(jnp.int32)
-            flops = flops + kept_row_counts(model, row_mask) * examples
-            return (trainable, new_stats, opt_state, kept, flops, resets), ce
-        return step
-
     def client_update(server_state, client_state, data: ClientData, ctx):
         params = client_state["params"]
         eq13_applied = jnp.zeros((), jnp.float32)
@@ -391,11 +407,14 @@ def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum,
         opt_state = client_state["opt_state"] if keep_optimizer_state else optimizer.init(trainable)
         lr_t = jnp.maximum(task.lr * jnp.power(lr_decay, ctx.round.astype(jnp.float32)), lr_min)
         coeff_t = alpha * (regulariser_ramp(ctx.round) if use_ramp else 1.0)
-        carry = (trainable, client_state["batch_stats"], opt_state, client_state["kept"],
-                 jnp.zeros((len(model.layers),), jnp.int32), jnp.zeros((), jnp.float32))
+        carry = SpaflCarry(trainable, client_state["batch_stats"], opt_state, client_state["kept"],
+                           jnp.zeros((len(model.layers),), jnp.int32), jnp.zeros((), jnp.float32))
+
+        def step(carry, batch, step_index, num_steps, key):
+            return spafl_local_step(setup, optimizer, lr_t, coeff_t, carry, batch)
         (trainable, stats, opt_state, kept, flops, resets), local = run_local_epochs(
-            local_step(lr_t, coeff_t), carry, data, ctx.key, epochs=task.local_epochs,
-            batch_size=task.batch_size, preprocess=task.preprocess)
+            step, carry, data, ctx.key, epochs=task.local_epochs, batch_size=task.batch_size,
+            preprocess=task.preprocess)
         new_client.update(params=trainable["params"], batch_stats=stats, tau=trainable["tau"], kept=kept)
         if keep_optimizer_state:
             new_client["opt_state"] = opt_state
