@@ -8,6 +8,7 @@ of the default suite: install with ``pip install -e '.[mutation]'`` and run
     python experiments/mutation_test.py                          # masks.py and dropout.py
     python experiments/mutation_test.py fedjax_sparse/supermask.py --max-children 2
     python experiments/mutation_test.py all --time-limit 3000    # every module below
+    python experiments/mutation_test.py fedjax_sparse/masks.py --mutants 'fedjax_sparse.masks.x_row_sum*'
 
 Each module is mutated in its own scratch copy of the package and tests
 (``--workdir``, default a folder under the system temp dir), with the fast
@@ -18,6 +19,7 @@ module and the diff of every survivor; docs/testing.md records the last run.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import os
 import re
 import shutil
@@ -82,6 +84,9 @@ def main() -> int:
     parser.add_argument("modules", nargs="*", help=f"modules (or 'all'); default {' '.join(DEFAULT)}")
     parser.add_argument("--max-children", type=int, default=2)
     parser.add_argument("--time-limit", type=float, default=1800.0, help="seconds for all modules together")
+    parser.add_argument("--mutants", nargs="+", default=[],
+                        help="only these mutant names (fnmatch globs, e.g. 'fedjax_sparse.dropout.x_solve_scaling*'), "
+                             "to re-check earlier survivors")
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "fedjax_sparse_mutation")
     args = parser.parse_args()
     modules = list(TARGETS) if args.modules == ["all"] else (args.modules or DEFAULT)
@@ -99,11 +104,13 @@ def main() -> int:
         prepare(workdir, module)
         start = time.monotonic()
         try:
-            run = mutmut(workdir, "run", "--max-children", str(args.max_children), timeout=left)
+            run = mutmut(workdir, "run", "--max-children", str(args.max_children), *args.mutants, timeout=left)
             finished = run.returncode == 0
         except subprocess.TimeoutExpired:
             finished = False
         status = results(workdir)
+        if args.mutants:
+            status = {k: v for k, v in status.items() if any(fnmatch.fnmatch(k, m) for m in args.mutants)}
         counts: dict[str, int] = {}
         for value in status.values():
             counts[value] = counts.get(value, 0) + 1
