@@ -94,8 +94,10 @@ def run_tests(package_root: Path, tests: list[str]) -> tuple[int, str]:
 
 
 def failures(output: str) -> list[str]:
-    """pytest -rf's "FAILED test - message" lines, shortened."""
-    return [l[len("FAILED "):][:300] for l in output.splitlines() if l.startswith("FAILED ")]
+    """The failed tests (pytest -rf's "FAILED" lines) and the first error line of the output."""
+    errors = [l[1:].strip() for l in output.splitlines() if l.startswith("E ") and l[1:].strip()]
+    failed = [l[len("FAILED "):].split(" - ")[0] for l in output.splitlines() if l.startswith("FAILED ")]
+    return failed + ["first error: " + (errors[0][:300] if errors else "?")]
 
 
 def main() -> int:

@@ -170,7 +170,15 @@ def test_scaling_coefficients_give_the_mean_ratio_of_scaled_probabilities():
     model = sequential("q", (6, 6, 1), 2, [Conv("c1", 3, 3, padding="SAME"), Conv("c2", 5, 3), Flatten(),
                                            Dense("fc1", 4), Dense("fc2", 2, relu=False)])
     layout = ChannelLayout.from_model(model)
+    # By hand with per-layer constant p (0.5 on c1, 0.8 on c2): fc1 sees c2's channels, fc2 sees none dropped.
+    f1, f2, f3, f4 = (2.0 * l.macs for l in model.layers)
+    flat = jnp.concatenate([jnp.full((3,), 0.5), jnp.full((5,), 0.8)])
+    assert float(SparseFlopsModel.build(model, layout).forward(flat)) == pytest.approx(
+        f1 * 0.5 + f2 * 0.5 * 0.8 + f3 * 0.8 + f4, rel=1e-6)
     p = jax.random.uniform(jax.random.PRNGKey(0), (3, layout.total), minval=0.1, maxval=1.0)
+    # Batched over clients = one client at a time.
+    flops = SparseFlopsModel.build(model, layout)
+    np.testing.assert_allclose(flops.forward(p), [float(flops.forward(p[k])) for k in range(3)], rtol=1e-6)
     for activations in (False, True):
         flops = SparseFlopsModel.build(model, layout, count_activations=activations)
         a, b, c = (float(v) for v in flops.scaling_coefficients(p))
@@ -189,12 +197,22 @@ def test_solve_scaling_and_budgets_of_one_or_more():
     assert float(solve_scaling(0.0, 0.5, 0.25, 0.5)) == pytest.approx(0.5)  # linear: 0.5 s + 0.25 = 0.5
     flops = SparseFlopsModel.build(two_layer_net(), ChannelLayout.from_model(two_layer_net()))
     assert flops.uniform_keep_prob(1.5) == 1.0   # a budget of the dense cost or more drops nothing
+    # A budget equal to the cost of the layers without dropout (c) would need p = 0: unattainable.
+    fixed = SparseFlopsModel.build(two_layer_net(), ChannelLayout.from_model(two_layer_net()),
+                                   input_sparsity_in_dense=False)
+    _, _, c = (float(v) for v in fixed.scaling_coefficients(jnp.ones((1, 4))))
+    assert c == pytest.approx(384 / 1536)
+    with pytest.raises(ValueError, match="unattainable"):
+        fixed.uniform_keep_prob(c)
 
 
 def test_scale_defaults_to_inverted_dropout_and_hooks_keep_the_activation_dtype():
     mask, p = jnp.array([1.0, 0.0, 1.0]), jnp.array([0.5, 0.5, 0.25])
     np.testing.assert_allclose(dropout_scale(mask, p), [2.0, 0.0, 4.0])          # d / p by default
     np.testing.assert_allclose(dropout_scale(mask, p, rescale=False), mask)
+    h = jnp.full((2, 3), 3.0)
+    np.testing.assert_allclose(syncdrop(h, p, jnp.array([0.1, 0.9, 0.2])), [[6, 0, 12]] * 2)
+    np.testing.assert_allclose(syncdrop(h, p, jnp.array([0.1, 0.9, 0.2]), rescale=False), [[3, 0, 3]] * 2)
     layout = ChannelLayout(("conv",), (3,))
     hooks = channel_scale_hooks(layout, dropout_scale(mask, p))
     h = jnp.ones((2, 3), jnp.bfloat16)
