@@ -220,3 +220,9 @@ def test_scale_defaults_to_inverted_dropout_and_hooks_keep_the_activation_dtype(
     assert out.dtype == jnp.bfloat16   # float32 scales do not promote bfloat16 activations
     np.testing.assert_array_equal(np.asarray(out, np.float32), [[2, 0, 4], [2, 0, 4]])
     assert hooks.activation("fc", h) is h
+
+
+def test_keep_mask_is_strict_so_p_zero_never_keeps():
+    # d = 1[u < p] (eq. 3): a draw of exactly 0 must not keep a channel of keep probability 0.
+    np.testing.assert_array_equal(keep_mask(jnp.array([0.0, 0.0, 0.5, 0.5]), jnp.array([0.0, 1.0, 0.5, 0.6])),
+                                  [0.0, 1.0, 0.0, 1.0])
