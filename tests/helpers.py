@@ -38,3 +38,35 @@ def split_partition(dataset, sizes, test_sizes=None, seed=0):
 def tiny_federated(sizes=(10, 37, 64, 23, 50, 41), **kw):
     ds = tiny_dataset(**kw)
     return ds, build_federated_data(ds, split_partition(ds, sizes))
+
+
+def hand_accuracies(alg, state, data):
+    """Test accuracies counted by hand from the algorithm's own predict
+    functions, as a reference for ``Engine.evaluate``: ([clients with test
+    data] per-client accuracy of the personal model, or of the global model
+    when there is none; the global model's accuracy on the union of the
+    clients' test rows, or None without a global model)."""
+    import jax
+    import jax.numpy as jnp
+
+    x_all = data.preprocess(jnp.asarray(data.test_x))
+    y_all = np.asarray(data.test_y)
+    glob = None
+    if alg.global_predict is not None:
+        global_hits = np.argmax(np.asarray(jax.jit(alg.global_predict)(state.server, x_all)), -1) == y_all
+        rows = np.asarray(data.global_test_idx)
+        glob = float(global_hits[rows].mean())
+    personal = jax.jit(alg.personal_predict) if alg.personal_predict is not None else None
+    per_client = []
+    for c in range(data.num_clients):
+        n = int(data.test_count[c])
+        if n == 0:
+            continue
+        rows = np.asarray(data.test_idx[c])[:n]
+        if personal is None:
+            hits = global_hits
+        else:
+            client = jax.tree_util.tree_map(lambda v: v[c], state.clients)
+            hits = np.argmax(np.asarray(personal(state.server, client, jnp.int32(c), x_all)), -1) == y_all
+        per_client.append(float(hits[rows].mean()))
+    return np.array(per_client), glob

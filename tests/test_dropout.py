@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fedjax_sparse.dropout import (ChannelLayout, SparseFlopsModel, channel_scale_hooks, channel_uniforms,
-                                   dropout_aware_init, keep_mask, syncdrop)
+                                   dropout_aware_init, dropout_scale, keep_mask, solve_scaling, syncdrop)
 from fedjax_sparse.models import make_model
 from fedjax_sparse.models.base import Conv, Dense, Flatten, sequential
 
@@ -160,3 +160,69 @@ def test_modified_he_init_has_variance_2p_over_fan_in(scheme):
                 assert np.abs(kernel).max() <= math.sqrt(6 * 0.6 / layer.fan_in)
         else:
             np.testing.assert_array_equal(kernel, base["params"][layer.name]["kernel"])
+
+
+def test_scaling_coefficients_give_the_mean_ratio_of_scaled_probabilities():
+    """mean_k ratio(s p_k) = a s^2 + b s + c for any s, with per-client, per-channel
+    p: the conv fed by a conv is quadratic in s, the first conv and the dense layer
+    fed by dropped channels are linear (plus the activation terms), and a dense
+    layer fed by a dense one is constant."""
+    model = sequential("q", (6, 6, 1), 2, [Conv("c1", 3, 3, padding="SAME"), Conv("c2", 5, 3), Flatten(),
+                                           Dense("fc1", 4), Dense("fc2", 2, relu=False)])
+    layout = ChannelLayout.from_model(model)
+    # By hand with per-layer constant p (0.5 on c1, 0.8 on c2): fc1 sees c2's channels, fc2 sees none dropped.
+    f1, f2, f3, f4 = (2.0 * l.macs for l in model.layers)
+    flat = jnp.concatenate([jnp.full((3,), 0.5), jnp.full((5,), 0.8)])
+    assert float(SparseFlopsModel.build(model, layout).forward(flat)) == pytest.approx(
+        f1 * 0.5 + f2 * 0.5 * 0.8 + f3 * 0.8 + f4, rel=1e-6)
+    p = jax.random.uniform(jax.random.PRNGKey(0), (3, layout.total), minval=0.1, maxval=1.0)
+    # Batched over clients = one client at a time.
+    flops = SparseFlopsModel.build(model, layout)
+    np.testing.assert_allclose(flops.forward(p), [float(flops.forward(p[k])) for k in range(3)], rtol=1e-6)
+    for activations in (False, True):
+        flops = SparseFlopsModel.build(model, layout, count_activations=activations)
+        a, b, c = (float(v) for v in flops.scaling_coefficients(p))
+        assert a > 0 and b > 0 and c > 0
+        for s in (0.3, 0.8, 1.7):
+            want = float(flops.ratio(s * p).mean())
+            assert a * s * s + b * s + c == pytest.approx(want, rel=1e-5), (activations, s)
+        # g(p) = r - mean_k ratio(p_k) (eq. 5), and the scaling s solving a s^2 + b s + c = r meets it exactly.
+        assert float(flops.budget_slack(p, 0.6)) == pytest.approx(0.6 - (a + b + c), rel=1e-5)
+        s = float(solve_scaling(a, b, c, 0.4))
+        assert float(flops.budget_slack(s * p, 0.4)) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_solve_scaling_and_budgets_of_one_or_more():
+    assert float(solve_scaling(1.0, 2.0, 0.5, 3.5)) == pytest.approx(1.0)   # s^2 + 2 s + 0.5 = 3.5
+    assert float(solve_scaling(0.0, 0.5, 0.25, 0.5)) == pytest.approx(0.5)  # linear: 0.5 s + 0.25 = 0.5
+    flops = SparseFlopsModel.build(two_layer_net(), ChannelLayout.from_model(two_layer_net()))
+    assert flops.uniform_keep_prob(1.5) == 1.0   # a budget of the dense cost or more drops nothing
+    # A budget equal to the cost of the layers without dropout (c) would need p = 0: unattainable.
+    fixed = SparseFlopsModel.build(two_layer_net(), ChannelLayout.from_model(two_layer_net()),
+                                   input_sparsity_in_dense=False)
+    _, _, c = (float(v) for v in fixed.scaling_coefficients(jnp.ones((1, 4))))
+    assert c == pytest.approx(384 / 1536)
+    with pytest.raises(ValueError, match="unattainable"):
+        fixed.uniform_keep_prob(c)
+
+
+def test_scale_defaults_to_inverted_dropout_and_hooks_keep_the_activation_dtype():
+    mask, p = jnp.array([1.0, 0.0, 1.0]), jnp.array([0.5, 0.5, 0.25])
+    np.testing.assert_allclose(dropout_scale(mask, p), [2.0, 0.0, 4.0])          # d / p by default
+    np.testing.assert_allclose(dropout_scale(mask, p, rescale=False), mask)
+    h = jnp.full((2, 3), 3.0)
+    np.testing.assert_allclose(syncdrop(h, p, jnp.array([0.1, 0.9, 0.2])), [[6, 0, 12]] * 2)
+    np.testing.assert_allclose(syncdrop(h, p, jnp.array([0.1, 0.9, 0.2]), rescale=False), [[3, 0, 3]] * 2)
+    layout = ChannelLayout(("conv",), (3,))
+    hooks = channel_scale_hooks(layout, dropout_scale(mask, p))
+    h = jnp.ones((2, 3), jnp.bfloat16)
+    out = hooks.activation("conv", h)
+    assert out.dtype == jnp.bfloat16   # float32 scales do not promote bfloat16 activations
+    np.testing.assert_array_equal(np.asarray(out, np.float32), [[2, 0, 4], [2, 0, 4]])
+    assert hooks.activation("fc", h) is h
+
+
+def test_keep_mask_is_strict_so_p_zero_never_keeps():
+    # d = 1[u < p] (eq. 3): a draw of exactly 0 must not keep a channel of keep probability 0.
+    np.testing.assert_array_equal(keep_mask(jnp.array([0.0, 0.0, 0.5, 0.5]), jnp.array([0.0, 1.0, 0.5, 0.6])),
+                                  [0.0, 1.0, 0.0, 1.0])

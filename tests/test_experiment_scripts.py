@@ -44,7 +44,11 @@ def test_fsl_script_runs_reports_and_skips_finished_runs(tmp_path, capsys):
     results = json.loads((tmp_path / "results.json").read_text())["table1"]
     for method in ("fsl", "signsgd"):
         ours = results[method]["ours"]
-        assert ours["rounds"] == 2 and 0.0 <= ours["accuracy"] <= 1.0
+        summary = json.loads((tmp_path / method / "seed0" / "summary.json").read_text())
+        assert ours["rounds"] == 2 and ours["accuracy"] == pytest.approx(summary["final_accuracy"])
+        assert ours["accuracy_std_over_clients"] == pytest.approx(summary["final_accuracy_std"])
+    # Learning: 10 digits (chance 0.1); FSL reaches 0.27 after these 2 rounds (measured).
+    assert results["fsl"]["ours"]["accuracy"] > 0.2
     # Rankings cost the same both ways; SignSGD uploads 1 bit and downloads 32 bits per weight.
     assert results["fsl"]["ours"]["upload_mb"] == pytest.approx(results["fsl"]["ours"]["download_mb"])
     assert results["signsgd"]["ours"]["download_mb"] == pytest.approx(32 * results["signsgd"]["ours"]["upload_mb"])

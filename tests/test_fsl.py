@@ -12,7 +12,7 @@ from fedjax_sparse.algorithms.fsl import reverse_attack
 from fedjax_sparse.engine import Engine
 from fedjax_sparse.models import Conv, Dense, Flatten, sequential
 
-from helpers import tiny_federated
+from helpers import hand_accuracies, tiny_federated
 
 # Figure 1: three clients, six edges. Client rankings (least -> most important).
 R1 = [4, 0, 2, 3, 5, 1]
@@ -181,7 +181,10 @@ def test_sfsl_engine_run_with_attack(tiny):
         assert sorted(np.asarray(r).tolist()) == list(range(r.shape[0]))
     np.testing.assert_array_equal(metrics["server_malicious_clients"], [2, 2])
     ev = engine.evaluate(state, data)
-    assert 0.0 <= ev["accuracy"] <= 1.0 and ev["global_accuracy"] is not None
+    per_client, glob = hand_accuracies(alg, state, data)   # the voted global subnetwork, counted by hand
+    assert ev["global_accuracy"] == pytest.approx(glob)
+    np.testing.assert_allclose(ev["client_accuracies"], per_client)
+    assert ev["accuracy"] == pytest.approx(per_client.mean())
 
 
 def test_fsl_learns(tiny):

@@ -82,3 +82,33 @@ def test_masks_work_under_vmap():
     kernels = jnp.stack([jnp.full((3, 2), 0.2), jnp.full((3, 2), 0.4)])
     out = jax.vmap(masks.threshold_row_mask)(kernels, jnp.array([[0.3, 0.1], [0.3, 0.5]]))
     np.testing.assert_array_equal(out, [[0, 1], [1, 0]])
+
+
+def test_truncated_estimator_boundary_and_default_estimator():
+    # The CIFAR code passes gradient only where |x| > 1 (strictly): |x| = 1 gets none.
+    x = jnp.array([-1.0, 1.0, 1.0000001])
+    _, vjp = jax.vjp(lambda v: masks.step_ste(v, "truncated"), x)
+    np.testing.assert_array_equal(vjp(jnp.ones(3))[0], [0.0, 0.0, 1.0])
+    # Without an estimator the step is the identity STE (the paper and its FMNIST code).
+    np.testing.assert_array_equal(jax.grad(lambda v: masks.step_ste(v).sum())(jnp.array([-2.0, 0.3])), [1.0, 1.0])
+
+
+def test_masks_keep_the_kernels_low_precision_dtype():
+    """step_ste has the dtype of its input and apply_row_mask the kernel's,
+    also in bfloat16 (no silent promotion to float32), gradients included."""
+    x = jnp.array([-2.0, 0.5, 1.5], jnp.bfloat16)
+    for estimator in masks.STE_ESTIMATORS:
+        assert masks.step_ste(x, estimator).dtype == jnp.bfloat16
+        grad = jax.grad(lambda v: masks.step_ste(v, estimator).astype(jnp.float32).sum())(x)
+        assert grad.dtype == jnp.bfloat16
+    kernel = jnp.ones((2, 3), jnp.bfloat16)
+    out = masks.apply_row_mask(kernel, jnp.array([True, False, True]))
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out, np.float32), [[1, 0, 1], [1, 0, 1]])
+
+
+def test_row_sum_is_the_signed_sum_over_each_rows_incoming_weights():
+    kernel = jnp.arange(24, dtype=jnp.float32).reshape(2, 3, 4) - 10.0   # [in..., out = 4]
+    want = np.asarray(kernel).reshape(6, 4).sum(0)                       # [-36, -30, -24, -18]
+    np.testing.assert_array_equal(masks.row_sum(kernel), want)
+    np.testing.assert_array_equal(masks.row_sum(jnp.array([[1.0, -2.0], [3.0, 5.0]])), [4.0, 3.0])
