@@ -6,9 +6,10 @@ mutated function; a *surviving* mutant is a change no test noticed. Not part
 of the default suite: install with ``pip install -e '.[mutation]'`` and run
 
     python experiments/mutation_test.py                          # masks.py and dropout.py
-    python experiments/mutation_test.py fedjax_sparse/supermask.py --max-children 2
+    python experiments/mutation_test.py fedjax_sparse/mechanisms/supermask.py --max-children 2
     python experiments/mutation_test.py all --time-limit 3000    # every module below
-    python experiments/mutation_test.py fedjax_sparse/masks.py --mutants 'fedjax_sparse.masks.x_row_sum*'
+    python experiments/mutation_test.py fedjax_sparse/mechanisms/threshold_masks.py \
+        --mutants 'fedjax_sparse.mechanisms.threshold_masks.x_row_sum*'
 
 Each module is mutated in its own scratch copy of the package and tests
 (``--workdir``, default a folder under the system temp dir), with the fast
@@ -33,14 +34,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # module -> the fast tests that pin it (pytest arguments)
 TARGETS = {
-    "fedjax_sparse/masks.py": ["tests/test_masks.py"],
-    "fedjax_sparse/dropout.py": ["tests/test_dropout.py"],
-    "fedjax_sparse/supermask.py": ["tests/test_fsl.py", "tests/test_mechanisms.py",
+    "fedjax_sparse/mechanisms/threshold_masks.py": ["tests/test_masks.py"],
+    "fedjax_sparse/mechanisms/syncdrop.py": ["tests/test_dropout.py"],
+    "fedjax_sparse/mechanisms/supermask.py": ["tests/test_fsl.py", "tests/test_mechanisms.py",
                                    "-k", "not engine and not learns and not feddrop and not spafl and not barrier"],
-    "fedjax_sparse/algorithms/robust.py": ["tests/test_robust.py"],
-    "fedjax_sparse/accounting.py": ["tests/test_layers.py", "tests/test_fsl_models.py"],
+    "fedjax_sparse/mechanisms/robust_aggregation.py": ["tests/test_robust.py", "tests/test_compose.py"],
+    "fedjax_sparse/mechanisms/attacks.py": ["tests/test_robust.py", "tests/test_threat_model.py"],
+    "fedjax_sparse/accounting.py": ["tests/test_layers.py", "tests/test_fsl_models.py", "tests/test_accounting.py"],
 }
-DEFAULT = ["fedjax_sparse/masks.py", "fedjax_sparse/dropout.py"]
+DEFAULT = ["fedjax_sparse/mechanisms/threshold_masks.py", "fedjax_sparse/mechanisms/syncdrop.py"]
 
 CONFIG = """[tool.mutmut]
 source_paths = ["fedjax_sparse"]

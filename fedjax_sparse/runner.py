@@ -118,8 +118,7 @@ def build(config: RunConfig) -> Experiment:
                                      "sha256": pinning.file_digest(config.cohort_schedule)}
     task = Task(model=model, num_clients=config.num_clients, clients_per_round=config.clients_per_round,
                 local_epochs=config.local_epochs, batch_size=config.batch_size, lr=float(config.lr),
-                rounds=config.rounds, preprocess=data.preprocess,
-                train_counts=np.asarray(data.train_count), seed=config.seed,
+                rounds=config.rounds, preprocess=data.preprocess, seed=config.seed,
                 initial_variables=initial_variables)
     algorithm = make_algorithm(config.algorithm, task, options)
     try:

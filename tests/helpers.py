@@ -70,3 +70,15 @@ def hand_accuracies(alg, state, data):
             hits = np.argmax(np.asarray(personal(state.server, client, jnp.int32(c), x_all)), -1) == y_all
         per_client.append(float(hits[rows].mean()))
     return np.array(per_client), glob
+
+
+def make_task(data, model="cnn_small", **overrides):
+    """A Task over ``data`` (a FederatedData) with small defaults; ``model`` is a model name or a Model."""
+    from fedjax_sparse.algorithms import Task
+    from fedjax_sparse.models import make_model
+    if isinstance(model, str):
+        model = make_model(model, data.input_shape, data.num_classes)
+    fields = dict(model=model, num_clients=data.num_clients, clients_per_round=min(3, data.num_clients),
+                  local_epochs=1, batch_size=8, lr=0.05, rounds=3, preprocess=data.preprocess, seed=0)
+    fields.update(overrides)
+    return Task(**fields)

@@ -44,8 +44,7 @@ def make_data(image_shape, counts, seed=0):
 def make_task(model, data, *, batch_size, epochs=1, clients_per_round=None):
     n = data.num_clients
     return Task(model=model, num_clients=n, clients_per_round=clients_per_round or n, local_epochs=epochs,
-                batch_size=batch_size, lr=LR, rounds=2, preprocess=data.preprocess,
-                train_counts=np.asarray(data.train_count))
+                batch_size=batch_size, lr=LR, rounds=2, preprocess=data.preprocess)
 
 
 def client_view(data, i):

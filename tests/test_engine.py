@@ -23,8 +23,7 @@ SIZES = (10, 37, 64, 23, 50, 41)
 def make_task(data, model_name="cnn_small", epochs=2, batch_size=8, lr=0.1, k=3):
     model = make_model(model_name, data.input_shape, data.num_classes)
     return Task(model=model, num_clients=data.num_clients, clients_per_round=k, local_epochs=epochs,
-                batch_size=batch_size, lr=lr, rounds=3, preprocess=data.preprocess,
-                train_counts=np.asarray(data.train_count))
+                batch_size=batch_size, lr=lr, rounds=3, preprocess=data.preprocess)
 
 
 def leaves_close(a, b, atol=1e-5):
@@ -158,7 +157,7 @@ def test_fedavg_single_step_matches_hand_computed_gradient():
     _, data = tiny_federated((12, 12))
     model = make_model("logreg", data.input_shape, data.num_classes)
     task = Task(model=model, num_clients=2, clients_per_round=1, local_epochs=1, batch_size=12, lr=0.5,
-                rounds=1, preprocess=data.preprocess, train_counts=np.asarray(data.train_count))
+                rounds=1, preprocess=data.preprocess)
     alg = make_algorithm("fedavg", task, {})
     server, _ = alg.init(jax.random.PRNGKey(0))
     ctx = ClientContext(jnp.int32(0), jnp.int32(0), jax.random.PRNGKey(1), jax.random.PRNGKey(2))
@@ -313,7 +312,7 @@ def test_sharding_clients_over_two_devices_gives_the_same_round(tmp_path):
         _, data = tiny_federated((10, 37, 64, 23, 50, 41))
         model = make_model("cnn_small", data.input_shape, data.num_classes)
         task = Task(model=model, num_clients=6, clients_per_round=4, local_epochs=1, batch_size=8, lr=0.1,
-                    rounds=2, preprocess=data.preprocess, train_counts=np.asarray(data.train_count))
+                    rounds=2, preprocess=data.preprocess)
         alg = make_algorithm("fedavg", task, {})
         out = []
         for shard in (True, False):

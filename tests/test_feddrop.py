@@ -41,8 +41,7 @@ def tiny_data(num_clients=4):
 
 def tiny_task(data, clients_per_round=3):
     return Task(model=tiny_model(), num_clients=data.num_clients, clients_per_round=clients_per_round,
-                local_epochs=1, batch_size=4, lr=0.05, rounds=2, preprocess=data.preprocess,
-                train_counts=np.asarray(data.train_count))
+                local_epochs=1, batch_size=4, lr=0.05, rounds=2, preprocess=data.preprocess)
 
 
 def run_optimiser(sim, start, flops, **options):

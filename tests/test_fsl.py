@@ -155,7 +155,7 @@ def tiny_model(shape, classes):
 
 def make_task(model, data, clients=6, per_round=6, lr=0.1):
     return Task(model=model, num_clients=clients, clients_per_round=per_round, local_epochs=1, batch_size=8, lr=lr,
-                rounds=2, preprocess=data.preprocess, train_counts=np.asarray(data.train_count), seed=0)
+                rounds=2, preprocess=data.preprocess, seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -55,7 +55,7 @@ def feddrop_setup():
                            test_indices=[np.arange(i * 2, i * 2 + 2) for i in range(4)], test_from_train=False)
     data = build_federated_data(ds, part)
     task = Task(model=feddrop_model(), num_clients=4, clients_per_round=2, local_epochs=2, batch_size=4,
-                lr=0.05, rounds=1, preprocess=data.preprocess, train_counts=np.asarray(data.train_count))
+                lr=0.05, rounds=1, preprocess=data.preprocess)
     return data, task
 
 
@@ -127,7 +127,7 @@ def fsl_setup():
 
 def fsl_task(model, data, lr, epochs=1, batch_size=64):
     return Task(model=model, num_clients=6, clients_per_round=6, local_epochs=epochs, batch_size=batch_size,
-                lr=lr, rounds=2, preprocess=data.preprocess, train_counts=np.asarray(data.train_count), seed=0)
+                lr=lr, rounds=2, preprocess=data.preprocess, seed=0)
 
 
 def test_supermask_defaults_to_absolute_scores():
@@ -231,7 +231,7 @@ def test_spafl_momentum_persists_across_a_clients_rounds():
     lr = 0.05
     model = make_model("cnn_small", data.input_shape, data.num_classes)
     task = Task(model=model, num_clients=data.num_clients, clients_per_round=2, local_epochs=1, batch_size=64,
-                lr=lr, rounds=3, preprocess=data.preprocess, train_counts=np.asarray(data.train_count))
+                lr=lr, rounds=3, preprocess=data.preprocess)
     alg = make_algorithm("spafl", task, {"alpha": 0.0})
     server, clients = alg.init(jax.random.PRNGKey(0))
     cid = 2

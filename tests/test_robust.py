@@ -146,7 +146,7 @@ def tiny():
     model = sequential("tiny_mlp", data.input_shape, data.num_classes,
                        [Flatten(), Dense("fc1", 8), Dense("fc2", data.num_classes, relu=False)])
     task = Task(model=model, num_clients=6, clients_per_round=6, local_epochs=1, batch_size=8, lr=0.05, rounds=2,
-                preprocess=data.preprocess, train_counts=np.asarray(data.train_count), seed=0)
+                preprocess=data.preprocess, seed=0)
     return data, task
 
 

@@ -18,8 +18,7 @@ SIZES = (10, 37, 64, 23, 50, 41)
 def make_task(data, model_name="cnn_small", epochs=1, batch_size=8, lr=0.05, k=3, rounds=3, num_classes=None):
     model = make_model(model_name, data.input_shape, num_classes or data.num_classes)
     return Task(model=model, num_clients=data.num_clients, clients_per_round=k, local_epochs=epochs,
-                batch_size=batch_size, lr=lr, rounds=rounds, preprocess=data.preprocess,
-                train_counts=np.asarray(data.train_count))
+                batch_size=batch_size, lr=lr, rounds=rounds, preprocess=data.preprocess)
 
 
 def ctx(round_=0, cid=1):

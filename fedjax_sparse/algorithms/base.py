@@ -71,8 +71,6 @@ class Task:
     lr: float
     rounds: int
     preprocess: Callable[[jax.Array], jax.Array]
-    # Per-client training-set sizes (numpy, [N]); e.g. FedAvg data weights.
-    train_counts: Any = None
     # The rest of the command-line/config options an algorithm may read.
     seed: int = 0
     # Pinned initial variables (``--init-params``), or None; ``model.init`` already
