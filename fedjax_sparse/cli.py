@@ -34,7 +34,8 @@ RUN_FLAGS = [
     ("--round-mode", "round_mode", str, "scan (rounds in one jitted lax.scan per chunk) | per_round"),
     ("--eval-batch-size", "eval_batch_size", int, "evaluation batch size (default: from the clients' test-set sizes)"),
     ("--personal-eval", "personal_eval", str,
-     "personalised evaluation: batched (vmap over chunks of clients, default) | loop (one client after another)"),
+     "personalised evaluation: auto (default: loop on CPU, batched elsewhere) | batched (vmap over chunks "
+     "of clients) | loop (one client after another)"),
     ("--aggregator", "aggregator", str, "robust aggregation around any algorithm: mean | trimmed_mean | multi_krum"),
     ("--trim-fraction", "trim_fraction", float, "fraction of the cohort trimmed per side / assumed malicious (0.1)"),
     ("--attack", "attack", str, "model-poisoning attack around any algorithm: min_max"),

@@ -49,7 +49,7 @@ class RunConfig:
     client_parallelism: str = "auto"
     round_mode: str = "scan"
     eval_batch_size: int | None = None  # None: auto (see auto_eval_batch_size)
-    personal_eval: str = "batched"      # batched (vmap over client chunks) | loop
+    personal_eval: str = "auto"         # auto (loop on CPU, batched elsewhere) | batched | loop
     # Composition (fedjax_sparse.algorithms.compose): a robust aggregator and/or a model-poisoning attack
     # around the algorithm's server side.
     aggregator: str | None = None       # mean | trimmed_mean | multi_krum

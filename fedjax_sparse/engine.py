@@ -90,8 +90,9 @@ class Engine:
     # experiments/results/, see CHANGELOG).
     # False: evaluate every client separately (the general path; same numbers, tested).
     eval_shared_global_pass: bool = True
-    # Personalised evaluation: "batched" (vmap over chunks of clients) or "loop" (one client after another).
-    personal_eval: str = "batched"
+    # Personalised evaluation: "batched" (vmap over chunks of clients), "loop" (one client after another)
+    # or "auto" (loop on CPU, batched elsewhere).
+    personal_eval: str = "auto"
     # Shard the sampled clients over all local devices (vmap mode only).
     shard_clients: bool = True
     # Keep each sampled cohort for this many consecutive rounds (FedDrop's fractional-participation
