@@ -133,10 +133,6 @@ class Cost:
             else jnp.float32
         return cls(jnp.stack([a.astype(dtype), b.astype(dtype)], axis=-1), tuple(_exact_unit(u) for u in units))
 
-    @classmethod
-    def zero(cls) -> "Cost":
-        return cls(jnp.zeros((1, 2), jnp.int32), (0,))
-
     def __add__(self, other: "Cost") -> "Cost":
         if not isinstance(other, Cost):
             return NotImplemented
@@ -155,11 +151,6 @@ class Cost:
 
     def __float__(self) -> float:
         return float(self.total())
-
-    def as_float32(self) -> jax.Array:
-        """An approximate float32 value (for on-device use such as plots; never for totals)."""
-        f = self.factors.astype(jnp.float32)
-        return (jnp.asarray(self.units, jnp.float32) * f[..., 0] * f[..., 1]).sum(-1)
 
 
 def as_cost(value) -> Cost:

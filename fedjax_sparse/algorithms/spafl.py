@@ -177,12 +177,6 @@ def kept_row_counts(model: Model, row_mask: Mapping[str, jax.Array]) -> jax.Arra
                       else jnp.int32(layer.out_units) for layer in model.layers])
 
 
-def layer_density_vector(model: Model, kept: Mapping[str, jax.Array]) -> jax.Array:
-    """[L] kept fraction of every weight layer of ``model`` (1 when unthresholded)."""
-    return jnp.stack([jnp.asarray(kept[layer.name], jnp.float32) if layer.name in kept
-                      else jnp.ones((), jnp.float32) for layer in model.layers])
-
-
 def eq13_update(params: dict, delta_tau: Thresholds, divisors: Mapping[str, float]) -> dict:
     """Eq. (13): for every thresholded row i, ``w_i -= sign(sum_j w_ij) * dtau_i / D``.
 
