@@ -297,6 +297,9 @@ def parse_args(argv):
                              "malicious_population = paper App. A.1 / FRL code; `malicious` = the sampled "
                              "malicious clients only, which produced the cpu_40rounds Table 2 FSL rows)")
     parser.add_argument("--eval-every", type=int, default=None)
+    parser.add_argument("--preprocess", default=None, choices=["unit", "raw", "standardize"],
+                        help="input scaling (default unit = [0, 1], which produced the recorded tables; "
+                             "the FRL code standardises: `standardize`)")
     parser.add_argument("--num-clients", type=int, default=None, help="override (smoke tests)")
     parser.add_argument("--clients-per-round", type=int, default=None, help="override (smoke tests)")
     parser.add_argument("--local-epochs", type=int, default=None, help="override (smoke tests)")
@@ -312,7 +315,7 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     args.overrides = {k: v for k, v in dict(num_clients=args.num_clients, clients_per_round=args.clients_per_round,
                                             local_epochs=args.local_epochs, eval_every=args.eval_every,
-                                            dataset=args.dataset).items() if v is not None}
+                                            dataset=args.dataset, preprocess=args.preprocess).items() if v is not None}
     unknown = sorted(set(args.methods or []) - set(METHODS))
     if unknown:
         parser.error(f"unknown methods {unknown}; valid: {', '.join(METHODS)}")
