@@ -47,6 +47,7 @@ class RunConfig:
     out: str | None = None
     preprocess: str = "unit"
     client_parallelism: str = "auto"
+    client_bucket_size: int = 0         # bucketed mode: clients per lockstep bucket (0: a quarter of K)
     round_mode: str = "scan"
     eval_batch_size: int | None = None  # None: auto (see auto_eval_batch_size)
     personal_eval: str = "auto"         # auto (loop on CPU, batched elsewhere) | batched | loop
@@ -103,6 +104,9 @@ def validate(config: RunConfig):
     if config.client_parallelism not in CLIENT_PARALLELISM:
         raise RunError(f"unknown --client-parallelism {config.client_parallelism!r}; valid: "
                        f"{', '.join(CLIENT_PARALLELISM)}")
+    if config.client_bucket_size < 0:
+        raise RunError(f"--client-bucket-size must be >= 0 (0 = a quarter of --clients-per-round), got "
+                       f"{config.client_bucket_size}")
     from fedjax_sparse.algorithms.compose import WRAPPER_AGGREGATORS, WRAPPER_ATTACKS
     if config.aggregator is not None and config.aggregator not in WRAPPER_AGGREGATORS:
         raise RunError(f"unknown --aggregator {config.aggregator!r}; valid: {', '.join(WRAPPER_AGGREGATORS)}")

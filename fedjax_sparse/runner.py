@@ -38,7 +38,7 @@ from fedjax_sparse.checkpoint import (CHECKPOINT, load_checkpoint, prepare_out_d
                                       save_checkpoint)
 from fedjax_sparse.config import DEFAULT_MODELS, ROUND_MODES, RunConfig, RunError, validate  # noqa: F401
 from fedjax_sparse.data.federated import FederatedData, build_federated_data
-from fedjax_sparse.engine import Engine, EngineState
+from fedjax_sparse.engine import STEP_METRICS, Engine, EngineState
 from fedjax_sparse.models import make_model
 
 @dataclasses.dataclass
@@ -131,6 +131,8 @@ def build(config: RunConfig) -> Experiment:
         raise RunError(str(e)) from None
     engine = Engine(algorithm, config.num_clients, config.clients_per_round,
                     client_parallelism=config.client_parallelism, resample_every=config.resample_every,
+                    bucket_size=config.client_bucket_size, local_epochs=config.local_epochs,
+                    batch_size=config.batch_size,
                     eval_batch_size=config.eval_batch_size or auto_eval_batch_size(data),
                     personal_eval=config.personal_eval,
                     cohort_schedule=None if schedule is None else tuple(map(tuple, schedule.tolist())))
@@ -240,11 +242,14 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
     build_seconds = time.perf_counter() - t_build
     state = engine.init(jax.random.PRNGKey(config.seed))
     # Costs are exact Python ints (float only for expectations such as FedDrop's FLOPs).
-    totals = {"round": 0, "uplink_bits": 0, "downlink_bits": 0, "flops": 0, "seconds": 0.0}
+    totals: dict[str, Any] = {"round": 0, "uplink_bits": 0, "downlink_bits": 0, "flops": 0, "seconds": 0.0,
+                              "client_steps": 0, "client_steps_executed": 0}
     rows: list[dict] = []
     if out is not None:
         if resume:
             state, totals = load_checkpoint(out / CHECKPOINT, state)
+            totals.setdefault("client_steps", None)
+            totals.setdefault("client_steps_executed", None)
             totals = {k: _exact_number(v) if k in COST_KEYS else v for k, v in totals.items()}
             rows = [r for r in read_metrics(out) if r["round"] <= totals["round"]]  # drop rows past the checkpoint
             (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -254,7 +259,8 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
             "forward_macs_per_example": exp.model.forward_macs,
             "pinned_draws": exp.pinned, "jax": jax.__version__, "backend": jax.default_backend(),
             "devices": [str(d) for d in jax.devices()], "python": platform.python_version(),
-            "client_parallelism": engine.mode}, indent=2))
+            "client_parallelism": engine.mode,
+            **({"client_bucket_size": engine.clients_per_bucket} if engine.mode == "bucketed" else {})}, indent=2))
     bar = Progress(config.rounds, int(totals["round"]), progress)
     t0 = time.perf_counter() - float(totals["seconds"])
     compile_seconds = 0.0
@@ -284,9 +290,14 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
                "total_uplink_bits": totals["uplink_bits"],
                "total_downlink_bits": totals["downlink_bits"],
                "total_flops": totals["flops"]}
+        for key in STEP_METRICS:
+            # A checkpoint from before these counts existed has none: its totals stay unknown (None).
+            if key in metrics and totals.get(key) is not None:
+                totals[key] = int(totals[key]) + int(metrics[key].sum())
+                row[f"total_{key}"] = totals[key]
         for key, value in metrics.items():
             if key not in row and key != "num_examples":
-                row[key] = float(value[-1])
+                row[key] = int(value[-1]) if key in STEP_METRICS else float(value[-1])
         row = {k: _jsonable(v) for k, v in row.items()}
         rows.append(row)
         if out is not None:
@@ -324,6 +335,9 @@ def summarize(config, exp, rows, totals, build_seconds, compile_seconds) -> dict
         "total_uplink_bits": totals["uplink_bits"], "total_downlink_bits": totals["downlink_bits"],
         "total_gbit": (totals["uplink_bits"] + totals["downlink_bits"]) / 1e9,
         "total_flops": totals["flops"],
+        # Local steps the sampled clients needed, and what the client schedule ran (padding included).
+        "total_client_steps": totals.get("client_steps"),
+        "total_client_steps_executed": totals.get("client_steps_executed"),
         "seconds": train_seconds, "build_seconds": build_seconds,
         "first_chunk_seconds_incl_compile": compile_seconds,
         "rounds_per_second_after_first_chunk": (steady_rounds / steady) if steady_rounds else None,

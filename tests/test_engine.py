@@ -88,16 +88,46 @@ def test_each_epoch_visits_every_sample_exactly_once():
 
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "local"])
-def test_vmap_and_map_parallelism_agree(algorithm):
+def test_vmap_map_and_bucketed_parallelism_agree(algorithm):
+    """Local keeps personal state: a bucketed schedule that put results back in the wrong
+    order would write one client's model into another's row, and FedAvg would weight them wrong."""
     _, data = tiny_federated(SIZES)
     alg = make_algorithm(algorithm, make_task(data), {})
     results = []
-    for mode in ("vmap", "map"):
-        engine = Engine(alg, data.num_clients, 3, client_parallelism=mode)
+    # bucket 2 of K=3: one lockstep pair plus a remainder of one client.
+    for mode in ("vmap", "map", "bucketed"):
+        engine = Engine(alg, data.num_clients, 3, client_parallelism=mode, bucket_size=2)
         state, metrics = engine.run_rounds(engine.init(jax.random.PRNGKey(0)), data, 2)
         results.append((state, metrics))
-    leaves_close(results[0][0], results[1][0], atol=1e-5)
-    leaves_close(results[0][1], results[1][1], atol=1e-4)
+    for other in results[1:]:
+        leaves_close(results[0][0], other[0], atol=1e-5)
+        leaves_close(results[0][1], other[1], atol=1e-4)
+
+
+def test_executed_client_steps_by_hand():
+    from fedjax_sparse.engine import executed_client_steps
+    steps = jnp.asarray([5, 1, 3, 2, 8], jnp.int32)
+    assert int(executed_client_steps(steps, "map")) == 19          # exactly what the clients need
+    assert int(executed_client_steps(steps, "vmap")) == 5 * 8      # everyone runs the longest
+    # sorted 1 2 3 5 8 -> buckets [1 2] [3 5] and the remainder [8]: 2*2 + 2*5 + 8
+    assert int(executed_client_steps(steps, "bucketed", 2)) == 22
+    assert int(executed_client_steps(steps, "bucketed", 5)) == 40
+    assert int(executed_client_steps(steps, "bucketed", 1)) == 19
+
+
+def test_round_metrics_count_useful_and_executed_client_steps():
+    _, data = tiny_federated(SIZES)
+    task = make_task(data)
+    alg = make_algorithm("fedavg", task, {})
+    counts = np.asarray(data.train_count)
+    for mode in ("map", "vmap"):
+        engine = Engine(alg, data.num_clients, data.num_clients, client_parallelism=mode,
+                        local_epochs=task.local_epochs, batch_size=task.batch_size)
+        _, metrics = engine.run_rounds(engine.init(jax.random.PRNGKey(0)), data, 1)
+        steps = task.local_epochs * -(-counts // task.batch_size)
+        assert metrics["client_steps"].tolist() == [int(steps.sum())]
+        expected = steps.sum() if mode == "map" else len(steps) * steps.max()
+        assert metrics["client_steps_executed"].tolist() == [int(expected)]
 
 
 def test_scan_and_per_round_paths_agree():
