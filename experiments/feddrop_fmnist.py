@@ -165,7 +165,7 @@ def run_all(args, root: Path) -> None:
             if (out / "summary.json").exists():
                 print(f"[skip] {out} is complete", flush=True)
                 continue
-            resume = (out / runner.CHECKPOINT).exists()
+            resume = runner.has_checkpoint(out)
             print(f"[run] {method} {name} -> {out}" + (" (resuming)" if resume else ""), flush=True)
             config = run_config(args, method, spec["local_epochs"], spec["options"], out, args.rounds)
             recorder = KeepProbRecorder(out / "keep_hist.npz") if method == "feddrop" else None

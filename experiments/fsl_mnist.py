@@ -124,7 +124,7 @@ def run_one(method: str, malicious_pct: int, seed: int, args, out: Path) -> None
     if (out / "summary.json").exists() or (out / DIVERGED).exists():
         print(f"[skip] {out} is complete", flush=True)
         return
-    resume = (out / runner.CHECKPOINT).exists()
+    resume = runner.has_checkpoint(out)
     print(f"[run] {run_name(method, malicious_pct)} seed {seed} -> {out}" + (" (resuming)" if resume else ""),
           flush=True)
     config = make_config(method, malicious_pct, seed, args, out)

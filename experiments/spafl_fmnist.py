@@ -138,7 +138,7 @@ def run_one(study: dict, method: str, seed: int, args, out: Path) -> dict:
     if (out / "summary.json").exists():
         print(f"[skip] {out} is complete", flush=True)
         return json.loads((out / "summary.json").read_text())
-    resume = (out / runner.CHECKPOINT).exists()
+    resume = runner.has_checkpoint(out)
     recorder = MaskRecorder(out / "spafl_masks.npz") if is_spafl(spec["algorithm"]) else None
     print(f"[run] {method} seed {seed} -> {out}" + (" (resuming)" if resume else ""), flush=True)
     summary, _ = runner.run(config, resume=resume, progress=not args.quiet, on_eval=recorder)

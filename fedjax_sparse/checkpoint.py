@@ -1,9 +1,26 @@
-"""A run's files on disk: the output directory, ``metrics.jsonl`` and checkpoints."""
+"""A run's files on disk: the output directory, its lock, ``metrics.jsonl`` and checkpoints.
+
+Crash safety, in the order a run touches its directory:
+
+* ``OUT/.lock`` (pid, host, start time, command) is taken with ``O_EXCL`` before anything
+  else is written; a second run into the same folder stops with one line naming the holder;
+  a lock left by a dead process of this host is taken over with a notice.
+* Checkpoints go through orbax's ``CheckpointManager`` in ``OUT/checkpoints/<round>/``: each
+  is written to a temporary folder and renamed when complete, and the previous generation is
+  kept, so a crash while saving (or a corrupt latest checkpoint) falls back to the one before.
+  Checkpoints of earlier versions (``OUT/checkpoint.npz``) are still read.
+* ``metrics.jsonl`` is appended one row per evaluation; a torn last line (a kill mid-write) is
+  dropped on resume, as are rows past the checkpoint's round.
+"""
 from __future__ import annotations
 
 import json
 import os
+import socket
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -12,34 +29,201 @@ import numpy as np
 from fedjax_sparse.config import RunError
 from fedjax_sparse.engine import EngineState
 
-CHECKPOINT = "checkpoint.npz"
+LEGACY_CHECKPOINT = "checkpoint.npz"
+CHECKPOINT = LEGACY_CHECKPOINT  # the old name, still importable
+CHECKPOINT_DIR = "checkpoints"
+LOCK = ".lock"
+# Generations kept: the newest plus the one before (the fallback when the newest is damaged).
+KEEP_CHECKPOINTS = 2
+OUTPUT_FILES = ("config.json", "metrics.jsonl", "summary.json", LEGACY_CHECKPOINT)
 
 
-def save_checkpoint(path: Path, state: EngineState, totals: dict) -> None:
-    """Atomic: write a temp file, then rename over the old checkpoint."""
-    leaves = jax.tree_util.tree_leaves(jax.device_get(state))
-    tmp = path.with_suffix(".tmp.npz")
-    with open(tmp, "wb") as f:
-        np.savez(f, *[np.asarray(x) for x in leaves], totals=json.dumps(totals))
-    os.replace(tmp, path)
+# ---------------------------------------------------------------- lock
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return True
 
 
-def read_metrics(out: str | Path) -> list[dict]:
-    """The rows of ``OUT/metrics.jsonl`` (one per evaluated round); [] when there is none yet."""
+class OutputLock:
+    """Exclusive use of an output folder by one run (a context manager; released on exit)."""
+
+    def __init__(self, out: Path):
+        self.path = Path(out) / LOCK
+        self.held = False
+
+    def acquire(self) -> "OutputLock":
+        info = {"pid": os.getpid(), "host": socket.gethostname(),
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv)}
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is not None and not self._stale(holder):
+                    raise RunError(
+                        f"--out {self.path.parent} is in use by another run (pid {holder.get('pid')} on "
+                        f"{holder.get('host')}, started {holder.get('started')}); wait for it, stop it, or "
+                        f"choose another --out") from None
+                what = "unreadable" if holder is None else f"left by pid {holder.get('pid')}, which is gone"
+                print(f"notice: taking over the stale lock of {self.path.parent} ({what})", file=sys.stderr)
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(info, f)
+            self.held = True
+            return self
+        raise RunError(f"could not lock --out {self.path.parent}: another run keeps taking it; choose another --out")
+
+    def _holder(self) -> dict | None:
+        try:
+            holder = json.loads(self.path.read_text())
+            return holder if isinstance(holder, dict) else None
+        except (OSError, ValueError):
+            return None
+
+    @staticmethod
+    def _stale(holder: dict) -> bool:
+        if holder.get("host") != socket.gethostname():
+            return False  # another machine's process cannot be checked: assume it is alive
+        pid = holder.get("pid")
+        return not isinstance(pid, int) or (pid != os.getpid() and not _pid_alive(pid))
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+    def __enter__(self) -> "OutputLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# ---------------------------------------------------------------- metrics
+def read_metrics(out: str | Path, repair: bool = False) -> list[dict]:
+    """The rows of ``OUT/metrics.jsonl`` (one per evaluated round); [] when there is none yet.
+
+    A torn last line (the run was killed while writing it) is skipped, and with ``repair``
+    removed from the file; a damaged line before the last is an error naming the line."""
     path = Path(out) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or "round" not in row:
+                raise ValueError("not a metrics row")
+            rows.append(row)
+        except ValueError:
+            if i < len(lines) - 1:
+                raise RunError(f"{path} line {i + 1} is damaged (not a JSON metrics row); restore the file or "
+                               "start a fresh run in a new --out") from None
+            if repair:
+                print(f"notice: dropped the torn last line of {path}", file=sys.stderr)
+                write_metrics(out, rows)
+    return rows
 
 
-def load_checkpoint(path: Path, template: EngineState) -> tuple[EngineState, dict]:
+def write_metrics(out: str | Path, rows: list[dict]) -> None:
+    """Replaces ``OUT/metrics.jsonl`` by ``rows`` atomically."""
+    path = Path(out) / "metrics.jsonl"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in rows))
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- checkpoints
+def has_checkpoint(out: str | Path) -> bool:
+    """Whether ``out`` holds a checkpoint to resume from (either format)."""
+    out = Path(out)
+    if (out / LEGACY_CHECKPOINT).exists():
+        return True
+    directory = out / CHECKPOINT_DIR
+    return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
+
+
+def _manager(out: Path):
+    import orbax.checkpoint as ocp
+    options = ocp.CheckpointManagerOptions(max_to_keep=KEEP_CHECKPOINTS, create=True,
+                                           enable_async_checkpointing=False)
+    return ocp.CheckpointManager((out / CHECKPOINT_DIR).absolute(), options=options)
+
+
+def save_checkpoint(out: Path, state: EngineState, totals: dict) -> None:
+    """A new checkpoint generation for round ``totals["round"]`` (atomic; the previous one is kept)."""
+    import orbax.checkpoint as ocp
+    out = Path(out)
+    if out.suffix == ".npz":  # the old call form save_checkpoint(OUT / "checkpoint.npz", ...)
+        out = out.parent
+    manager = _manager(out)
+    step = int(totals["round"])
+    if step in manager.all_steps():  # the same round again (a resumed run re-saving): replace it
+        manager.delete(step)
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(jax.device_get(state)),
+                                               totals=ocp.args.JsonSave(totals)))
+    manager.wait_until_finished()
+    manager.close()
+    # A legacy checkpoint is superseded by the new format (it would otherwise be resumed from).
+    (out / LEGACY_CHECKPOINT).unlink(missing_ok=True)
+
+
+def load_checkpoint(out: Path, template: EngineState) -> tuple[EngineState, dict]:
+    """The newest readable checkpoint of ``out`` (falling back to the previous generation, with
+    a notice, when the newest is damaged), or a legacy ``checkpoint.npz``."""
+    import orbax.checkpoint as ocp
+    out = Path(out)
+    if out.suffix == ".npz":
+        return _load_legacy(out, template)
+    if not (out / CHECKPOINT_DIR).is_dir():
+        return _load_legacy(out / LEGACY_CHECKPOINT, template)
+    manager = _manager(out)
+    steps = sorted(manager.all_steps(), reverse=True)
+    problems = []
+    abstract = jax.tree_util.tree_map(np.asarray, jax.device_get(template))
+    try:
+        for step in steps:
+            try:
+                restored = manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), totals=ocp.args.JsonRestore()))
+            except Exception as e:  # orbax raises many types for damaged or foreign files
+                problems.append(f"round {step}: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}")
+                continue
+            _check_structure(out, restored.state, template)
+            if problems:
+                print(f"notice: checkpoint(s) {', '.join(problems)} unreadable; resuming from round {step}",
+                      file=sys.stderr)
+            state = jax.tree_util.tree_map(jnp.asarray, restored.state)
+            return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template),
+                                                jax.tree_util.tree_leaves(state)), dict(restored.totals)
+    finally:
+        manager.close()
+    raise RunError(f"no readable checkpoint in {out / CHECKPOINT_DIR} ({'; '.join(problems) or 'none found'}); "
+                   "start a fresh run in a new --out")
+
+
+def _check_structure(out: Path, restored: Any, template: EngineState) -> None:
+    new_leaves = jax.tree_util.tree_leaves(restored)
+    old_leaves = jax.tree_util.tree_leaves(template)
+    if len(new_leaves) != len(old_leaves) or any(np.shape(a) != np.shape(b) for a, b in zip(new_leaves, old_leaves)):
+        raise RunError(f"the checkpoint in {out} is from another configuration; use a new --out directory")
+
+
+def _load_legacy(path: Path, template: EngineState) -> tuple[EngineState, dict]:
     leaves, treedef = jax.tree_util.tree_flatten(template)
     try:
         with np.load(path) as f:
             loaded = [f[f"arr_{i}"] for i in range(len(leaves))]
             totals = json.loads(str(f["totals"]))
-    except (OSError, KeyError, ValueError) as e:
-        raise RunError(f"checkpoint {path} is unreadable or from another configuration ({e}); "
+    except (OSError, KeyError, ValueError, EOFError) as e:
+        raise RunError(f"checkpoint {path} is unreadable or from another configuration ({type(e).__name__}); "
                        "start a fresh run in a new --out directory") from None
     for new, old in zip(loaded, leaves):
         if new.shape != old.shape:
@@ -48,17 +232,24 @@ def load_checkpoint(path: Path, template: EngineState) -> tuple[EngineState, dic
     return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(x) for x in loaded]), totals
 
 
+# ---------------------------------------------------------------- the folder
 def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
+    """Checks ``out`` for the requested mode and creates it; removes nothing (see ``clear_outputs``)."""
     if out.exists() and not out.is_dir():
         raise RunError(f"--out {out} exists and is not a directory; choose another --out")
     if resume:
-        if not (out / CHECKPOINT).exists():
-            raise RunError(f"nothing to resume in {out}: no {CHECKPOINT} there; run without --resume")
+        if not has_checkpoint(out):
+            raise RunError(f"nothing to resume in {out}: no checkpoint there; run without --resume")
         return
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise RunError(f"output directory {out} is not empty (it holds a previous run); pass --resume "
-                           "to continue it, --overwrite to replace it, or choose another --out")
-        for name in ("config.json", "metrics.jsonl", "summary.json", CHECKPOINT):
-            (out / name).unlink(missing_ok=True)
+    if out.exists() and any(p.name != LOCK for p in out.iterdir()) and not overwrite:
+        raise RunError(f"output directory {out} is not empty (it holds a previous run); pass --resume "
+                       "to continue it, --overwrite to replace it, or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
+
+
+def clear_outputs(out: Path) -> None:
+    """``--overwrite``: removes the previous run's outputs (called once the new run has built)."""
+    import shutil
+    for name in OUTPUT_FILES:
+        (out / name).unlink(missing_ok=True)
+    shutil.rmtree(out / CHECKPOINT_DIR, ignore_errors=True)

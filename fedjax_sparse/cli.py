@@ -110,20 +110,31 @@ def cmd_run(args) -> int:
             base = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"config file {path} is not valid JSON ({e})") from None
+    if not isinstance(base, dict):
+        raise ValueError(f"config file {args.config} must hold a JSON object of RunConfig fields "
+                         f"(e.g. {{\"algorithm\": \"fedavg\", \"rounds\": 10}}), not a {type(base).__name__}")
     config = runner.RunConfig.from_json(base)
+    given = set(base)  # what the user set: the config file's keys and the flags below
     for _, dest, _, _ in RUN_FLAGS:
         value = getattr(args, dest)
         if value is not None:
             setattr(config, dest, value)
+            given.add(dest)
     if args.download:
         config.download = True
+        given.add("download")
+    if args.option:
+        given.add("options")
+    if args.model_option:
+        given.add("model_options")
     config.options = {**config.options, **_key_values(args.option, "--option")}
     config.model_options = {**config.model_options,
                             **{k: _model_option(v)
                                for k, v in _key_values(args.model_option, "--model-option").items()}}
     if args.resume and not config.out:
         raise ValueError("--resume needs --out pointing at the interrupted run's directory")
-    summary, _ = runner.run(config, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)
+    summary, _ = runner.run(config, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet,
+                            given=given)
     print(runner.format_summary(summary))
     if config.out:
         print(f"outputs: {config.out}/{{config.json,metrics.jsonl,summary.json}}")
@@ -175,6 +186,11 @@ def main(argv=None) -> int:
         return {"run": cmd_run, "partition": cmd_partition, "list": cmd_list}[args.command](args)
     except (ValueError, DataError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # read-only or full disk, permissions: name the file and the fix
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"error: {e.strerror or e}{where}; check that --out is writable and the disk has space, then "
+              "rerun (with --resume if a checkpoint was written)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\ninterrupted: rerun the same command with --resume to continue from the last checkpoint",

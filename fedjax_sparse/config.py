@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import typing
 
 from fedjax_sparse.algorithms.registry import algorithm_names, resolve_options
 from fedjax_sparse.data.federated import PREPROCESSING
@@ -70,11 +72,44 @@ class RunConfig:
 
     @classmethod
     def from_json(cls, data: dict) -> "RunConfig":
+        if not isinstance(data, dict):
+            raise RunError(f"a configuration must be a JSON object of RunConfig fields, not a {type(data).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
             raise RunError(f"unknown config key(s) {unknown}; valid keys: {sorted(names)}")
+        hints = typing.get_type_hints(cls)
+        for key, value in data.items():
+            if not _matches(value, hints[key]):
+                raise RunError(f"config key {key!r} (flag --{key.replace('_', '-')}) expects "
+                               f"{_describe(hints[key])}, got {value!r}")
         return cls(**data)
+
+
+def _matches(value, hint) -> bool:
+    """Whether a JSON value fits a RunConfig field's type (ints are accepted for floats)."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    for option in options:
+        if option is type(None) and value is None:
+            return True
+        if option is bool and isinstance(value, bool):
+            return True
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if option in (str, dict) and isinstance(value, option):
+            return True
+        if typing.get_origin(option) is dict and isinstance(value, dict):
+            return True
+    return False
+
+
+def _describe(hint) -> str:
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    names = {type(None): "null", int: "an integer", float: "a number", str: "a string", bool: "true/false",
+             dict: "an object"}
+    return " or ".join(names.get(o, "an object" if typing.get_origin(o) is dict else str(o)) for o in options)
 
 
 def validate(config: RunConfig):

@@ -34,8 +34,9 @@ import numpy as np
 from fedjax_sparse import pinning
 from fedjax_sparse.algorithms import Task, compose, make_algorithm
 # The config and checkpoint modules' names stay importable from here (scripts use runner.RunConfig).
-from fedjax_sparse.checkpoint import (CHECKPOINT, load_checkpoint, prepare_out_dir, read_metrics,  # noqa: F401
-                                      save_checkpoint)
+from fedjax_sparse.checkpoint import (CHECKPOINT, OutputLock, clear_outputs, has_checkpoint,  # noqa: F401
+                                      load_checkpoint, prepare_out_dir, read_metrics, save_checkpoint,
+                                      write_metrics)
 from fedjax_sparse.config import DEFAULT_MODELS, ROUND_MODES, RunConfig, RunError, validate  # noqa: F401
 from fedjax_sparse.data.federated import FederatedData, build_federated_data
 from fedjax_sparse.engine import STEP_METRICS, Engine, EngineState
@@ -166,6 +167,15 @@ class Progress:
         self.t0 = time.perf_counter()
         self.tty = sys.stderr.isatty()
 
+    def note(self, text: str) -> None:
+        """A line of its own (compilation start and end), quiet when the bar is off."""
+        if self.enabled:
+            print(text, file=sys.stderr, flush=True)
+
+    def restart(self, round_: int) -> None:
+        """Rates and ETA count from here (after compilation)."""
+        self.t0, self.start_round = time.perf_counter(), round_
+
     def update(self, round_: int, accuracy: float | None) -> None:
         if not self.enabled:
             return
@@ -198,10 +208,18 @@ def _exact_number(value):
 
 
 def _jsonable(value):
+    """JSON-ready: numpy scalars and arrays as Python numbers and lists, NaN and inf as None
+    (``null``: bare NaN is not valid JSON for most readers)."""
     if isinstance(value, (np.floating, np.integer)):
-        return value.item()
+        value = value.item()
     if isinstance(value, np.ndarray):
-        return value.tolist()
+        value = value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
     return value
 
 
@@ -220,22 +238,84 @@ class RunResult(NamedTuple):
         return self.summary.get(key, default)
 
 
+# Fields a resumed run may change: they decide how long and how fast it runs and where it reads its
+# data (checksummed), not what it computes. Every other field is the experiment.
+RESUMABLE_CHANGES = ("rounds", "eval_every", "out", "data_dir", "download", "client_parallelism",
+                     "client_bucket_size", "round_mode", "eval_batch_size", "personal_eval")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def resumed_config(config: RunConfig, saved: RunConfig, given: set[str] | None) -> tuple[RunConfig, dict]:
+    """The configuration a ``--resume`` continues: the recorded one, with the harmless changes the
+    user asked for (``RESUMABLE_CHANGES``). ``given``: the fields the user set (CLI flags and config
+    file keys); None compares every field (API use: pass the run's own config). Any other
+    difference is refused in one line listing them. Returns (config, accepted changes)."""
+    fields = [f.name for f in dataclasses.fields(RunConfig)]
+    asked = fields if given is None else [f for f in fields if f in given]
+    def differs(name: str) -> bool:
+        mine, recorded = getattr(config, name), getattr(saved, name)
+        if isinstance(mine, dict) and isinstance(recorded, dict):
+            # --option / --model-option: only the keys given, compared as the strings a CLI passes.
+            return any(str(v) != str(recorded.get(k)) for k, v in mine.items())
+        return mine != recorded
+
+    refused = [f"{_flag(f)} {getattr(config, f)!r} (recorded: {getattr(saved, f)!r})" for f in asked
+               if f not in RESUMABLE_CHANGES and differs(f)]
+    if refused:
+        raise RunError(f"--resume continues the recorded run, but these would change the experiment: "
+                       f"{'; '.join(refused)}; drop them to resume, or start a new run in another --out")
+    changes = {f: getattr(config, f) for f in asked
+               if f in RESUMABLE_CHANGES and f != "out" and getattr(config, f) != getattr(saved, f)}
+    if given is None and config.rounds < saved.rounds:
+        changes.pop("rounds", None)  # the API's default: continue to the recorded length
+    if "rounds" in changes and changes["rounds"] < saved.rounds:
+        raise RunError(f"--rounds {changes['rounds']} is below the recorded run's {saved.rounds} rounds; "
+                       "a resumed run can only be extended")
+    merged = dataclasses.replace(saved, **changes, out=config.out)
+    return merged, changes
+
+
 def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True,
         on_eval: Callable[[dict, EngineState, Experiment], None] | None = None,
-        experiment: Experiment | None = None) -> RunResult:
+        experiment: Experiment | None = None, given: set[str] | None = None) -> RunResult:
     """Runs an experiment; returns ``(summary, state)`` (the summary is also OUT/summary.json).
 
     ``on_eval(row, state, experiment)`` is called after every evaluation (e.g.
     to record masks for plots). ``experiment`` reuses an already built one.
+    ``resume`` continues the run recorded in ``config.out`` (see :func:`resumed_config`;
+    ``given`` names the fields the user set). The output folder is locked for the run.
     """
     out = Path(config.out) if config.out else None
+    if out is None:
+        return _run(config, None, resume=False, overwrite=False, progress=progress, on_eval=on_eval,
+                    experiment=experiment, given=given)
+    if out.exists() and not out.is_dir():
+        raise RunError(f"--out {out} exists and is not a directory; choose another --out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunError(f"cannot create --out {out} ({e.strerror}); choose a writable --out") from None
+    with OutputLock(out):
+        return _run(config, out, resume=resume, overwrite=overwrite, progress=progress, on_eval=on_eval,
+                    experiment=experiment, given=given)
+
+
+def _run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool, progress: bool, on_eval,
+         experiment: Experiment | None, given: set[str] | None) -> RunResult:
+    changes: dict = {}
     if out is not None:
         prepare_out_dir(out, resume=resume, overwrite=overwrite)
         if resume:
-            saved = RunConfig.from_json(json.loads((out / "config.json").read_text())["config"])
-            saved.rounds = config.rounds if config.rounds > saved.rounds else saved.rounds
-            saved.out = config.out
-            config = saved
+            try:
+                recorded = json.loads((out / "config.json").read_text())
+                saved = RunConfig.from_json(recorded["config"])
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise RunError(f"{out / 'config.json'} is missing or damaged ({type(e).__name__}); the run cannot "
+                               "be resumed: start a fresh run in a new --out") from None
+            config, changes = resumed_config(config, saved, given)
     t_build = time.perf_counter()
     exp = experiment or build(config)
     engine, data = exp.engine, exp.data
@@ -245,14 +325,29 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
     totals: dict[str, Any] = {"round": 0, "uplink_bits": 0, "downlink_bits": 0, "flops": 0, "seconds": 0.0,
                               "client_steps": 0, "client_steps_executed": 0}
     rows: list[dict] = []
+    history: list = []
     if out is not None:
         if resume:
-            state, totals = load_checkpoint(out / CHECKPOINT, state)
+            state, totals = load_checkpoint(out, state)
             totals.setdefault("client_steps", None)
             totals.setdefault("client_steps_executed", None)
             totals = {k: _exact_number(v) if k in COST_KEYS else v for k, v in totals.items()}
-            rows = [r for r in read_metrics(out) if r["round"] <= totals["round"]]  # drop rows past the checkpoint
-            (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            rows = [r for r in read_metrics(out, repair=True) if r["round"] <= totals["round"]]  # drop rows past it
+            write_metrics(out, rows)
+            history = list(recorded.get("resumed", []))
+            history.append({"at_round": int(totals["round"]), "changed": changes})
+            if int(totals["round"]) >= config.rounds:
+                print(f"the run in {out} is complete ({int(totals['round'])} of {config.rounds} rounds); pass a "
+                      "larger --rounds to extend it", file=sys.stderr)
+                summary_path = out / "summary.json"
+                if summary_path.exists():
+                    return RunResult(json.loads(summary_path.read_text()), state)
+                # Killed between its last checkpoint and its summary: write the summary now.
+                summary = summarize(config, exp, rows, totals, build_seconds, 0.0)
+                summary_path.write_text(json.dumps(_jsonable(summary), indent=2, allow_nan=False))
+                return RunResult(summary, state)
+        elif overwrite:
+            clear_outputs(out)  # only now that the new run has built
         (out / "config.json").write_text(json.dumps({
             "config": config.to_json(), "algorithm_options": exp.algorithm.hparams,
             "model": exp.model.name, "num_params": exp.model.num_params,
@@ -260,21 +355,33 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
             "pinned_draws": exp.pinned, "jax": jax.__version__, "backend": jax.default_backend(),
             "devices": [str(d) for d in jax.devices()], "python": platform.python_version(),
             "client_parallelism": engine.mode,
-            **({"client_bucket_size": engine.clients_per_bucket} if engine.mode == "bucketed" else {})}, indent=2))
+            **({"client_bucket_size": engine.clients_per_bucket} if engine.mode == "bucketed" else {}),
+            **({"resumed": history} if history else {})}, indent=2))
     bar = Progress(config.rounds, int(totals["round"]), progress)
     t0 = time.perf_counter() - float(totals["seconds"])
     compile_seconds = 0.0
+    first_chunk = True
     while int(totals["round"]) < config.rounds:
         n = min(config.eval_every - int(totals["round"]) % config.eval_every, config.rounds - int(totals["round"]))
         t_chunk = time.perf_counter()
+        if first_chunk:
+            bar.note(f"compiling and running rounds {int(totals['round']) + 1}-{int(totals['round']) + n} ...")
         state, metrics = engine.advance(state, data, n, config.round_mode)
-        if not rows and int(totals["round"]) == 0:
-            compile_seconds = time.perf_counter() - t_chunk  # first chunk includes compilation
         bad = [int(totals["round"]) + i + 1 for i in range(n) if not np.isfinite(metrics["loss"][i])]
         totals["round"] = int(totals["round"]) + n
         for key in COST_KEYS:
             totals[key] = totals[key] + sum(metrics[key].tolist())
         evaluation = engine.evaluate(state, data)
+        if first_chunk:
+            # This process's first chunk includes compiling the round and the evaluation (after a
+            # resume too): reported apart, and left out of the ETA.
+            compile_seconds = time.perf_counter() - t_chunk
+            # Summed over the sessions of a resumed run, so its steady-state speed stays true.
+            totals["compile_seconds"] = float(totals.get("compile_seconds", 0.0)) + compile_seconds
+            totals["first_chunk_rounds"] = int(totals.get("first_chunk_rounds", 0)) + n
+            bar.note(f"first chunk (incl. compilation) took {compile_seconds:.1f} s")
+            bar.restart(int(totals["round"]))
+            first_chunk = False
         totals["seconds"] = time.perf_counter() - t0
         row = {"round": totals["round"],
                **{k: v for k, v in evaluation.items() if k != "client_accuracies"},
@@ -302,20 +409,20 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
         rows.append(row)
         if out is not None:
             with open(out / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps(row, allow_nan=False) + "\n")
         if bad:
             bar.close()
             raise RunError(f"training diverged: the loss is NaN/inf at round {bad[0]}; lower --lr "
                            f"(now {config.lr}) or check the data preprocessing (--preprocess)")
         if out is not None:
-            save_checkpoint(out / CHECKPOINT, state, totals)
+            save_checkpoint(out, state, totals)
         if on_eval is not None:
             on_eval(row, state, exp)
         bar.update(int(totals["round"]), row["accuracy"])
     bar.close()
     summary = summarize(config, exp, rows, totals, build_seconds, compile_seconds)
     if out is not None:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        (out / "summary.json").write_text(json.dumps(_jsonable(summary), indent=2, allow_nan=False))
     return RunResult(summary, state)
 
 
@@ -323,8 +430,9 @@ def summarize(config, exp, rows, totals, build_seconds, compile_seconds) -> dict
     best = max(rows, key=lambda r: r["accuracy"]) if rows else None
     final = rows[-1] if rows else {}
     train_seconds = float(totals["seconds"])
-    steady = max(train_seconds - compile_seconds, 1e-9)
-    steady_rounds = max(int(totals["round"]) - (config.eval_every if compile_seconds else 0), 0)
+    all_compile = float(totals.get("compile_seconds", compile_seconds))
+    steady = max(train_seconds - all_compile, 1e-9)
+    steady_rounds = max(int(totals["round"]) - int(totals.get("first_chunk_rounds", 0)), 0)
     return {
         "algorithm": config.algorithm, "dataset": config.dataset, "model": exp.model.name,
         "rounds": int(totals["round"]),
