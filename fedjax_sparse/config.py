@@ -122,6 +122,10 @@ def validate(config: RunConfig):
     for name, value in positive.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise RunError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    if not isinstance(config.seed, int) or isinstance(config.seed, bool) or config.seed < 0:
+        raise RunError(f"--seed must be a non-negative integer, got {config.seed!r}")
+    if not isinstance(config.min_client_samples, int) or config.min_client_samples < 0:
+        raise RunError(f"--min-client-samples must be a non-negative integer, got {config.min_client_samples!r}")
     if not (isinstance(config.lr, (int, float)) and math.isfinite(config.lr) and config.lr > 0):
         raise RunError(f"--lr must be a positive number, got {config.lr!r}")
     if config.clients_per_round > config.num_clients:

@@ -122,7 +122,7 @@ def test_checksum_mismatch_detected(tmp_path):
         load_dataset("mnist", tmp_path)
     msg = str(err.value)
     assert "train-images-idx3-ubyte.gz" in msg and "f68b3c2dcbeaaa9fbdd348bbdeb94873" in msg
-    assert "re-download" in msg and "\n" not in msg
+    assert "re-download" in msg and "verify_checksums" in msg and "--config" in msg and "\n" not in msg
 
 
 def test_idx_size_mismatch_names_file(tmp_path):

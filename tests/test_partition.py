@@ -130,7 +130,7 @@ def test_dirichlet_test_follows_train_mix():
 def test_dirichlet_min_train_samples_respected_and_impossible():
     p = partition_dataset(DS, "dirichlet:0.1", 20, seed=0, min_train_samples=50)
     assert min(len(t) for t in p.train_indices) >= 50
-    with pytest.raises(ValueError, match="min_train_samples is too large"):
+    with pytest.raises(ValueError, match=r"--min-client-samples \(min_train_samples\) is too large"):
         partition_dataset(DS, "dirichlet:0.05", 50, seed=0, min_train_samples=119, max_redraws=5)
 
 

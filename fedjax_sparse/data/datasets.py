@@ -194,7 +194,8 @@ def _check_md5(dataset: str, path: Path, raw: bytes, verify: bool, display: str 
     if got != expected:
         raise DataError(
             f"{display or path}: checksum mismatch: expected {expected}, got {got}; "
-            "re-download the original file (or pass verify_checksums=False for a re-packed copy)"
+            "re-download the original file (or, for a re-packed copy, set \"dataset_options\": "
+            "{\"verify_checksums\": false} in a --config file; API: verify_checksums=False)"
         )
 
 

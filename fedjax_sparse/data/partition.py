@@ -186,8 +186,8 @@ def _draw_dirichlet(
             return q
     raise ValueError(
         f"could not give every client >= {min_train_samples} train samples in {max_redraws} Dirichlet draws "
-        f"(alpha={alpha}, num_clients={num_clients}); min_train_samples is too large for this alpha/num_clients: "
-        "lower it, raise alpha, or use fewer clients"
+        f"(alpha={alpha}, num_clients={num_clients}); --min-client-samples (min_train_samples) is too large for "
+        "this alpha and number of clients: lower it, raise alpha, or use fewer clients"
     )
 
 
@@ -347,7 +347,7 @@ def partition_dataset(
     smallest = min(len(t) for t in train)
     if smallest < min_train_samples:
         raise ValueError(
-            f"partition '{spec}' gives a client only {smallest} train samples (< min_train_samples="
+            f"partition '{spec}' gives a client only {smallest} train samples (< --min-client-samples "
             f"{min_train_samples}) with {num_clients} clients on {n_train} samples; use fewer clients"
         )
     return Partition(
