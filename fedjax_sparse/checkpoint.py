@@ -136,8 +136,11 @@ def write_metrics(out: str | Path, rows: list[dict]) -> None:
     """Replaces ``OUT/metrics.jsonl`` by ``rows`` atomically."""
     path = Path(out) / "metrics.jsonl"
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in rows))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in rows))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # a full disk must not leave the half-written copy behind
 
 
 # ---------------------------------------------------------------- checkpoints
