@@ -38,6 +38,7 @@ RUN_FLAGS = [
     ("--personal-eval", "personal_eval", str,
      "personalised evaluation: auto (default: loop on CPU, batched elsewhere) | batched (vmap over chunks "
      "of clients) | loop (one client after another)"),
+    ("--log", "log", str, "extra logs beside metrics.jsonl: csv, tensorboard (comma-separated)"),
     ("--aggregator", "aggregator", str, "robust aggregation around any algorithm: mean | trimmed_mean | multi_krum"),
     ("--trim-fraction", "trim_fraction", float, "fraction of the cohort trimmed per side / assumed malicious (0.1)"),
     ("--attack", "attack", str, "model-poisoning attack around any algorithm: min_max"),
@@ -87,6 +88,17 @@ def _parser() -> argparse.ArgumentParser:
     part.add_argument("--max-rows", type=int, default=20)
 
     sub.add_parser("list", help="list algorithms (with options), datasets, models, partitions")
+
+    plot = sub.add_parser("plot", help="compare runs: accuracy vs round, Gbit and TFLOPs (and density) in one figure")
+    plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="directories written by run --out")
+    plot.add_argument("--out", required=True, help="figure file (.png, .pdf, .svg)")
+    plot.add_argument("--x", default=None, help="one panel: x key (round, gbit, tflops or any metrics.jsonl key)")
+    plot.add_argument("--y", default=None, help="one panel: y key (accuracy, global_accuracy, density, loss, ...)")
+    plot.add_argument("--title", default=None)
+
+    report = sub.add_parser("report", help="markdown table of runs: final/best accuracy, Gbit, TFLOPs, rounds/s")
+    report.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    report.add_argument("--out", default=None, help="also write the table to this file")
     return parser
 
 
@@ -179,11 +191,28 @@ def cmd_list(args) -> int:
     return 0
 
 
+def cmd_plot(args) -> int:
+    from fedjax_sparse.reporting import plot_runs
+    print(f"wrote {plot_runs(args.runs, args.out, x=args.x, y=args.y, title=args.title)}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from fedjax_sparse.reporting import report_table
+    table = report_table(args.runs)
+    print(table, end="")
+    if args.out:
+        Path(args.out).write_text(table)
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     from fedjax_sparse.data.datasets import DataError
     try:
-        return {"run": cmd_run, "partition": cmd_partition, "list": cmd_list}[args.command](args)
+        commands = {"run": cmd_run, "partition": cmd_partition, "list": cmd_list, "plot": cmd_plot,
+                    "report": cmd_report}
+        return commands[args.command](args)
     except (ValueError, DataError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

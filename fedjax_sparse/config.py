@@ -53,6 +53,7 @@ class RunConfig:
     round_mode: str = "scan"
     eval_batch_size: int | None = None  # None: auto (see auto_eval_batch_size)
     personal_eval: str = "auto"         # auto (loop on CPU, batched elsewhere) | batched | loop
+    log: str = ""                       # extra logs beside metrics.jsonl: csv, tensorboard (comma-separated)
     # Composition (fedjax_sparse.algorithms.compose): a robust aggregator and/or a model-poisoning attack
     # around the algorithm's server side.
     aggregator: str | None = None       # mean | trimmed_mean | multi_krum
@@ -157,6 +158,8 @@ def validate(config: RunConfig):
         raise RunError(f"--trim-fraction must be in [0, 0.5), got {config.trim_fraction}")
     if config.personal_eval not in PERSONAL_EVAL_MODES:
         raise RunError(f"unknown --personal-eval {config.personal_eval!r}; valid: {', '.join(PERSONAL_EVAL_MODES)}")
+    from fedjax_sparse.sinks import parse_log
+    parse_log(config.log)
     if config.round_mode not in ROUND_MODES:
         raise RunError(f"unknown --round-mode {config.round_mode!r}; valid: {', '.join(ROUND_MODES)}")
     try:

@@ -41,6 +41,7 @@ from fedjax_sparse.config import DEFAULT_MODELS, ROUND_MODES, RunConfig, RunErro
 from fedjax_sparse.data.federated import FederatedData, build_federated_data
 from fedjax_sparse.engine import STEP_METRICS, Engine, EngineState
 from fedjax_sparse.models import make_model
+from fedjax_sparse.sinks import MetricSinks
 
 @dataclasses.dataclass
 class Experiment:
@@ -160,16 +161,34 @@ def auto_eval_batch_size(data: FederatedData, cap: int = 512) -> int:
 
 # ---------------------------------------------------------------- progress
 class Progress:
-    """A one-line progress bar on stderr (round, accuracy, rounds/s, ETA)."""
+    """Run progress on stderr: a ``rich`` bar (round, accuracy, rounds/s, ETA) on a terminal; off
+    a terminal (CI logs, files) one plain line per tenth of the run, so logs stay short. Rates and
+    the ETA count from :meth:`restart` (after compilation)."""
 
     def __init__(self, total: int, start_round: int, enabled: bool):
         self.total, self.start_round, self.enabled = total, start_round, enabled
         self.t0 = time.perf_counter()
         self.tty = sys.stderr.isatty()
+        self._bar = None
+        self._last_tenth = -1
+        if enabled and self.tty:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn
+            self._bar = RichProgress(TextColumn("round"), MofNCompleteColumn(), BarColumn(),
+                                     TextColumn("acc {task.fields[acc]}"), TextColumn("{task.fields[rate]} rounds/s"),
+                                     TextColumn("ETA {task.fields[eta]}"), console=Console(stderr=True),
+                                     transient=False)
+            self._task = self._bar.add_task("run", total=total, completed=start_round, acc="  n/a ",
+                                            rate="  –  ", eta="--:--:--")
+            self._bar.start()
 
     def note(self, text: str) -> None:
-        """A line of its own (compilation start and end), quiet when the bar is off."""
-        if self.enabled:
+        """A line of its own (compilation start and end), quiet when progress is off."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.console.print(text)
+        else:
             print(text, file=sys.stderr, flush=True)
 
     def restart(self, round_: int) -> None:
@@ -181,19 +200,24 @@ class Progress:
             return
         done = round_ - self.start_round
         elapsed = time.perf_counter() - self.t0
-        rate = done / elapsed if elapsed > 0 else 0.0
+        rate = done / elapsed if elapsed > 0 and done > 0 else 0.0
         eta = (self.total - round_) / rate if rate > 0 else float("nan")
-        width = 24
-        filled = int(width * round_ / max(self.total, 1))
         acc = "  n/a " if accuracy is None else f"{100 * accuracy:5.2f}%"
-        eta_s = "--:--" if not math.isfinite(eta) else time.strftime("%H:%M:%S", time.gmtime(eta))
-        line = (f"round {round_:>5d}/{self.total} |{'#' * filled}{'.' * (width - filled)}| "
-                f"acc {acc} | {rate:6.2f} rounds/s | ETA {eta_s}")
-        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+        eta_s = "--:--:--" if not math.isfinite(eta) else time.strftime("%H:%M:%S", time.gmtime(eta))
+        rate_s = f"{rate:6.2f}" if rate > 0 else "  –  "
+        if self._bar is not None:
+            self._bar.update(self._task, completed=round_, acc=acc, rate=rate_s, eta=eta_s)
+            return
+        tenth = 10 * round_ // max(self.total, 1)
+        if tenth != self._last_tenth or round_ == self.total:
+            self._last_tenth = tenth
+            print(f"round {round_}/{self.total} | acc {acc} | {rate_s} rounds/s | ETA {eta_s}", file=sys.stderr,
+                  flush=True)
 
     def close(self) -> None:
-        if self.enabled and self.tty:
-            print(file=sys.stderr)
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
 
 
 # ---------------------------------------------------------------- the run
@@ -241,7 +265,7 @@ class RunResult(NamedTuple):
 # Fields a resumed run may change: they decide how long and how fast it runs and where it reads its
 # data (checksummed), not what it computes. Every other field is the experiment.
 RESUMABLE_CHANGES = ("rounds", "eval_every", "out", "data_dir", "download", "client_parallelism",
-                     "client_bucket_size", "round_mode", "eval_batch_size", "personal_eval")
+                     "client_bucket_size", "round_mode", "eval_batch_size", "personal_eval", "log")
 
 
 def _flag(name: str) -> str:
@@ -318,7 +342,7 @@ def _run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool, 
             config, changes = resumed_config(config, saved, given)
     t_build = time.perf_counter()
     exp = experiment or build(config)
-    engine, data = exp.engine, exp.data
+    engine = exp.engine
     build_seconds = time.perf_counter() - t_build
     state = engine.init(jax.random.PRNGKey(config.seed))
     # Costs are exact Python ints (float only for expectations such as FedDrop's FLOPs).
@@ -358,6 +382,16 @@ def _run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool, 
             **({"client_bucket_size": engine.clients_per_bucket} if engine.mode == "bucketed" else {}),
             **({"resumed": history} if history else {})}, indent=2))
     bar = Progress(config.rounds, int(totals["round"]), progress)
+    sinks = MetricSinks(out, config.log)
+    try:
+        return _loop(config, exp, out, state, totals, rows, bar, sinks, build_seconds, on_eval)
+    finally:
+        bar.close()
+        sinks.close()
+
+
+def _loop(config, exp, out, state, totals, rows, bar, sinks, build_seconds, on_eval) -> RunResult:
+    engine, data = exp.engine, exp.data
     t0 = time.perf_counter() - float(totals["seconds"])
     compile_seconds = 0.0
     first_chunk = True
@@ -410,6 +444,7 @@ def _run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool, 
         if out is not None:
             with open(out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(row, allow_nan=False) + "\n")
+            sinks.write(rows)
         if bad:
             bar.close()
             raise RunError(f"training diverged: the loss is NaN/inf at round {bad[0]}; lower --lr "

@@ -1,0 +1,194 @@
+"""Comparing finished (or running) runs from their own files: the ``plot`` and ``report`` commands.
+
+A run directory is what ``run --out DIR`` writes (``config.json``, ``metrics.jsonl``,
+``summary.json``). The three views the seed papers argue with are accuracy against rounds,
+against cumulative communication (Gbit, up + down) and against cumulative training compute
+(TFLOPs, this project's accounting: 2 FLOPs per multiply-accumulate, backward = 2 x forward);
+density against rounds is added when the runs report it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+from fedjax_sparse.checkpoint import read_metrics
+from fedjax_sparse.config import RunError
+
+# Config fields that tell runs apart in a legend, in the order they are shown.
+LABEL_FIELDS = ("algorithm", "options", "dataset", "model", "lr", "local_epochs", "clients_per_round",
+                "num_clients", "partition", "batch_size", "seed")
+DERIVED = {
+    "gbit": ("cumulative communication, up + down (Gbit)",
+             lambda r: (r["total_uplink_bits"] + r["total_downlink_bits"]) / 1e9),
+    "tflops": ("cumulative training compute (TFLOPs)", lambda r: r["total_flops"] / 1e12),
+}
+
+
+@dataclasses.dataclass
+class RunRecord:
+    path: Path
+    config: dict
+    rows: list[dict]
+    summary: dict
+    label: str = ""
+
+    def series(self, key: str) -> list:
+        """Per-evaluation values of a metrics.jsonl key or a derived one (``gbit``, ``tflops``);
+        None where a row lacks it."""
+        if key in DERIVED:
+            return [_safe(DERIVED[key][1], r) for r in self.rows]
+        return [r.get(key) for r in self.rows]
+
+
+def _safe(fn, row):
+    try:
+        return fn(row)
+    except (KeyError, TypeError):
+        return None
+
+
+def load_run(path: str | Path) -> RunRecord:
+    """One run directory; one-line errors when it is not one."""
+    path = Path(path)
+    if not (path / "metrics.jsonl").is_file():
+        raise RunError(f"{path} is not a run directory (no metrics.jsonl); pass directories written by run --out")
+    config = {}
+    if (path / "config.json").is_file():
+        try:
+            config = json.loads((path / "config.json").read_text()).get("config", {})
+        except ValueError:
+            raise RunError(f"{path / 'config.json'} is damaged (not JSON)") from None
+    summary = {}
+    if (path / "summary.json").is_file():
+        try:
+            summary = json.loads((path / "summary.json").read_text())
+        except ValueError:
+            summary = {}
+    return RunRecord(path, config, read_metrics(path), summary)
+
+
+def load_runs(paths) -> list[RunRecord]:
+    runs = [load_run(p) for p in paths]
+    for run, label in zip(runs, legend_labels([r.config for r in runs], [r.path for r in runs])):
+        run.label = label
+    return runs
+
+
+def _short(value) -> str:
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in sorted(value.items()))
+    return str(value)
+
+
+def legend_labels(configs: list[dict], paths: list[Path]) -> list[str]:
+    """The algorithm plus every config field whose value differs among the runs (so two seeds
+    of one method read "spafl seed=1", "spafl seed=2"); the folder name without a config."""
+    differing = [f for f in LABEL_FIELDS if f != "algorithm" and len({_short(c.get(f)) for c in configs}) > 1]
+    labels = []
+    for config, path in zip(configs, paths):
+        if not config:
+            labels.append(Path(path).name)
+            continue
+        parts = [str(config.get("algorithm", Path(path).name))]
+        parts += [f"{f}={_short(config.get(f))}" for f in differing if f != "options"]
+        if "options" in differing and config.get("options"):
+            parts.append(_short(config["options"]))
+        labels.append(" ".join(parts))
+    return labels
+
+
+def _views(runs: list[RunRecord], x: str | None, y: str | None) -> list[tuple[str, str]]:
+    if x or y:
+        return [(x or "round", y or "accuracy")]
+    views = [("round", "accuracy"), ("gbit", "accuracy"), ("tflops", "accuracy")]
+    if any(v is not None and v < 1.0 for run in runs for v in run.series("density")):  # some run is sparse
+        views.append(("round", "density"))
+    return views
+
+
+def _axis_label(key: str) -> str:
+    if key in DERIVED:
+        return DERIVED[key][0]
+    return {"accuracy": "personalised accuracy (%)", "global_accuracy": "global-model accuracy (%)",
+            "density": "density (kept fraction)"}.get(key, key)
+
+
+def plot_runs(paths, out: str | Path, *, x: str | None = None, y: str | None = None, title: str | None = None) -> Path:
+    """Draws the runs' curves into ``out`` (PNG/PDF/SVG by its suffix). Returns the path."""
+    runs = load_runs(paths)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RunError("plot needs matplotlib: pip install 'fedjax_sparse[plot]'") from None
+    views = _views(runs, x, y)
+    cols = min(len(views), 2)
+    rows_ = math.ceil(len(views) / cols)
+    fig, axes = plt.subplots(rows_, cols, figsize=(5.6 * cols, 4 * rows_), squeeze=False)
+    for ax, (xk, yk) in zip(axes.ravel(), views):
+        for run in runs:
+            points = [(a, b) for a, b in zip(run.series(xk), run.series(yk)) if a is not None and b is not None]
+            if not points:
+                continue
+            xs, ys = zip(*points)
+            scale = 100.0 if yk.endswith("accuracy") else 1.0
+            ax.plot(xs, [scale * v for v in ys], marker="." if len(xs) < 30 else None, label=run.label)
+        ax.set_xlabel(_axis_label(xk))
+        ax.set_ylabel(_axis_label(yk))
+        _scale_x(ax, [v for run in runs for v in run.series(xk) if isinstance(v, (int, float))])
+        ax.grid(alpha=0.3)
+    for ax in axes.ravel()[len(views):]:
+        ax.axis("off")
+    axes.ravel()[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _scale_x(ax, values: list[float]) -> None:
+    """Log x when the values span more than two decades (e.g. SpaFL's thresholds-only traffic next
+    to FedAvg's), symlog when a run sits at 0 (Local sends nothing); linear otherwise."""
+    positive = [v for v in values if v > 0]
+    if not positive or max(positive) / min(positive) <= 100:
+        return
+    if len(positive) == len(values):
+        ax.set_xscale("log")
+    else:
+        ax.set_xscale("symlog", linthresh=min(positive))
+
+
+def _pct(value) -> str:
+    return "–" if value is None else f"{100 * value:.2f}"
+
+
+def report_table(paths) -> str:
+    """A markdown table of the runs: final and best accuracy, Gbit, TFLOPs, density, rounds/s."""
+    runs = load_runs(paths)
+    lines = ["| run | rounds | final acc % (std) | best acc % (round) | Gbit (up+down) | TFLOPs | density | rounds/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        if not run.rows:
+            lines.append(f"| {run.label} | 0 | – | – | – | – | – | – |")
+            continue
+        last = run.rows[-1]
+        evaluated = [r for r in run.rows if r.get("accuracy") is not None]
+        best = max(evaluated, key=lambda r: r["accuracy"]) if evaluated else None
+        std = last.get("accuracy_std")
+        final = _pct(last.get("accuracy")) + ("" if std is None else f" ({100 * std:.2f})")
+        best_s = "–" if best is None else f"{_pct(best['accuracy'])} ({best['round']})"
+        gbit = _safe(DERIVED["gbit"][1], last)
+        tflops = _safe(DERIVED["tflops"][1], last)
+        rate = run.summary.get("rounds_per_second_after_first_chunk")
+        density = last.get("density_all_clients", last.get("density"))
+        lines.append(f"| {run.label} | {last['round']} | {final} | {best_s} | "
+                     f"{'–' if gbit is None else f'{gbit:.4g}'} | {'–' if tflops is None else f'{tflops:.4g}'} | "
+                     f"{'–' if density is None else f'{density:.3f}'} | {'–' if rate is None else f'{rate:.3g}'} |")
+    return "\n".join(lines) + "\n"
