@@ -61,6 +61,9 @@ def assert_same_rows(rows, reference):
     assert [r["round"] for r in rows] == [r["round"] for r in reference]
     for got, want in zip(rows, reference):
         for key in COMPARED:
+            if want[key] is None:
+                assert got[key] is None, (key, got["round"])
+                continue
             assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-7), (key, got["round"])
 
 
@@ -237,3 +240,26 @@ def test_nan_is_written_as_null_and_overwrite_keeps_old_outputs_until_the_new_ru
     code, _, err = run_cli(["run", "--algorithm", "fedavg", *QUICK, "--rounds", "1", "--out", str(out),
                             "--overwrite", "--model-option", "bogus=1"], capsys)
     assert code == 2 and (out / "metrics.jsonl").read_text() == text
+
+
+def test_a_legacy_npz_checkpoint_still_resumes(tmp_path, capsys, reference):
+    """Runs written before the orbax checkpoints (OUT/checkpoint.npz: the state's leaves in flatten
+    order plus the totals as JSON) resume exactly."""
+    import jax
+    import numpy as np
+    out = tmp_path / "old"
+    summary, state = runner.run(runner.RunConfig(algorithm="fedavg", dataset="digits", num_clients=6,
+                                                 clients_per_round=3, local_epochs=1, batch_size=32, lr=0.1,
+                                                 partition="iid", rounds=3, out=str(out)), progress=False)
+    totals = json.loads((out / "summary.json").read_text())
+    leaves = jax.tree_util.tree_leaves(jax.device_get(state))
+    np.savez(out / "checkpoint.npz", *[np.asarray(x) for x in leaves], totals=json.dumps({
+        "round": 3, "uplink_bits": totals["total_uplink_bits"], "downlink_bits": totals["total_downlink_bits"],
+        "flops": totals["total_flops"], "seconds": 1.0}))
+    shutil.rmtree(out / CHECKPOINT_DIR)
+    code, _, err = run_cli(["run", "--resume", "--out", str(out), "--rounds", "6", "--quiet"], capsys)
+    assert code == 0, err
+    rows = rows_of(out)
+    assert_same_rows([{**r, "total_client_steps": None} for r in rows],
+                     [{**r, "total_client_steps": None} for r in reference])
+    assert not (out / "checkpoint.npz").exists() and runner.has_checkpoint(out)  # now in the new format
