@@ -241,16 +241,16 @@ def test_spafl_momentum_persists_across_a_clients_rounds():
     def ctx(r):
         return ClientContext(jnp.int32(r), jnp.int32(cid), jax.random.PRNGKey(r), jax.random.PRNGKey(10 + r))
     state1, _, _ = update(server, state0, client_data(data, cid), ctx(0))
-    trainable0 = {"params": state0["params"], "tau": server["tau"]}
-    trainable1 = {"params": state1["params"], "tau": state1["tau"]}
+    trainable0 = {"params": state0.params, "tau": server.tau}
+    trainable1 = {"params": state1.params, "tau": state1.tau}
     g1 = jax.tree_util.tree_map(lambda a, b: (a - b) / lr, trainable0, trainable1)
     assert float(np.abs(leaves(g1)).max()) > 1e-3
-    np.testing.assert_allclose(leaves(state1["opt_state"]), leaves(g1), rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(leaves(state1.opt_state), leaves(g1), rtol=1e-3, atol=1e-4)
 
-    fresh = {**state1, "opt_state": jax.tree_util.tree_map(jnp.zeros_like, state1["opt_state"])}
+    fresh = state1._replace(opt_state=jax.tree_util.tree_map(jnp.zeros_like, state1.opt_state))
     kept2, _, _ = update(server, state1, client_data(data, cid), ctx(1))
     fresh2, _, _ = update(server, fresh, client_data(data, cid), ctx(1))
-    diff = jax.tree_util.tree_map(jnp.subtract, kept2["params"], fresh2["params"])
+    diff = jax.tree_util.tree_map(jnp.subtract, kept2.params, fresh2.params)
     np.testing.assert_allclose(leaves(diff), -lr * SPAFL_OPTIONS["momentum"] * leaves(g1["params"]),
                                rtol=1e-3, atol=1e-5)
     assert SPAFL_OPTIONS["keep_optimizer_state"] is True   # the FMNIST code's behaviour is the default
