@@ -148,7 +148,7 @@ class KeepProbRecorder:
         keep = [i for i, r in enumerate(self.rounds) if r < row["round"]]  # drop rows past a resume point
         self.rounds, self.hist, self.mean = ([self.rounds[i] for i in keep], [self.hist[i] for i in keep],
                                              [self.mean[i] for i in keep])
-        probs = np.asarray(state.server["keep_probs"]).ravel()
+        probs = np.asarray(state.server.keep_probs).ravel()
         self.rounds.append(int(row["round"]))
         self.hist.append(np.histogram(probs, bins=self.bins, range=(0.0, 1.0))[0].astype(np.int64))
         self.mean.append(float(probs.mean()))
@@ -430,7 +430,7 @@ def time_feddrop_server(exp, state) -> float:
 
     def perturb(x):
         return x[None] + 1e-2 * noise.reshape((k,) + (1,) * x.ndim) * jnp.sign(x)[None]
-    messages = {"variables": jax.tree_util.tree_map(perturb, state.server["variables"]),
+    messages = {"variables": jax.tree_util.tree_map(perturb, state.server.variables),
                 "sampled_flops": jnp.zeros((k,))}
     ctx = ServerContext(state.round, ids, exp.data.train_count[ids].astype(jnp.float32), jax.random.PRNGKey(1))
     update = jax.jit(alg.server_update)

@@ -107,7 +107,7 @@ def test_spafl_flops_count_kept_rows_exactly():
     alg = make_algorithm("spafl", task, {"reset_threshold": False})
     engine = Engine(alg, 4, 4)
     state = engine.init(jax.random.PRNGKey(0))
-    tau = jax.device_get(state.server["tau"])  # the run donates the state
+    tau = jax.device_get(state.server.tau)  # the run donates the state
     _, metrics = engine.run_rounds(state, data, 1)
     examples = 2 * int(np.asarray(data.train_count).sum())
     assert metrics["flops"].tolist() == [examples * accounting.training_flops_per_example(model)]
@@ -118,7 +118,7 @@ def test_spafl_flops_count_kept_rows_exactly():
                                                       "alpha": 0.0})
     engine = Engine(alg_no13, 4, 4)
     state = engine.init(jax.random.PRNGKey(0))
-    state = state._replace(server={**state.server, "tau": pruned_tau})
+    state = state._replace(server=state.server._replace(tau=pruned_tau))
     _, metrics = engine.run_rounds(state, data, 1)
     rows = accounting.row_training_flops(model)
     expected = examples * sum(r * layer.out_units for r, layer in zip(rows, model.layers) if layer.name != first)

@@ -8,7 +8,7 @@ import pytest
 
 from fedjax_sparse.algorithms import ServerContext, Task, make_algorithm
 from fedjax_sparse.algorithms.base import ClientContext
-from fedjax_sparse.algorithms.baselines import sample_unit_masks, weight_inclusion
+from fedjax_sparse.algorithms.baselines import ScaffoldClientState, sample_unit_masks, weight_inclusion
 from fedjax_sparse.data.federated import ClientData, build_federated_data
 from fedjax_sparse.engine import Engine
 from fedjax_sparse.models.base import Conv, Dense, Flatten, sequential
@@ -107,25 +107,25 @@ def test_scaffold_option_two_step_and_control_variate():
     rng = np.random.default_rng(1)
     randomise = lambda tree: jax.tree_util.tree_map(  # noqa: E731
         lambda v: jnp.asarray(rng.normal(size=v.shape), jnp.float32), tree)
-    server = {**server, "control": randomise(server["control"])}
-    client_state = {"control": randomise(jax.tree_util.tree_map(lambda v: v[0], clients["control"]))}
+    server = server._replace(control=randomise(server.control))
+    client_state = ScaffoldClientState(randomise(jax.tree_util.tree_map(lambda v: v[0], clients.control)))
     state, message, metrics = jax.jit(alg.client_update)(alg.broadcast(server, 0), client_state,
                                                          client_view(data, 0), context(0))
     x, y = client_arrays(data, 0)
-    w0 = np.asarray(server["variables"]["params"]["fc"]["kernel"], np.float64)
-    b0 = np.asarray(server["variables"]["params"]["fc"]["bias"], np.float64)
+    w0 = np.asarray(server.variables["params"]["fc"]["kernel"], np.float64)
+    b0 = np.asarray(server.variables["params"]["fc"]["bias"], np.float64)
     gw, gb = softmax_grads(w0, b0, x, y)
-    ci, c = client_state["control"]["fc"], server["control"]["fc"]
+    ci, c = client_state.control["fc"], server.control["fc"]
     # One step: y = x - lr (g(x) - c_i + c).
     expected_w = w0 - LR * (gw - np.asarray(ci["kernel"]) + np.asarray(c["kernel"]))
     np.testing.assert_allclose(message["variables"]["params"]["fc"]["kernel"], expected_w, rtol=1e-5, atol=1e-6)
     # Option II after one step: c_i+ = c_i - c + (x - y) / lr = g(x).
-    np.testing.assert_allclose(state["control"]["fc"]["kernel"], gw, rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(state["control"]["fc"]["bias"], gb, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(state.control["fc"]["kernel"], gw, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(state.control["fc"]["bias"], gb, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(message["delta_control"]["fc"]["kernel"], gw - np.asarray(ci["kernel"]),
                                rtol=1e-4, atol=1e-6)
     # Model and control variate both ways.
-    assert float(metrics["uplink_bits"]) == float(metrics["downlink_bits"]) == 2 * model_bits(server["variables"])
+    assert float(metrics["uplink_bits"]) == float(metrics["downlink_bits"]) == 2 * model_bits(server.variables)
 
 
 def test_scaffold_option_one_uses_the_full_local_gradient():
@@ -137,10 +137,10 @@ def test_scaffold_option_one_uses_the_full_local_gradient():
     state, _, metrics = jax.jit(alg.client_update)(alg.broadcast(server, 0), client_state,
                                                    client_view(data, 0), context(0))
     x, y = client_arrays(data, 0)
-    gw, gb = softmax_grads(np.asarray(server["variables"]["params"]["fc"]["kernel"], np.float64),
-                           np.asarray(server["variables"]["params"]["fc"]["bias"], np.float64), x, y)
-    np.testing.assert_allclose(state["control"]["fc"]["kernel"], gw, rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(state["control"]["fc"]["bias"], gb, rtol=1e-4, atol=1e-6)
+    gw, gb = softmax_grads(np.asarray(server.variables["params"]["fc"]["kernel"], np.float64),
+                           np.asarray(server.variables["params"]["fc"]["bias"], np.float64), x, y)
+    np.testing.assert_allclose(state.control["fc"]["kernel"], gw, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(state.control["fc"]["bias"], gb, rtol=1e-4, atol=1e-6)
     # FLOPs: 2 epochs of training plus one extra pass for the gradient = 3 passes of 5 examples.
     assert float(metrics["flops"]) == pytest.approx(3 * 5 * 3 * 2 * 4 * 3)
 
@@ -150,19 +150,19 @@ def test_scaffold_server_update_formula():
     task = make_task(linear_model(), data, batch_size=4, clients_per_round=2)
     alg = make_algorithm("scaffold", task, {"server_lr": 0.5})
     server, _ = alg.init(jax.random.PRNGKey(0))
-    server = {**server, "control": jax.tree_util.tree_map(lambda v: v + 1.0, server["control"])}
-    y1 = jax.tree_util.tree_map(lambda v: v + 2.0, server["variables"])
-    y2 = jax.tree_util.tree_map(lambda v: v - 2.0, server["variables"])
-    dc1 = jax.tree_util.tree_map(lambda v: jnp.full_like(v, 4.0), server["control"])
-    dc2 = jax.tree_util.tree_map(lambda v: jnp.full_like(v, -8.0), server["control"])
+    server = server._replace(control=jax.tree_util.tree_map(lambda v: v + 1.0, server.control))
+    y1 = jax.tree_util.tree_map(lambda v: v + 2.0, server.variables)
+    y2 = jax.tree_util.tree_map(lambda v: v - 2.0, server.variables)
+    dc1 = jax.tree_util.tree_map(lambda v: jnp.full_like(v, 4.0), server.control)
+    dc2 = jax.tree_util.tree_map(lambda v: jnp.full_like(v, -8.0), server.control)
     stack = lambda a, b: jax.tree_util.tree_map(lambda u, v: jnp.stack([u, v]), a, b)  # noqa: E731
     messages = {"variables": stack(y1, y2), "delta_control": stack(dc1, dc2)}
     ctx = ServerContext(jnp.int32(0), jnp.array([0, 2], jnp.int32), jnp.array([1.0, 3.0]), jax.random.PRNGKey(0))
     new, _ = alg.server_update(server, messages, ctx)
     # x + 0.5 * (0.25 * 2 + 0.75 * -2); c + (4 - 8) / N with N = 4 clients.
-    np.testing.assert_allclose(new["variables"]["params"]["fc"]["kernel"],
-                               server["variables"]["params"]["fc"]["kernel"] - 0.5, rtol=1e-6)
-    np.testing.assert_allclose(new["control"]["fc"]["kernel"], server["control"]["fc"]["kernel"] - 1.0)
+    np.testing.assert_allclose(new.variables["params"]["fc"]["kernel"],
+                               server.variables["params"]["fc"]["kernel"] - 0.5, rtol=1e-6)
+    np.testing.assert_allclose(new.control["fc"]["kernel"], server.control["fc"]["kernel"] - 1.0)
 
 
 # ---------------------------------------------------------------- Caldas et al.
@@ -189,10 +189,10 @@ def test_caldas_trains_the_sub_model_and_averages_over_holders():
     payload = alg.broadcast(server, 0)
     update = jax.jit(alg.client_update)
     outs = [update(payload, (), client_view(data, i), context(i)) for i in range(2)]
-    model, old = task.model, server["variables"]["params"]
+    model, old = task.model, server.variables["params"]
     sub_model = jax.jit(lambda key: weight_inclusion(model, sample_unit_masks(key, model, ["conv1", "conv2", "fc1"],
                                                                              0.5)))
-    inclusions = [sub_model(jax.random.fold_in(jax.random.fold_in(server["mask_key"], 0), i)) for i in range(2)]
+    inclusions = [sub_model(jax.random.fold_in(jax.random.fold_in(server.mask_key, 0), i)) for i in range(2)]
     for (_, new, metrics), inc in zip(outs, inclusions):
         for layer in model.layers:
             held = np.asarray(inc[layer.name]["kernel"]) > 0
@@ -207,7 +207,7 @@ def test_caldas_trains_the_sub_model_and_averages_over_holders():
     new, _ = jax.jit(alg.server_update)(server, messages, ctx)
     flat = lambda trees: [np.concatenate([np.asarray(t[l.name]["kernel"]).ravel() for l in model.layers])  # noqa: E731
                           for t in trees]
-    kernel, k0, k1, k_old = flat([new["variables"]["params"], outs[0][1]["params"], outs[1][1]["params"], old])
+    kernel, k0, k1, k_old = flat([new.variables["params"], outs[0][1]["params"], outs[1][1]["params"], old])
     h0, h1 = (held > 0 for held in flat(inclusions))
     both, only0, none = h0 & h1, h0 & ~h1, ~h0 & ~h1
     np.testing.assert_allclose(kernel[both], 0.25 * k0[both] + 0.75 * k1[both], rtol=1e-5, atol=1e-7)

@@ -170,12 +170,12 @@ def test_fedavg_server_is_data_weighted_mean():
     _, data = tiny_federated(SIZES)
     alg = make_algorithm("fedavg", make_task(data), {})
     server, _ = alg.init(jax.random.PRNGKey(0))
-    a = jax.tree_util.tree_map(jnp.ones_like, server["variables"])
-    b = jax.tree_util.tree_map(lambda x: 5 * jnp.ones_like(x), server["variables"])
+    a = jax.tree_util.tree_map(jnp.ones_like, server.variables)
+    b = jax.tree_util.tree_map(lambda x: 5 * jnp.ones_like(x), server.variables)
     msgs = jax.tree_util.tree_map(lambda x, y: jnp.stack([x, y]), a, b)
     ctx = dataclasses.make_dataclass("C", ["weights"])(jnp.array([10.0, 30.0]))
     new, _ = alg.server_update(server, msgs, ctx)
-    for leaf in jax.tree_util.tree_leaves(new["variables"]):
+    for leaf in jax.tree_util.tree_leaves(new.variables):
         np.testing.assert_allclose(np.asarray(leaf), 4.0)  # (1*10 + 5*30) / 40
     unweighted = make_algorithm("fedavg", make_task(data), {"weighted": False})
     new, _ = unweighted.server_update(server, msgs, ctx)
@@ -192,12 +192,12 @@ def test_fedavg_single_step_matches_hand_computed_gradient():
     server, _ = alg.init(jax.random.PRNGKey(0))
     ctx = ClientContext(jnp.int32(0), jnp.int32(0), jax.random.PRNGKey(1), jax.random.PRNGKey(2))
     cd = ClientData(data.train_x, data.train_y, data.train_idx[0], data.train_count[0])
-    _, msg, _ = alg.client_update(server["variables"], (), cd, ctx)
+    _, msg, _ = alg.client_update(server.variables, (), cd, ctx)
     rows = np.asarray(data.train_idx[0])
     x = np.asarray(data.train_x)[rows].reshape(12, -1).astype(np.float64) / 255.0
     y = np.asarray(data.train_y)[rows]
-    w = np.asarray(server["variables"]["params"]["fc"]["kernel"], np.float64)
-    bias = np.asarray(server["variables"]["params"]["fc"]["bias"], np.float64)
+    w = np.asarray(server.variables["params"]["fc"]["kernel"], np.float64)
+    bias = np.asarray(server.variables["params"]["fc"]["bias"], np.float64)
     logits = x @ w + bias
     p = np.exp(logits - logits.max(1, keepdims=True))
     p /= p.sum(1, keepdims=True)
@@ -216,8 +216,8 @@ def test_local_only_sampled_clients_change_and_nothing_is_communicated():
     state1, metrics = engine.round_fn(state0, data)
     ids = np.asarray(sample_clients(jax.random.split(jax.random.fold_in(state1.key, 0), 4)[0],
                                     data.num_clients, 2))
-    kernel_before = before["variables"]["params"]["conv1"]["kernel"]
-    kernel_after = np.asarray(state1.clients["variables"]["params"]["conv1"]["kernel"])
+    kernel_before = before.variables["params"]["conv1"]["kernel"]
+    kernel_after = np.asarray(state1.clients.variables["params"]["conv1"]["kernel"])
     changed = [i for i in range(data.num_clients) if not np.array_equal(kernel_before[i], kernel_after[i])]
     assert sorted(changed) == sorted(ids.tolist())
     assert metrics["uplink_bits"].total() == metrics["downlink_bits"].total() == 0
@@ -237,9 +237,9 @@ def test_cohort_is_kept_for_resample_every_rounds():
         np.testing.assert_array_equal(every_two.cohort(key, jnp.int32(r)), every_round.cohort(key, jnp.int32(r)))
     # The engine trains exactly the cohort: with Local, rounds 0 and 1 touch the same two clients.
     state = every_two.init(jax.random.PRNGKey(0))
-    before = np.asarray(state.clients["variables"]["params"]["conv1"]["kernel"])
+    before = np.asarray(state.clients.variables["params"]["conv1"]["kernel"])
     state, _ = every_two.run_rounds(state, data, 2)
-    after = np.asarray(state.clients["variables"]["params"]["conv1"]["kernel"])
+    after = np.asarray(state.clients.variables["params"]["conv1"]["kernel"])
     changed = [i for i in range(data.num_clients) if not np.array_equal(before[i], after[i])]
     assert sorted(changed) == sorted(np.asarray(every_two.cohort(state.key, jnp.int32(0))).tolist())
     with pytest.raises(ValueError, match="resample_every"):

@@ -33,14 +33,14 @@ def test_zero_momentum_is_fedavg():
         state, _ = engine.run_rounds(engine.init(jax.random.PRNGKey(0)), data, 3)
         states[name] = state
     for a, b in zip(jax.tree_util.tree_leaves(states["fedavgm"].server.variables),
-                    jax.tree_util.tree_leaves(states["fedavg"].server["variables"])):
+                    jax.tree_util.tree_leaves(states["fedavg"].server.variables)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     # With momentum the trajectory differs.
     engine = Engine(make_algorithm("fedavgm", task, {"server_momentum": 0.9}), 6, 3)
     state, metrics = engine.run_rounds(engine.init(jax.random.PRNGKey(0)), data, 3)
     assert metrics["server_velocity_norm"][-1] > metrics["server_velocity_norm"][0] > 0
     a = jax.tree_util.tree_leaves(state.server.variables)[0]
-    b = jax.tree_util.tree_leaves(states["fedavg"].server["variables"])[0]
+    b = jax.tree_util.tree_leaves(states["fedavg"].server.variables)[0]
     assert float(jnp.abs(a - b).max()) > 1e-4
 
 

@@ -173,34 +173,34 @@ def setup():
 
 def test_server_averages_by_data_size_and_updates_only_the_sampled_clients(setup):
     alg, server = setup.alg, setup.server
-    a = jax.tree_util.tree_map(lambda x: x + 1.0, server["variables"])
-    b = jax.tree_util.tree_map(lambda x: x - 3.0, server["variables"])
-    c = jax.tree_util.tree_map(lambda x: x + 0.5, server["variables"])
+    a = jax.tree_util.tree_map(lambda x: x + 1.0, server.variables)
+    b = jax.tree_util.tree_map(lambda x: x - 3.0, server.variables)
+    c = jax.tree_util.tree_map(lambda x: x + 0.5, server.variables)
     messages = {"variables": jax.tree_util.tree_map(lambda u, v, w: jnp.stack([u, v, w]), a, b, c),
                 "sampled_flops": jnp.array([1.0, 2.0, 3.0])}
     ctx = ServerContext(jnp.int32(0), jnp.array([3, 1, 0], jnp.int32), jnp.array([1.0, 3.0, 4.0]),
                         jax.random.PRNGKey(1))
     new, metrics = jax.jit(alg.server_update)(server, messages, ctx)
-    expected = jax.tree_util.tree_map(lambda o: o + 0.125 * 1.0 + 0.375 * -3.0 + 0.5 * 0.5, server["variables"])
+    expected = jax.tree_util.tree_map(lambda o: o + 0.125 * 1.0 + 0.375 * -3.0 + 0.5 * 0.5, server.variables)
     jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5),
-                           new["variables"], expected)
+                           new.variables, expected)
     untouched, sampled = jnp.array([2]), jnp.array([0, 1, 3])
-    np.testing.assert_allclose(new["keep_probs"][untouched], server["keep_probs"][untouched])
-    assert not np.allclose(new["keep_probs"][sampled], server["keep_probs"][sampled])
+    np.testing.assert_allclose(new.keep_probs[untouched], server.keep_probs[untouched])
+    assert not np.allclose(new.keep_probs[sampled], server.keep_probs[sampled])
     assert float(metrics["sampled_flops"]) == 6.0
 
 
 def test_client_uses_its_own_keep_probs_and_accounts_for_them(setup):
     data, alg, server = setup.data, setup.alg, setup.server
     layout, flops = flops_model()
-    probs = server["keep_probs"].at[2].set(jnp.linspace(0.2, 1.0, layout.total))
-    payload = alg.broadcast({**server, "keep_probs": probs}, jnp.int32(0))
+    probs = server.keep_probs.at[2].set(jnp.linspace(0.2, 1.0, layout.total))
+    payload = alg.broadcast(server._replace(keep_probs=probs), jnp.int32(0))
     client = ClientData(data.train_x, data.train_y, data.train_idx[2], data.train_count[2])
     ctx = ClientContext(jnp.int32(0), jnp.int32(2), jax.random.PRNGKey(1), jax.random.PRNGKey(2))
     _, message, metrics = jax.jit(alg.client_update)(payload, (), client, ctx)
     examples = int(data.train_count[2])
     assert float(metrics["flops"]) == pytest.approx(3 * float(flops.forward(probs[2])) * examples, rel=1e-5)
-    model_bits = 32 * sum(x.size for x in jax.tree_util.tree_leaves(server["variables"]))
+    model_bits = 32 * sum(x.size for x in jax.tree_util.tree_leaves(server.variables))
     assert float(metrics["uplink_bits"]) == model_bits
     assert float(metrics["downlink_bits"]) == model_bits + 32 * layout.total
     assert float(metrics["density"]) == pytest.approx(float(probs[2].mean()), rel=1e-5)
@@ -223,9 +223,9 @@ def test_two_rounds_end_to_end(setup, name):
     if name == "feddrop":
         assert float(metrics["downlink_bits"][0]) > float(metrics["uplink_bits"][0])
         assert bool(jnp.all(metrics["server_budget_slack"] > 0))
-        assert not np.allclose(state.server["keep_probs"], p0)
+        assert not np.allclose(state.server.keep_probs, p0)
     else:
-        np.testing.assert_allclose(state.server["keep_probs"], p0)
+        np.testing.assert_allclose(state.server.keep_probs, p0)
         assert float(metrics["downlink_bits"][0]) == float(metrics["uplink_bits"][0])
     # Random labels: nothing to learn, so the reference is a hand count of the global model's hits.
     evaluation = engine.evaluate(state, data)

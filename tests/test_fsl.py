@@ -177,7 +177,7 @@ def test_sfsl_engine_run_with_attack(tiny):
     np.testing.assert_allclose(metrics["uplink_bits"], 6 * sm.ranking_bits(sizes, fraction))
     np.testing.assert_allclose(metrics["downlink_bits"], 6 * sm.ranking_bits(sizes))
     assert np.isfinite(metrics["loss"]).all()
-    for layer, r in state.server["ranking"].items():
+    for layer, r in state.server.ranking.items():
         assert sorted(np.asarray(r).tolist()) == list(range(r.shape[0]))
     np.testing.assert_array_equal(metrics["server_malicious_clients"], [2, 2])
     ev = engine.evaluate(state, data)
@@ -204,8 +204,8 @@ def test_client_reorders_by_global_ranking_and_server_votes(tiny):
     alg = make_algorithm("fsl", task, {"weight_decay": 0.0})
     server, clients = alg.init(jax.random.PRNGKey(1))
     ranking = {k: jax.random.permutation(jax.random.PRNGKey(i), v.shape[0]).astype(jnp.int32)
-               for i, (k, v) in enumerate(server["ranking"].items())}
-    payload = alg.broadcast({**server, "ranking": ranking}, jnp.int32(0))
+               for i, (k, v) in enumerate(server.ranking.items())}
+    payload = alg.broadcast(server._replace(ranking=ranking), jnp.int32(0))
     from fedjax_sparse.algorithms.base import ClientContext
     from fedjax_sparse.data.federated import ClientData
     cdata = ClientData(data.train_x, data.train_y, data.train_idx[0], data.train_count[0])
@@ -214,8 +214,8 @@ def test_client_reorders_by_global_ranking_and_server_votes(tiny):
     jax.tree_util.tree_map(np.testing.assert_array_equal, message, ranking)
     stacked = jax.tree_util.tree_map(lambda r: jnp.stack([r, r, r]), message)
     sctx = ServerContext(jnp.int32(0), jnp.array([0, 1, 2]), jnp.ones(3), jax.random.PRNGKey(0))
-    new_server, _ = alg.server_update({**server, "ranking": ranking}, stacked, sctx)
-    jax.tree_util.tree_map(np.testing.assert_array_equal, new_server["ranking"], ranking)
+    new_server, _ = alg.server_update(server._replace(ranking=ranking), stacked, sctx)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, new_server.ranking, ranking)
 
 
 def test_rejects_models_with_biases(tiny):

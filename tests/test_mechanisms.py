@@ -150,15 +150,15 @@ def test_fsl_default_masks_by_absolute_score_on_client_and_server(fsl_setup):
     @jax.jit
     def by_hand(server):
         kernels, differs = {}, {}
-        for name, w in server["weights"].items():
-            scores = sm.reorder_scores(server["sorted_scores"][name], server["ranking"][name])
+        for name, w in server.weights.items():
+            scores = sm.reorder_scores(server.sorted_scores[name], server.ranking[name])
             kernels[name] = w * sm.topk_mask(jnp.abs(scores), fraction).reshape(w.shape)
             differs[name] = jnp.any(sm.topk_mask(jnp.abs(scores), fraction) != sm.topk_mask(scores, fraction))
         return kernels, differs
     kernels, differs = by_hand(server)
     for name in kernels:
         assert bool(differs[name])   # |score| and raw score pick different edges here
-        np.testing.assert_array_equal(server["kernels"][name], kernels[name])
+        np.testing.assert_array_equal(server.kernels[name], kernels[name])
     cid = 2
     ctx = ClientContext(jnp.int32(0), jnp.int32(cid), jax.random.PRNGKey(0), jax.random.PRNGKey(1))
     _, _, metrics = jax.jit(alg.client_update)(alg.broadcast(server, jnp.int32(0)), (), client_data(data, cid), ctx)
@@ -190,8 +190,8 @@ def test_fsl_score_update_is_sgd_with_momentum_and_weight_decay(fsl_setup):
     count = int(data.train_count[cid])
     rows = np.asarray(data.train_idx[cid])[:count]
     x, y = data.preprocess(jnp.asarray(data.train_x[rows])), jnp.asarray(data.train_y[rows])
-    shapes = {name: w.shape for name, w in server["weights"].items()}
-    params = {name: {"kernel": w} for name, w in server["weights"].items()}
+    shapes = {name: w.shape for name, w in server.weights.items()}
+    params = {name: {"kernel": w} for name, w in server.weights.items()}
 
     def loss(scores):
         hooks = Hooks(kernel=lambda layer, w: w * sm.supermask(scores[layer], FSL_OPTIONS["subnet_fraction"]))
@@ -200,7 +200,7 @@ def test_fsl_score_update_is_sgd_with_momentum_and_weight_decay(fsl_setup):
     grad = jax.jit(jax.grad(loss))
 
     def run(weight_decay, momentum):
-        s = {n: sm.reorder_scores(server["sorted_scores"][n], server["ranking"][n]).reshape(shapes[n])
+        s = {n: sm.reorder_scores(server.sorted_scores[n], server.ranking[n]).reshape(shapes[n])
              for n in shapes}
         buf = None
         for step in range(epochs):
@@ -241,16 +241,16 @@ def test_spafl_momentum_persists_across_a_clients_rounds():
     def ctx(r):
         return ClientContext(jnp.int32(r), jnp.int32(cid), jax.random.PRNGKey(r), jax.random.PRNGKey(10 + r))
     state1, _, _ = update(server, state0, client_data(data, cid), ctx(0))
-    trainable0 = {"params": state0["params"], "tau": server["tau"]}
-    trainable1 = {"params": state1["params"], "tau": state1["tau"]}
+    trainable0 = {"params": state0.params, "tau": server.tau}
+    trainable1 = {"params": state1.params, "tau": state1.tau}
     g1 = jax.tree_util.tree_map(lambda a, b: (a - b) / lr, trainable0, trainable1)
     assert float(np.abs(leaves(g1)).max()) > 1e-3
-    np.testing.assert_allclose(leaves(state1["opt_state"]), leaves(g1), rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(leaves(state1.opt_state), leaves(g1), rtol=1e-3, atol=1e-4)
 
-    fresh = {**state1, "opt_state": jax.tree_util.tree_map(jnp.zeros_like, state1["opt_state"])}
+    fresh = state1._replace(opt_state=jax.tree_util.tree_map(jnp.zeros_like, state1.opt_state))
     kept2, _, _ = update(server, state1, client_data(data, cid), ctx(1))
     fresh2, _, _ = update(server, fresh, client_data(data, cid), ctx(1))
-    diff = jax.tree_util.tree_map(jnp.subtract, kept2["params"], fresh2["params"])
+    diff = jax.tree_util.tree_map(jnp.subtract, kept2.params, fresh2.params)
     np.testing.assert_allclose(leaves(diff), -lr * SPAFL_OPTIONS["momentum"] * leaves(g1["params"]),
                                rtol=1e-3, atol=1e-5)
     assert SPAFL_OPTIONS["keep_optimizer_state"] is True   # the FMNIST code's behaviour is the default

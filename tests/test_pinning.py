@@ -59,7 +59,7 @@ def test_all_three_pinned_files_make_two_seeds_agree_except_local_shuffles(tmp_p
     for seed in (0, 1):
         exp = runner.build(runner.RunConfig(**{**BASE, "partition": "iid"}, seed=seed, **files))
         state = exp.engine.init(jax.random.PRNGKey(seed))
-        for a, b in zip(jax.tree_util.tree_leaves(state.server["variables"]), jax.tree_util.tree_leaves(init)):
+        for a, b in zip(jax.tree_util.tree_leaves(state.server.variables), jax.tree_util.tree_leaves(init)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         for r, row in enumerate(schedule):
             assert np.asarray(exp.engine.cohort(state.key, np.int32(r))).tolist() == row
@@ -73,9 +73,9 @@ def test_cohort_schedule_drives_the_sampled_clients(tmp_path):
                               cohort_schedule=str(tmp_path / "c.json"))
     exp = runner.build(config)
     state = exp.engine.init(jax.random.PRNGKey(0))
-    before = np.asarray(state.clients["variables"]["params"]["conv1"]["kernel"])
+    before = np.asarray(state.clients.variables["params"]["conv1"]["kernel"])
     state, _ = exp.engine.run_rounds(state, exp.data, 1)
-    after = np.asarray(state.clients["variables"]["params"]["conv1"]["kernel"])
+    after = np.asarray(state.clients.variables["params"]["conv1"]["kernel"])
     changed = [i for i in range(6) if not np.array_equal(before[i], after[i])]
     assert changed == [1, 4]
 

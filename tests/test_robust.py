@@ -183,13 +183,13 @@ def test_scale_attack_replaces_malicious_updates(tiny):
     data, task = tiny
     alg = make_algorithm("fedavg_robust", task, {"attack": "scale", "malicious_fraction": 0.34})
     server, _ = alg.init(jax.random.PRNGKey(0))
-    flat = ravel_pytree(server["variables"]["params"])[0]
+    flat = ravel_pytree(server.variables["params"])[0]
     mask = R.malicious_clients(6, 0.34, 0)
     updates = jnp.zeros((6, flat.shape[0]))
     new, metrics = alg.server_update(server, updates, ServerContext(jnp.int32(0), jnp.arange(6), jnp.ones(6),
                                                                     jax.random.PRNGKey(0)))
     # mean of four zero updates and two copies of 1e5 * w: w + (2 / 6) * 1e5 * w
-    np.testing.assert_allclose(ravel_pytree(new["variables"]["params"])[0], flat * (1 + 2e5 / 6), rtol=1e-5)
+    np.testing.assert_allclose(ravel_pytree(new.variables["params"])[0], flat * (1 + 2e5 / 6), rtol=1e-5)
     assert int(metrics["malicious_clients"]) == mask.sum() == 2
 
 
@@ -200,4 +200,4 @@ def test_mean_aggregator_equals_plain_fedavg(tiny):
     ours, _ = _run(task, data, "fedavg_robust", plain, rounds=1)
     ref, _ = _run(task, data, "fedavg", {"weighted": False}, rounds=1)
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-                           ours.server["variables"]["params"], ref.server["variables"]["params"])
+                           ours.server.variables["params"], ref.server.variables["params"])

@@ -86,13 +86,13 @@ def test_server_averages_thresholds_uniformly_and_records_the_change():
     _, data = tiny_federated(SIZES)
     alg = make_algorithm("spafl", make_task(data))
     server, _ = alg.init(jax.random.PRNGKey(0))
-    server = {**server, "tau": jax.tree_util.tree_map(lambda t: t + 0.1, server["tau"])}
-    messages = {name: jnp.stack([jnp.full_like(t, v) for v in (0.2, 0.5, 1.1)]) for name, t in server["tau"].items()}
+    server = server._replace(tau=jax.tree_util.tree_map(lambda t: t + 0.1, server.tau))
+    messages = {name: jnp.stack([jnp.full_like(t, v) for v in (0.2, 0.5, 1.1)]) for name, t in server.tau.items()}
     sctx = ServerContext(jnp.int32(0), jnp.array([0, 1, 2]), jnp.array([10.0, 500.0, 1.0]), jax.random.PRNGKey(0))
     new, _ = alg.server_update(server, messages, sctx)
-    for name in server["tau"]:
-        np.testing.assert_allclose(new["tau"][name], 0.6, rtol=1e-6)   # eq. (7): not data-weighted
-        np.testing.assert_allclose(new["delta"][name], 0.5, rtol=1e-6)
+    for name in server.tau:
+        np.testing.assert_allclose(new.tau[name], 0.6, rtol=1e-6)   # eq. (7): not data-weighted
+        np.testing.assert_allclose(new.delta[name], 0.5, rtol=1e-6)
 
 
 # ---------------------------------------------------------------------------- client
@@ -125,7 +125,7 @@ def test_truncated_ste_leaves_thresholds_to_the_regulariser_with_lr_decay_and_ra
     clamped = make_algorithm("spafl", task, {**opts, "alpha": 1e3, "clamp": True, "lr_decay": 1.0})
     state, msg, _ = one_client(clamped, cid=0, round_=1, data=data)
     np.testing.assert_allclose(flat(msg), 1.0)
-    assert all(float(jnp.abs(state["params"][n]["kernel"]).max()) <= 1.0 for n in msg)
+    assert all(float(jnp.abs(state.params[n]["kernel"]).max()) <= 1.0 for n in msg)
 
 
 def test_reset_rule_revives_a_fully_pruned_layer():
@@ -134,15 +134,15 @@ def test_reset_rule_revives_a_fully_pruned_layer():
     _, data = tiny_federated(SIZES)
     alg = make_algorithm("spafl", make_task(data, epochs=2, batch_size=8), {"alpha": 0.0, "eq13": False})
     server, _ = alg.init(jax.random.PRNGKey(0))
-    server = {**server, "tau": {**server["tau"], "fc2": jnp.full_like(server["tau"]["fc2"], 10.0)}}
+    server = server._replace(tau={**server.tau, "fc2": jnp.full_like(server.tau["fc2"], 10.0)})
     state, msg, metrics = one_client(alg, cid=1, data=data, server=server)
-    assert float(jnp.abs(msg["fc2"]).max()) < 1.0 and float(state["kept"]["fc2"]) > 0.01
+    assert float(jnp.abs(msg["fc2"]).max()) < 1.0 and float(state.kept["fc2"]) > 0.01
     assert float(metrics["threshold_resets"]) == 1.0
     no_reset = make_algorithm("spafl", make_task(data, epochs=2, batch_size=8),
                               {"alpha": 0.0, "eq13": False, "reset_threshold": False})
     state, msg, metrics = one_client(no_reset, cid=1, data=data, server=server)
     # (the identity STE still moves pruned rows' thresholds a little, but nowhere near 0)
-    assert float(jnp.abs(msg["fc2"] - 10.0).max()) < 0.1 and float(state["kept"]["fc2"]) == 0.0
+    assert float(jnp.abs(msg["fc2"] - 10.0).max()) < 0.1 and float(state.kept["fc2"]) == 0.0
     assert float(metrics["threshold_resets"]) == 0.0
 
 
@@ -155,16 +155,16 @@ def test_client_applies_eq13_with_the_broadcast_change_before_training():
     alg = make_algorithm("spafl", task, {"alpha": 0.0})
     server, clients = alg.init(jax.random.PRNGKey(0))
     rng = np.random.default_rng(1)
-    delta = {n: jnp.asarray(rng.normal(0, 0.01, t.shape), jnp.float32) for n, t in server["delta"].items()}
-    server = {**server, "delta": delta}
-    before = jax.tree_util.tree_map(lambda x: x[3], clients["params"])
+    delta = {n: jnp.asarray(rng.normal(0, 0.01, t.shape), jnp.float32) for n, t in server.delta.items()}
+    server = server._replace(delta=delta)
+    before = jax.tree_util.tree_map(lambda x: x[3], clients.params)
     state, _, _ = one_client(alg, cid=3, round_=2, data=data, server=server)
     want = spafl.eq13_update(before, delta, spafl.eq13_divisors(alg_layers(task), "fan_in"))
-    np.testing.assert_allclose(flat(state["params"]), flat(want), rtol=1e-6, atol=1e-8)
-    assert float(np.abs(flat(state["params"]) - flat(before)).max()) > 1e-5
+    np.testing.assert_allclose(flat(state.params), flat(want), rtol=1e-6, atol=1e-8)
+    assert float(np.abs(flat(state.params) - flat(before)).max()) > 1e-5
     state, _, _ = one_client(make_algorithm("spafl_no_eq13", task, {"alpha": 0.0}), cid=3, round_=2,
                              data=data, server=server)
-    np.testing.assert_array_equal(flat(state["params"]), flat(before))
+    np.testing.assert_array_equal(flat(state.params), flat(before))
 
 
 def alg_layers(task):
@@ -176,7 +176,7 @@ def test_thresholds_only_keeps_weights_frozen():
     alg = make_algorithm("spafl_thresholds_only", make_task(data, epochs=2), {"alpha": 0.05})
     _, clients = alg.init(jax.random.PRNGKey(0))
     state, msg, _ = one_client(alg, cid=2, data=data)
-    np.testing.assert_array_equal(flat(state["params"]), flat(jax.tree_util.tree_map(lambda x: x[2], clients["params"])))
+    np.testing.assert_array_equal(flat(state.params), flat(jax.tree_util.tree_map(lambda x: x[2], clients.params)))
     assert float(np.abs(flat(msg)).max()) > 0
     with pytest.raises(ValueError, match="eq13=false"):
         make_algorithm("spafl", make_task(data), {"train_weights": False})
@@ -194,10 +194,10 @@ def test_lenet_accounting_bits_and_flops_with_density():
     alg = make_algorithm("spafl", task, {"alpha": 0.0})
     assert alg.hparams["num_thresholds"] == 580
     server, _ = alg.init(jax.random.PRNGKey(0))
-    tau = dict(server["tau"])
+    tau = dict(server.tau)
     tau["conv2"] = tau["conv2"].at[:10].set(5.0)     # 40 of 50 filters kept
     tau["fc1"] = tau["fc1"].at[::2].set(5.0)         # 250 of 500 neurons kept
-    server = {**server, "tau": tau}
+    server = server._replace(tau=tau)
     _, _, m = one_client(alg, cid=0, round_=1, data=data, server=server)   # 12 samples, one step
     macs = {"conv1": 24 * 24 * 25 * 20, "conv2": 8 * 8 * 500 * 50, "fc1": 800 * 500, "fc2": 500 * 10}
     kept = {"conv1": 1.0, "conv2": 0.8, "fc1": 0.5, "fc2": 1.0}
@@ -219,8 +219,8 @@ def test_engine_run_moves_thresholds_prunes_and_agrees_across_parallelism_modes(
         state, metrics = engine.run_rounds(engine.init(jax.random.PRNGKey(1)), data, 3)
         results[mode] = (state, metrics)
     state, metrics = results["map"]
-    np.testing.assert_allclose(flat(state.server["tau"]), flat(results["vmap"][0].server["tau"]), rtol=1e-4, atol=1e-6)
-    assert float(np.abs(flat(state.server["tau"])).min()) > 0          # every threshold moved
+    np.testing.assert_allclose(flat(state.server.tau), flat(results["vmap"][0].server.tau), rtol=1e-4, atol=1e-6)
+    assert float(np.abs(flat(state.server.tau)).min()) > 0          # every threshold moved
     assert float(metrics["density"][-1]) < 1.0                         # rows were pruned
     np.testing.assert_allclose(metrics["uplink_bits"], 3 * 32 * alg.hparams["num_thresholds"])
     evaluation = engine.evaluate(state, data)
@@ -243,10 +243,10 @@ def test_variants_run_in_the_engine(name, options):
     assert np.isfinite(metrics["loss"]).all()
     if name == "spafl_local":
         assert float(metrics["uplink_bits"].sum() + metrics["downlink_bits"].sum()) == 0.0
-        assert state.server == {}
+        assert state.server == spafl.SpaflServerState(None, None, None, None)
     else:
-        assert int(state.server["num_deltas"]) == 2
-        assert float(np.abs(np.asarray(state.server["history"][:2])).max()) > 0
+        assert int(state.server.num_deltas) == 2
+        assert float(np.abs(np.asarray(state.server.history[:2])).max()) > 0
     evaluation = engine.evaluate(state, data)
     per_client, _ = hand_accuracies(alg, state, data)   # own vs global thresholds, replayed eq. (13)
     np.testing.assert_allclose(evaluation["client_accuracies"], per_client)

@@ -94,7 +94,7 @@ def test_fsl_default_attacker_reverses_the_vote_of_the_population_sample():
         bad = np.asarray(sm.reverse_ranking(sm.vote(knowledge[name])))
         rows = np.asarray(messages[name]).copy()
         rows[[0, 3]] = bad
-        np.testing.assert_array_equal(np.asarray(new["ranking"][name]), np.asarray(sm.vote(jnp.asarray(rows))))
+        np.testing.assert_array_equal(np.asarray(new.ranking[name]), np.asarray(sm.vote(jnp.asarray(rows))))
 
 
 def test_fsl_sampled_only_knowledge_is_kept_as_an_option():
@@ -121,10 +121,10 @@ def test_fsl_engine_run_with_population_attacker_changes_the_vote():
         alg = make_algorithm("fsl", task, {"malicious_fraction": fraction, "attacker_clients": 3})
         engine = Engine(alg, 10, 10)
         state, metrics = engine.run_rounds(engine.init(jax.random.PRNGKey(0)), data, 3)
-        for r in state.server["ranking"].values():
+        for r in state.server.ranking.values():
             assert sorted(np.asarray(r).tolist()) == list(range(r.shape[0]))
         accuracies[fraction] = engine.evaluate(state, data)["global_accuracy"]
-        rankings[fraction] = np.asarray(state.server["ranking"]["fc1"])
+        rankings[fraction] = np.asarray(state.server.ranking["fc1"])
         assert metrics["server_malicious_clients"].tolist() == [10 * fraction] * 3
     assert not np.array_equal(rankings[0.0], rankings[0.4])
     assert accuracies[0.4] < accuracies[0.0]

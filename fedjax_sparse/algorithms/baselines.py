@@ -30,16 +30,40 @@ client id), so client and server derive the same sub-model without sending it.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 from fedjax_sparse import accounting
-from fedjax_sparse.algorithms.fedavg import dense_client_update, global_model_predict
+from fedjax_sparse.algorithms.fedavg import FedAvgServerState, dense_client_update, global_model_predict
 from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, replicate, tree_weighted_mean
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import local_train, sgd, zeros_like_tree
 from fedjax_sparse.models.base import Hooks, Model
 from fedjax_sparse.training import masked_cross_entropy, run_local_epochs
+
+
+# State fields are declared in the sorted order of the dict keys these states had before they were
+# typed, so that checkpoints (leaves in flatten order) of earlier versions load unchanged.
+# FedProx's server state is FedAvg's (fedavg.FedAvgServerState); its clients keep nothing.
+
+
+class ScaffoldServerState(NamedTuple):
+    """SCAFFOLD's server state (also its broadcast)."""
+    control: dict     # the server control variate c, shaped like variables["params"]
+    variables: dict   # the global model x {"params": ..., "batch_stats": ...}
+
+
+class ScaffoldClientState(NamedTuple):
+    """SCAFFOLD's client state; leaves have a leading client axis [N, ...]."""
+    control: dict     # the client control variates c_i, [N, ...] leaves shaped like params
+
+
+class CaldasServerState(NamedTuple):
+    """Federated dropout (Caldas et al.)'s server state (also its broadcast); clients keep nothing."""
+    mask_key: jax.Array   # PRNG key the sub-model masks are derived from (folded with round, client)
+    variables: dict       # the global model {"params": ..., "batch_stats": ...}
 
 
 def tree_sq_distance(a, b) -> jax.Array:
@@ -57,10 +81,10 @@ def fedprox(task: Task, *, mu, weighted) -> Algorithm:
     optimizer = sgd(task.lr)
 
     def init(key):
-        return {"variables": model.init(key)}, ()
+        return FedAvgServerState(model.init(key)), ()
 
-    def broadcast(server_state, round_index):
-        return server_state["variables"]
+    def broadcast(server_state: FedAvgServerState, round_index):
+        return server_state.variables
 
     def proximal_term(variables):
         anchor = jax.lax.stop_gradient(variables["params"])
@@ -70,7 +94,7 @@ def fedprox(task: Task, *, mu, weighted) -> Algorithm:
 
     def server_update(server_state, messages, ctx):
         weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
-        return {"variables": tree_weighted_mean(messages, weights)}, {}
+        return FedAvgServerState(tree_weighted_mean(messages, weights)), {}
 
     return Algorithm("fedprox", init, broadcast, client_update, server_update,
                      global_predict=global_model_predict(model))
@@ -108,15 +132,15 @@ def scaffold(task: Task, *, variant, server_lr, weighted) -> Algorithm:
     def init(key):
         variables = model.init(key)
         control = zeros_like_tree(variables["params"])
-        return ({"variables": variables, "control": control},
-                {"control": replicate(control, task.num_clients)})
+        return (ScaffoldServerState(control=control, variables=variables),
+                ScaffoldClientState(control=replicate(control, task.num_clients)))
 
     def broadcast(server_state, round_index):
         return server_state
 
-    def client_update(payload, client_state, data, ctx):
-        variables, c_server = payload["variables"], payload["control"]
-        c_client = client_state["control"]
+    def client_update(payload: ScaffoldServerState, client_state: ScaffoldClientState, data, ctx):
+        variables, c_server = payload.variables, payload.control
+        c_client = client_state.control
         correction = jax.tree_util.tree_map(lambda ci, c: c - ci, c_client, c_server)
 
         def corrected(grads):
@@ -141,16 +165,16 @@ def scaffold(task: Task, *, variant, server_lr, weighted) -> Algorithm:
         metrics = client_metrics(
             loss=stats.loss, flops=flops, uplink_bits=model_bits + control_bits,
             downlink_bits=model_bits + control_bits, density=1.0, num_examples=stats.num_examples)
-        return {"control": c_new}, {"variables": new_vars, "delta_control": delta_c}, metrics
+        return ScaffoldClientState(control=c_new), {"variables": new_vars, "delta_control": delta_c}, metrics
 
-    def server_update(server_state, messages, ctx):
+    def server_update(server_state: ScaffoldServerState, messages, ctx):
         weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
-        old = server_state["variables"]
+        old = server_state.variables
         mean = tree_weighted_mean(messages["variables"], weights)
         new = jax.tree_util.tree_map(lambda o, m: o + server_lr * (m - o), old, mean)
         control = jax.tree_util.tree_map(lambda c, dc: c + dc.sum(0) / task.num_clients,
-                                         server_state["control"], messages["delta_control"])
-        return {"variables": new, "control": control}, {}
+                                         server_state.control, messages["delta_control"])
+        return ScaffoldServerState(control=control, variables=new), {}
 
     return Algorithm("scaffold", init, broadcast, client_update, server_update,
                      global_predict=global_model_predict(model))
@@ -212,7 +236,7 @@ def caldas(task: Task, *, keep, drop_dense, per_client, rescale, weighted) -> Al
 
     def init(key):
         key_model, key_masks = jax.random.split(key)
-        return {"variables": model.init(key_model), "mask_key": key_masks}, ()
+        return CaldasServerState(mask_key=key_masks, variables=model.init(key_model)), ()
 
     def masks_for(mask_key, round_index, client_id):
         key = jax.random.fold_in(mask_key, round_index)
@@ -223,9 +247,9 @@ def caldas(task: Task, *, keep, drop_dense, per_client, rescale, weighted) -> Al
     def broadcast(server_state, round_index):
         return server_state
 
-    def client_update(payload, client_state, data, ctx):
-        variables = payload["variables"]
-        masks = masks_for(payload["mask_key"], ctx.round, ctx.client_id)
+    def client_update(payload: CaldasServerState, client_state, data, ctx):
+        variables = payload.variables
+        masks = masks_for(payload.mask_key, ctx.round, ctx.client_id)
         factor = 1.0 / keep if rescale else 1.0
 
         def activation(name, h):
@@ -246,10 +270,10 @@ def caldas(task: Task, *, keep, drop_dense, per_client, rescale, weighted) -> Al
             density=sub_values / accounting.num_values(variables["params"]), num_examples=stats.num_examples)
         return client_state, new_vars, metrics
 
-    def server_update(server_state, messages, ctx):
+    def server_update(server_state: CaldasServerState, messages, ctx):
         weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
-        old = server_state["variables"]
-        masks = jax.vmap(lambda cid: masks_for(server_state["mask_key"], ctx.round, cid))(ctx.client_ids)
+        old = server_state.variables
+        masks = jax.vmap(lambda cid: masks_for(server_state.mask_key, ctx.round, cid))(ctx.client_ids)
         inclusion = jax.vmap(lambda m: _inclusion_like(old["params"], weight_inclusion(model, m)))(masks)
 
         def combine(o, new, held):
@@ -259,12 +283,13 @@ def caldas(task: Task, *, keep, drop_dense, per_client, rescale, weighted) -> Al
         params = jax.tree_util.tree_map(combine, old["params"], messages["params"], inclusion)
         # Statistics without a per-unit owner (BN running stats) are averaged like FedAvg.
         stats = tree_weighted_mean(messages["batch_stats"], weights)
-        return {"variables": {"params": params, "batch_stats": stats},
-                "mask_key": server_state["mask_key"]}, {}
+        return CaldasServerState(mask_key=server_state.mask_key,
+                                 variables={"params": params, "batch_stats": stats}), {}
 
     return Algorithm("caldas", init, broadcast, client_update, server_update,
                      global_predict=global_model_predict(model))
 
 
-__all__ = ["CALDAS_OPTIONS", "FEDPROX_OPTIONS", "SCAFFOLD_OPTIONS", "caldas", "droppable_layers", "fedprox",
+__all__ = ["CALDAS_OPTIONS", "FEDPROX_OPTIONS", "SCAFFOLD_OPTIONS", "CaldasServerState", "ScaffoldClientState",
+           "ScaffoldServerState", "caldas", "droppable_layers", "fedprox",
            "full_local_gradient", "sample_unit_masks", "scaffold", "tree_sq_distance", "weight_inclusion"]

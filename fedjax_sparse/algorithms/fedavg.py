@@ -11,6 +11,8 @@ communicates; its optimizer state persists across rounds.
 """
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -18,6 +20,23 @@ from fedjax_sparse import accounting
 from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, replicate, tree_weighted_mean
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import local_train, predict_fn, sgd
+
+# The fields of every state class are declared in the sorted order of the dict keys the state had
+# before it was typed: checkpoints store the state's leaves in flatten order (sorted keys for a
+# dict, field order for a NamedTuple), so this keeps checkpoints of earlier versions loadable.
+
+
+class FedAvgServerState(NamedTuple):
+    """Server state of FedAvg and of the other algorithms whose server holds only the global
+    model (FedProx, ``fedavg_robust``/``trimmed_mean``/``multi_krum``, SignSGD, TopK)."""
+    variables: dict   # the global model {"params": ..., "batch_stats": ...}, leaves shaped as the model's
+
+
+class LocalClientState(NamedTuple):
+    """Client state of Local training; every leaf has a leading client axis [N, ...]."""
+    opt_state: Any    # the client's optimiser state (persists across rounds), [N, ...] leaves
+    variables: dict   # the client's own model {"params": ..., "batch_stats": ...}, [N, ...] leaves
+
 
 def dense_client_update(task: Task, optimizer, extra_loss_for=None):
     """The FedAvg family's client: local SGD from the broadcast model (fresh
@@ -40,9 +59,9 @@ def dense_client_update(task: Task, optimizer, extra_loss_for=None):
 
 
 def global_model_predict(model):
-    """global_predict for algorithms whose server state holds ``variables``."""
+    """global_predict for algorithms whose server state has a ``variables`` field."""
     def global_predict(server_state, x):
-        return predict_fn(model, server_state["variables"])(x)
+        return predict_fn(model, server_state.variables)(x)
     return global_predict
 
 
@@ -55,19 +74,19 @@ def fedavg(task: Task, *, momentum, weight_decay, server_lr, weighted, clip_norm
     optimizer = sgd(task.lr, momentum, weight_decay, clip_norm or None)
 
     def init(key):
-        return {"variables": model.init(key)}, ()
+        return FedAvgServerState(model.init(key)), ()
 
-    def broadcast(server_state, round_index):
-        return server_state["variables"]
+    def broadcast(server_state: FedAvgServerState, round_index):
+        return server_state.variables
 
     client_update = dense_client_update(task, optimizer)
 
-    def server_update(server_state, messages, ctx):
+    def server_update(server_state: FedAvgServerState, messages, ctx):
         weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
         mean = tree_weighted_mean(messages, weights)
-        old = server_state["variables"]
+        old = server_state.variables
         new = jax.tree_util.tree_map(lambda o, m: o + server_lr * (m - o), old, mean)
-        return {"variables": new}, {}
+        return FedAvgServerState(new), {}
 
     return Algorithm("fedavg", init, broadcast, client_update, server_update,
                      personal_predict=None, global_predict=global_model_predict(model))
@@ -84,26 +103,26 @@ def local(task: Task, *, momentum, weight_decay, clip_norm) -> Algorithm:
     def init(key):
         # All clients start from the same initial model, as in the papers.
         variables = model.init(key)
-        state = {"variables": variables, "opt_state": optimizer.init(variables["params"])}
+        state = LocalClientState(opt_state=optimizer.init(variables["params"]), variables=variables)
         return (), replicate(state, task.num_clients)
 
     def broadcast(server_state, round_index):
         return ()
 
-    def client_update(payload, client_state, data, ctx):
+    def client_update(payload, client_state: LocalClientState, data, ctx):
         new_vars, opt_state, stats = local_train(
-            model, optimizer, client_state["variables"], client_state["opt_state"], data, ctx.key,
+            model, optimizer, client_state.variables, client_state.opt_state, data, ctx.key,
             epochs=task.local_epochs, batch_size=task.batch_size, preprocess=task.preprocess)
         metrics = client_metrics(
             loss=stats.loss, flops=accounting.training_flops(model, stats.num_examples),
             uplink_bits=0.0, downlink_bits=0.0, density=1.0, num_examples=stats.num_examples)
-        return {"variables": new_vars, "opt_state": opt_state}, (), metrics
+        return LocalClientState(opt_state=opt_state, variables=new_vars), (), metrics
 
     def server_update(server_state, messages, ctx):
         return server_state, {}
 
-    def personal_predict(server_state, client_state, client_id, x):
-        return predict_fn(model, client_state["variables"])(x)
+    def personal_predict(server_state, client_state: LocalClientState, client_id, x):
+        return predict_fn(model, client_state.variables)(x)
 
     return Algorithm("local", init, broadcast, client_update, server_update,
                      personal_predict=personal_predict, global_predict=None)

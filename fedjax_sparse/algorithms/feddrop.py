@@ -253,6 +253,13 @@ def syncdrop_local_train(model: Model, optimizer: optax.GradientTransformation, 
 
 
 # ---------------------------------------------------------------- the algorithms
+class FedDropServerState(NamedTuple):
+    """Server state (also the broadcast) of FedDrop and UniDrop; clients keep nothing.
+    Fields in the sorted order of the old dict keys: checkpoints store leaves in flatten order."""
+    keep_probs: jax.Array   # [N, C] float32 keep probability of each client's C dropout channels
+    variables: dict         # the global model {"params": ..., "batch_stats": ...}
+
+
 FEDDROP_OPTIONS = dict(
     budget=0.5,               # r: FLOPs budget ratio (eq. 5)
     mu=1e-4,                  # log-barrier strength (eq. 8); the reference code uses ~1e-3
@@ -298,16 +305,15 @@ def _dropout_fedavg(task: Task, name: str, *, budget, mu, synchronized, rescale,
     def init_fn(key):
         key_model, key_init = jax.random.split(key)
         variables = dropout_aware_init(key_init, model.init(key_model), model, layout, p0, init)
-        server = {"variables": variables,
-                  "keep_probs": jnp.full((task.num_clients, layout.total), p0, jnp.float32)}
-        return server, ()
+        keep_probs = jnp.full((task.num_clients, layout.total), p0, jnp.float32)
+        return FedDropServerState(keep_probs=keep_probs, variables=variables), ()
 
     def broadcast(server_state, round_index):
         return server_state
 
-    def client_update(payload, client_state, data, ctx):
-        variables = payload["variables"]
-        keep_probs = payload["keep_probs"][ctx.client_id]
+    def client_update(payload: FedDropServerState, client_state, data, ctx):
+        variables = payload.variables
+        keep_probs = payload.keep_probs[ctx.client_id]
         key_train, key_private_draws = jax.random.split(ctx.key)
         draw_key = ctx.shared_key if synchronized else key_private_draws
         new_vars, stats, sampled = syncdrop_local_train(
@@ -325,12 +331,12 @@ def _dropout_fedavg(task: Task, name: str, *, budget, mu, synchronized, rescale,
         message = {"variables": new_vars, "sampled_flops": 3.0 * sampled}
         return client_state, message, metrics
 
-    def server_update(server_state, messages, ctx):
+    def server_update(server_state: FedDropServerState, messages, ctx):
         shares = ctx.weights / jnp.maximum(ctx.weights.sum(), 1e-12)
-        old = server_state["variables"]
+        old = server_state.variables
         new = tree_weighted_mean(messages["variables"], ctx.weights)
         metrics = {"sampled_flops": messages["sampled_flops"].sum()}
-        keep_all = server_state["keep_probs"]
+        keep_all = server_state.keep_probs
         if optimize:
             p_round = keep_all[ctx.client_ids]
             traj = channel_trajectories(model, layout, old["params"], messages["variables"]["params"])
@@ -345,10 +351,10 @@ def _dropout_fedavg(task: Task, name: str, *, budget, mu, synchronized, rescale,
                            opt_iterations=info.iterations, opt_rejected=info.rejected,
                            budget_slack=info.slack, flops_ratio_next=flops.ratio(q).mean(),
                            keep_mean=q.mean(), keep_min=q.min(), keep_max=q.max(), keep_std=q.std())
-        return {"variables": new, "keep_probs": keep_all}, metrics
+        return FedDropServerState(keep_probs=keep_all, variables=new), metrics
 
-    def global_predict(server_state, x):
-        return predict_fn(model, server_state["variables"])(x)
+    def global_predict(server_state: FedDropServerState, x):
+        return predict_fn(model, server_state.variables)(x)
 
     hparams = {"initial_keep_prob": p0, "num_dropout_channels": layout.total,
                "dropout_layers": list(layout.names)}
@@ -367,7 +373,7 @@ def unidrop(task: Task, **options) -> Algorithm:
     return _dropout_fedavg(task, "unidrop", **{**fixed, **options, "optimize": False})
 
 
-__all__ = ["FEDDROP_OPTIONS", "OptimiserInfo", "UNIDROP_OPTIONS", "channel_trajectories", "dropout_objective",
-           "dropout_objective_and_grad",
+__all__ = ["FEDDROP_OPTIONS", "FedDropServerState", "OptimiserInfo", "UNIDROP_OPTIONS", "channel_trajectories",
+           "dropout_objective", "dropout_objective_and_grad",
            "feasible_start", "feddrop", "normalise_similarity", "optimise_keep_probs", "shift_to_psd",
            "syncdrop_local_train", "trajectory_similarity", "unidrop"]

@@ -53,6 +53,7 @@ Sparse-FSL upload).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +75,15 @@ FSL_OPTIONS = dict(subnet_fraction=0.5, upload_fraction=1.0, weight_init="signed
                    malicious_fraction=0.0, attack="reverse", attacker_knowledge="malicious_population",
                    attacker_clients=25, malicious_seed=-1)
 FSL_KNOWLEDGE = ("malicious_population",) + KNOWLEDGE
+
+
+class FslServerState(NamedTuple):
+    """Server state of FSL and Sparse-FSL (clients keep nothing); every field is {layer: ...}.
+    Fields in the sorted order of the old dict keys: checkpoints store leaves in flatten order."""
+    kernels: dict         # {layer: kernel-shaped} the global subnetwork's masked kernels (evaluation cache)
+    ranking: dict         # {layer: [n_l] int32} the global ranking R_g, least to most important edge
+    sorted_scores: dict   # {layer: [n_l]} the seed's initial scores, sorted ascending
+    weights: dict         # {layer: kernel-shaped} the seed's frozen weights
 
 
 def _kernel_shapes(task: Task, name: str) -> dict:
@@ -155,12 +165,12 @@ def fsl(task: Task, *, subnet_fraction, upload_fraction, weight_init, mask_by, m
         flat = {layer: s.reshape(-1) for layer, s in scores.items()}
         ranking = {layer: sm.ranking(v) for layer, v in flat.items()}            # R_g^1 = ARGSORT(theta_s)
         sorted_scores = {layer: flat[layer][ranking[layer]] for layer in flat}   # SORT(theta_s)
-        server = {"ranking": ranking, "weights": weights, "sorted_scores": sorted_scores}
-        server["kernels"] = global_kernels(ranking, weights, sorted_scores, subnet_fraction, mask_by)
-        return server, ()
+        kernels = global_kernels(ranking, weights, sorted_scores, subnet_fraction, mask_by)
+        return FslServerState(kernels=kernels, ranking=ranking, sorted_scores=sorted_scores, weights=weights), ()
 
-    def broadcast(server_state, round_index):
-        return {k: server_state[k] for k in ("ranking", "weights", "sorted_scores")}
+    def broadcast(server_state: FslServerState, round_index):
+        return {"ranking": server_state.ranking, "weights": server_state.weights,
+                "sorted_scores": server_state.sorted_scores}
 
     def client_update(payload, client_state, data, ctx):
         params = {layer: {"kernel": w} for layer, w in payload["weights"].items()}
@@ -188,7 +198,7 @@ def fsl(task: Task, *, subnet_fraction, upload_fraction, weight_init, mask_by, m
         ids = jax.random.choice(key, jnp.asarray(malicious_ids), (num_attacker_clients,), replace=False)
         return ids.astype(jnp.int32), threat.split(sampled_ids)[0].any()
 
-    def server_update(server_state, messages, ctx):
+    def server_update(server_state: FslServerState, messages, ctx):
         is_mal, known = threat.split(ctx.client_ids)
         if attacking:
             knowledge = ctx.extra_messages if population else None
@@ -199,12 +209,13 @@ def fsl(task: Task, *, subnet_fraction, upload_fraction, weight_init, mask_by, m
             ranking = {layer: sm.vote_sparse(m, sizes[layer]) for layer, m in messages.items()}
         else:
             ranking = {layer: sm.vote(m) for layer, m in messages.items()}
-        kernels = global_kernels(ranking, server_state["weights"], server_state["sorted_scores"],
+        kernels = global_kernels(ranking, server_state.weights, server_state.sorted_scores,
                                  subnet_fraction, mask_by)
-        return {**server_state, "ranking": ranking, "kernels": kernels}, {"malicious_clients": is_mal.sum()}
+        new = server_state._replace(kernels=kernels, ranking=ranking)
+        return new, {"malicious_clients": is_mal.sum()}
 
-    def global_predict(server_state, x):
-        params = {layer: {"kernel": k} for layer, k in server_state["kernels"].items()}
+    def global_predict(server_state: FslServerState, x):
+        params = {layer: {"kernel": k} for layer, k in server_state.kernels.items()}
         return predict_fn(model, {"params": params, "batch_stats": {}})(x)
 
     return Algorithm(name, init, broadcast, client_update, server_update,

@@ -52,6 +52,7 @@ authors' code.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +61,7 @@ from jax.flatten_util import ravel_pytree
 
 from fedjax_sparse import accounting
 from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, replicate
+from fedjax_sparse.algorithms.fedavg import FedAvgServerState
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import local_train, predict_fn
 # The aggregators and attacks moved to fedjax_sparse.mechanisms; still importable from here.
@@ -76,6 +78,16 @@ AGGREGATORS = ("mean", "trimmed_mean", "multi_krum")
 ATTACKS = ("none", "min_max", "tailored", "scale")
 KNOWLEDGE = ("all", "malicious")
 LR_SCHEDULES = ("cosine_epoch", "cosine_step", "constant")
+
+
+# Server state of every algorithm here: fedavg.FedAvgServerState(variables). TopK's client state is
+# TopkClientState. Fields are in the sorted order of the old dict keys (checkpoints store leaves in
+# flatten order); TopK's residual was the whole client state, so it flattens to the same leaf.
+
+
+class TopkClientState(NamedTuple):
+    """TopK's client state."""
+    residual: jax.Array | None   # [N, P] float32 unsent error-feedback residual; None without error feedback
 
 
 def _check(name: str, value, valid) -> None:
@@ -158,23 +170,23 @@ def _make_base(task: Task, name: str, *, momentum, weight_decay, lr_decay, lr_sc
     model = task.model
 
     def init(key):
-        return {"variables": model.init(key)}, ()
+        return FedAvgServerState(model.init(key)), ()
 
-    def broadcast(server_state, round_index):
-        return server_state["variables"]
+    def broadcast(server_state: FedAvgServerState, round_index):
+        return server_state.variables
 
     def train(variables, data, ctx):
         return train_update(task, variables, data, ctx, momentum=momentum, weight_decay=weight_decay,
                             lr_decay=lr_decay, lr_schedule=lr_schedule)
 
-    def apply_update(server_state, update, server_lr):
-        params = server_state["variables"]["params"]
+    def apply_update(server_state: FedAvgServerState, update, server_lr) -> FedAvgServerState:
+        params = server_state.variables["params"]
         flat, unravel = ravel_pytree(params)
-        new = dict(server_state["variables"], params=unravel(flat + server_lr * update))
-        return {**server_state, "variables": new}
+        new = dict(server_state.variables, params=unravel(flat + server_lr * update))
+        return server_state._replace(variables=new)
 
-    def global_predict(server_state, x):
-        return predict_fn(model, server_state["variables"])(x)
+    def global_predict(server_state: FedAvgServerState, x):
+        return predict_fn(model, server_state.variables)(x)
 
     return num_params, init, broadcast, train, apply_update, global_predict
 
@@ -215,7 +227,7 @@ def fedavg_robust(task: Task, *, aggregator, attack, deviation, gamma_init, atta
         if threat.active and attack != "none":
             opts = dict(kind=deviation, gamma_init=gamma_init, steps=search_steps)
             if attack == "scale":
-                malicious = attack_scale * ravel_pytree(server_state["variables"]["params"])[0]
+                malicious = attack_scale * ravel_pytree(server_state.variables["params"])[0]
                 updates = jnp.where(is_mal[:, None], malicious[None, :], updates)
             elif attack == "tailored" and aggregator == "trimmed_mean":
                 updates, gamma = tailored_trimmed_mean_attack(updates, is_mal, known, f, **opts)
@@ -315,19 +327,19 @@ def topk(task: Task, *, fraction, error_feedback, index_coding, server_lr, momen
     def init(key):
         server, _ = base_init(key)
         # Error feedback keeps every client's unsent residual: N x P floats.
-        clients = replicate(jnp.zeros((num_params,), jnp.float32), task.num_clients) if error_feedback else ()
-        return server, clients
+        residual = replicate(jnp.zeros((num_params,), jnp.float32), task.num_clients) if error_feedback else None
+        return server, TopkClientState(residual)
 
-    def client_update(variables, residual, data, ctx):
+    def client_update(variables, client_state: TopkClientState, data, ctx):
         delta, stats = train(variables, data, ctx)
         if error_feedback:
-            delta = delta + residual
+            delta = delta + client_state.residual
         sent = topk_sparsify(delta, fraction)
         metrics = client_metrics(
             loss=stats.loss, flops=accounting.training_flops(task.model, stats.num_examples),
             uplink_bits=up_bits, downlink_bits=num_params * accounting.FLOAT_BITS, density=1.0,
             num_examples=stats.num_examples)
-        return (delta - sent if error_feedback else residual), sent, metrics
+        return TopkClientState(delta - sent if error_feedback else None), sent, metrics
 
     def server_update(server_state, sent, ctx):
         return apply_update(server_state, sent.mean(0), server_lr), {}

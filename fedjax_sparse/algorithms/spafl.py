@@ -100,6 +100,30 @@ EQ13_FLOPS_PER_WEIGHT = 1.5
 Thresholds = Mapping[str, jax.Array]  # layer name -> [out]
 
 
+# ---------------------------------------------------------------------------- state
+# Fields are declared in the sorted order of the dict keys these states had before they were typed:
+# checkpoints store the state's leaves in flatten order (sorted keys for a dict, field order for a
+# NamedTuple), so checkpoints of earlier versions load unchanged. A field that exists only under
+# some option is None (no leaves) otherwise.
+class SpaflServerState(NamedTuple):
+    """SpaFL's server state (also its broadcast). Every field is None with
+    ``share_thresholds=False`` (no global thresholds: nothing is held)."""
+    delta: Any        # {layer: [out]} last change of the global thresholds (eq. 13's dtau)
+    history: Any      # [R, n_tau] float32 every round's flattened dtau; None unless eq13_apply="all_after"
+    num_deltas: Any   # [] int32 rows of ``history`` written so far; None unless eq13_apply="all_after"
+    tau: Any          # {layer: [out]} global thresholds
+
+
+class SpaflClientState(NamedTuple):
+    """SpaFL's client state; every leaf has a leading client axis [N, ...]."""
+    batch_stats: dict   # the client's BatchNorm running statistics ({} without BatchNorm)
+    kept: dict          # {layer: [N]} kept fraction of each thresholded layer in the last forward pass
+    opt_state: Any      # the SGD momentum of (params, tau); None unless keep_optimizer_state
+    params: dict        # the client's own weights
+    synced: Any         # [N] int32 dtau rows of the history applied so far; None unless eq13_apply="all_after"
+    tau: dict           # {layer: [N, out]} the client's own thresholds (those it trained last)
+
+
 # ---------------------------------------------------------------------------- model structure
 def thresholded_layers(model: Model) -> tuple[LayerInfo, ...]:
     """The layers SpaFL thresholds: those whose kernel ``model.apply`` passes
@@ -273,21 +297,20 @@ def replay_eq13(setup: SpaflSetup, params: dict, history: jax.Array, start: jax.
     return jax.lax.fori_loop(start, stop, body, params)
 
 
-def personal_params(setup: SpaflSetup, server_state, client_state) -> dict:
+def personal_params(setup: SpaflSetup, server_state: SpaflServerState, client_state: SpaflClientState) -> dict:
     """The client's current weights (with pending all-after eq. (13) updates)."""
-    params = client_state["params"]
+    params = client_state.params
     if setup.replays_history:
-        params = replay_eq13(setup, params, server_state["history"], client_state["synced"],
-                             server_state["num_deltas"])
+        params = replay_eq13(setup, params, server_state.history, client_state.synced, server_state.num_deltas)
     return params
 
 
-def personal_row_masks(setup: SpaflSetup, server_state, client_state) -> dict:
+def personal_row_masks(setup: SpaflSetup, server_state: SpaflServerState, client_state: SpaflClientState) -> dict:
     """{name: [out]} masks the client's model uses at evaluation."""
     params = personal_params(setup, server_state, client_state)
-    tau = server_state["tau"] if setup.eval_thresholds == "global" else client_state["tau"]
+    tau = server_state.tau if setup.eval_thresholds == "global" else client_state.tau
     if setup.reset_threshold:
-        tau = reset_layer_thresholds(tau, client_state["kept"])
+        tau = reset_layer_thresholds(tau, client_state.kept)
     return row_masks(params, tau, setup.ste)
 
 
@@ -366,42 +389,43 @@ def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum,
     def init(key):
         variables = model.init(key)
         tau0 = init_thresholds(layers)
-        client = {"params": variables["params"], "batch_stats": variables.get("batch_stats", {}),
-                  "tau": tau0, "kept": {layer.name: jnp.ones((), jnp.float32) for layer in layers}}
-        if keep_optimizer_state:
-            client["opt_state"] = optimizer.init(trainable_of(variables, tau0))
-        server = {}
+        history = setup.replays_history
+        client = SpaflClientState(
+            batch_stats=variables.get("batch_stats", {}),
+            kept={layer.name: jnp.ones((), jnp.float32) for layer in layers},
+            opt_state=optimizer.init(trainable_of(variables, tau0)) if keep_optimizer_state else None,
+            params=variables["params"], synced=jnp.zeros((), jnp.int32) if history else None, tau=tau0)
+        server = SpaflServerState(None, None, None, None)
         if share_thresholds:
-            server = {"tau": tau0, "delta": init_thresholds(layers)}
-            if setup.replays_history:
-                client["synced"] = jnp.zeros((), jnp.int32)
-                server["history"] = jnp.zeros((task.rounds, n_tau), jnp.float32)
-                server["num_deltas"] = jnp.zeros((), jnp.int32)
+            server = SpaflServerState(
+                delta=init_thresholds(layers),
+                history=jnp.zeros((task.rounds, n_tau), jnp.float32) if history else None,
+                num_deltas=jnp.zeros((), jnp.int32) if history else None, tau=tau0)
         return server, replicate(client, task.num_clients)
 
-    def broadcast(server_state, round_index):
+    def broadcast(server_state: SpaflServerState, round_index):
         return server_state
 
-    def client_update(server_state, client_state, data: ClientData, ctx):
-        params = client_state["params"]
+    def client_update(server_state: SpaflServerState, client_state: SpaflClientState, data: ClientData, ctx):
+        params = client_state.params
         eq13_applied = jnp.zeros((), jnp.float32)
-        new_client = dict(client_state)
+        synced = client_state.synced
         if share_thresholds:
-            tau = server_state["tau"]
+            tau = server_state.tau
             if setup.eq13 and eq13_apply == "sampled_before":
-                params = eq13_update(params, server_state["delta"], setup.divisors)
+                params = eq13_update(params, server_state.delta, setup.divisors)
                 eq13_applied = (ctx.round > 0).astype(jnp.float32)  # dtau is 0 before the first aggregation
             elif setup.replays_history:
-                params = replay_eq13(setup, params, server_state["history"], client_state["synced"], ctx.round)
-                eq13_applied = (ctx.round - client_state["synced"]).astype(jnp.float32)
-                new_client["synced"] = ctx.round.astype(jnp.int32)
+                params = replay_eq13(setup, params, server_state.history, client_state.synced, ctx.round)
+                eq13_applied = (ctx.round - client_state.synced).astype(jnp.float32)
+                synced = ctx.round.astype(jnp.int32)
         else:
-            tau = client_state["tau"]
+            tau = client_state.tau
         trainable = {"params": params, "tau": tau}
-        opt_state = client_state["opt_state"] if keep_optimizer_state else optimizer.init(trainable)
+        opt_state = client_state.opt_state if keep_optimizer_state else optimizer.init(trainable)
         lr_t = jnp.maximum(task.lr * jnp.power(lr_decay, ctx.round.astype(jnp.float32)), lr_min)
         coeff_t = alpha * (regulariser_ramp(ctx.round) if use_ramp else 1.0)
-        carry = SpaflCarry(trainable, client_state["batch_stats"], opt_state, client_state["kept"],
+        carry = SpaflCarry(trainable, client_state.batch_stats, opt_state, client_state.kept,
                            jnp.zeros((len(model.layers),), jnp.int32), jnp.zeros((), jnp.float32))
 
         def step(carry, batch, step_index, num_steps, key):
@@ -409,9 +433,9 @@ def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum,
         (trainable, stats, opt_state, kept, flops, resets), local = run_local_epochs(
             step, carry, data, ctx.key, epochs=task.local_epochs, batch_size=task.batch_size,
             preprocess=task.preprocess)
-        new_client.update(params=trainable["params"], batch_stats=stats, tau=trainable["tau"], kept=kept)
-        if keep_optimizer_state:
-            new_client["opt_state"] = opt_state
+        new_client = SpaflClientState(batch_stats=stats, kept=kept,
+                                      opt_state=opt_state if keep_optimizer_state else None,
+                                      params=trainable["params"], synced=synced, tau=trainable["tau"])
         # Density of the model the client now holds (what evaluation masks with).
         final_tau = reset_layer_thresholds(trainable["tau"], kept) if reset_threshold else trainable["tau"]
         density = mean_density(kept_fractions(row_masks(trainable["params"], final_tau, ste)))
@@ -424,24 +448,24 @@ def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum,
             tau_mean=jnp.mean(flatten_thresholds(trainable["tau"], layers)), threshold_resets=resets)
         return new_client, message, metrics
 
-    def server_update(server_state, messages, ctx):
+    def server_update(server_state: SpaflServerState, messages, ctx):
         if not share_thresholds:
             return server_state, {}
         new_tau = jax.tree_util.tree_map(lambda t: jnp.mean(t, axis=0), messages)  # eq. (7): uniform mean
-        delta = jax.tree_util.tree_map(jnp.subtract, new_tau, server_state["tau"])
-        new = {**server_state, "tau": new_tau, "delta": delta}
+        delta = jax.tree_util.tree_map(jnp.subtract, new_tau, server_state.tau)
+        new = server_state._replace(tau=new_tau, delta=delta)
         if setup.replays_history:
-            new["history"] = server_state["history"].at[ctx.round].set(flatten_thresholds(delta, layers))
-            new["num_deltas"] = (ctx.round + 1).astype(jnp.int32)
+            new = new._replace(history=server_state.history.at[ctx.round].set(flatten_thresholds(delta, layers)),
+                               num_deltas=(ctx.round + 1).astype(jnp.int32))
         return new, {"global_tau_mean": jnp.mean(flatten_thresholds(new_tau, layers))}
 
-    def personal_density(server_state, client_state):
+    def personal_density(server_state: SpaflServerState, client_state: SpaflClientState):
         return mean_density(kept_fractions(personal_row_masks(setup, server_state, client_state)))
 
-    def personal_predict(server_state, client_state, client_id, x):
+    def personal_predict(server_state: SpaflServerState, client_state: SpaflClientState, client_id, x):
         params = personal_params(setup, server_state, client_state)
         row_mask = personal_row_masks(setup, server_state, client_state)
-        variables = {"params": params, "batch_stats": client_state["batch_stats"]}
+        variables = {"params": params, "batch_stats": client_state.batch_stats}
         return model.apply(variables, x, train=False, hooks=masking_hooks(row_mask))[0]
 
     hparams = {"num_thresholds": n_tau, "thresholded_layers": [layer.name for layer in layers],
