@@ -109,3 +109,16 @@ def test_learns_on_digits(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_accuracy"] > 0.5   # chance 0.1; measured 0.76 (FedAvg, no momentum: 0.65)
     assert summary["total_uplink_bits"] % accounting.FLOAT_BITS == 0
+
+
+def test_table2_gbit_check():
+    # experiments/baseline_costs.py: SpaFL's FMNIST Gbit column (docs/baselines.md)
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    import baseline_costs
+    table = baseline_costs.costs()
+    assert table["heterofl"][0] == pytest.approx(34.88)          # exact 109,000-value sub-model
+    assert table["heterofl"][2] == pytest.approx(68.88)          # paper: p x dense, to the digit
+    assert table["fedpm"][0] == pytest.approx(71.0325)           # 33 bits x 430,500 x 5,000
+    assert table["fjord"][0] == pytest.approx(50.016)
