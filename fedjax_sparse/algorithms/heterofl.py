@@ -1,0 +1,276 @@
+"""HeteroFL (Diao, Ding & Tarokh, ICLR 2021): width-scaled nested sub-models.
+
+A client of rate p trains the sub-model made of the first ``ceil(p C)`` output
+channels (filters / neurons) of every layer but the last (whose outputs, the
+classes, are all kept); each layer's input channels are the previous layer's
+kept channels, so sub-models of smaller rates are prefixes of larger ones
+(nested). The server averages every parameter entry over the sampled clients
+that hold it (uniform mean per entry, ``weighted=True``: data-size weighted);
+an entry no sampled client held keeps its value.
+
+Realisation: the sub-model is the full model with the dropped output channels'
+activations zeroed (``Hooks.activation`` after the nonlinearity, before
+pooling). That equals training the sliced sub-model: kept channels see zero
+inputs from dropped ones, and a dropped channel's kernel slice, bias and
+BatchNorm parameters get exactly zero gradient (its output is multiplied by
+0). BatchNorm running statistics of dropped channels move locally but are not
+held, so the server never aggregates them. Flatten is NHWC, so dense input
+feature f belongs to channel ``f % C`` of the layer feeding it.
+
+SpaFL's setting (appendix A.1.1): p = 0.5 for every client (``rates="0.5"``);
+``rates="1,0.5,0.25"`` gives client c level ``c % 3`` (equal shares, by id).
+Evaluation uses the global model cut to ``eval_rate`` (default: the largest
+rate; channels beyond it are never trained). Left out: HeteroFL's "Scaler"
+(activations / p in training) and static BatchNorm (sBN); masked cross-entropy
+over the client's own labels is not used either (plain cross-entropy).
+
+Accounting (exact): the sub-model's values (kernel entries of kept in x out
+channels, per-channel vectors: bias, BatchNorm scale/bias and running stats)
+at 32 bits, down and up; training FLOPs 6 x the sliced layers' MACs per
+example. The width mechanism (:class:`WidthLayout`, :func:`per_entry_mean`)
+is shared with FjORD (``algorithms/fjord.py``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_sparse import accounting
+from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics
+from fedjax_sparse.algorithms.registry import register_algorithm
+from fedjax_sparse.algorithms.supervised import local_train, predict_fn, sgd
+from fedjax_sparse.models.base import Hooks, Model
+
+_PER_CHANNEL = ("bias", "bn_scale", "bn_bias")   # params holding one value per output channel
+
+
+# ---------------------------------------------------------------- the width mechanism
+def kept_channels(rate, channels: int):
+    """ceil(rate * C) clipped to [1, C] (a tiny tolerance so 0.6 * 50 is 30, not 31);
+    ``rate`` a Python float (-> int) or a traced scalar (-> int32)."""
+    if isinstance(rate, (int, float)):
+        return int(min(max(math.ceil(rate * channels - 1e-6), 1), channels))
+    k = jnp.ceil(jnp.asarray(rate, jnp.float32) * channels - 1e-4).astype(jnp.int32)
+    return jnp.clip(k, 1, channels)
+
+
+@dataclasses.dataclass(frozen=True)
+class WidthLayout:
+    """The channel structure of a sequential model, layer after layer.
+
+    ``counts`` ([L] int32: kept output channels of each layer) describes a
+    sub-model. Layer l's inputs are the output channels of layer
+    ``source[l]`` (-1: the model input, always whole), each repeated
+    ``in_per_channel[l]`` times (spatial positions after a flatten).
+    """
+    names: tuple[str, ...]
+    out_channels: tuple[int, ...]
+    scalable: tuple[bool, ...]        # False for the last layer (class outputs kept)
+    source: tuple[int, ...]
+    in_units: tuple[int, ...]
+    in_per_channel: tuple[int, ...]
+    kernel_unit: tuple[int, ...]      # kernel entries per (kept input channel, kept output channel)
+    flops_unit: tuple[int, ...]       # training FLOPs per example per (input channel, output channel)
+    vectors: tuple[int, ...]          # per-output-channel values (bias, BN params, running stats)
+
+    @classmethod
+    def from_model(cls, model: Model, variables: dict) -> "WidthLayout":
+        index = {layer.name: i for i, layer in enumerate(model.layers)}
+        names, outs, scal, src, ins, per, ku, fu, vec = [], [], [], [], [], [], [], [], []
+        for i, layer in enumerate(model.layers):
+            s = index[layer.input_layer] if layer.input_layer is not None else -1
+            channels_in = layer.in_units if s < 0 else model.layers[s].out_units
+            if layer.in_units % channels_in:
+                raise ValueError(f"{model.name}: layer {layer.name} has {layer.in_units} inputs, not a multiple "
+                                 f"of the {channels_in} channels feeding it; width scaling needs a sequential model")
+            p = layer.in_units // channels_in
+            spatial = int(math.prod(layer.kernel_shape[:-2]))
+            groups = channels_in * layer.out_units
+            if layer.macs % groups:
+                raise ValueError(f"layer {layer.name}: {layer.macs} MACs do not split into {groups} channel pairs")
+            params = variables["params"][layer.name]
+            stats = variables.get("batch_stats", {}).get(layer.name, {})
+            names.append(layer.name)
+            outs.append(layer.out_units)
+            scal.append(i < len(model.layers) - 1)
+            src.append(s)
+            ins.append(layer.in_units)
+            per.append(p)
+            ku.append(spatial * p)
+            fu.append(6 * (layer.macs // groups))
+            vec.append(sum(k in params for k in _PER_CHANNEL) + len(stats))
+        return cls(tuple(names), tuple(outs), tuple(scal), tuple(src), tuple(ins), tuple(per), tuple(ku),
+                   tuple(fu), tuple(vec))
+
+    # ---- sub-models
+    def counts(self, rate) -> jax.Array:
+        """[L] int32 kept output channels at ``rate`` (static or traced)."""
+        return jnp.stack([jnp.asarray(kept_channels(rate, c) if s else c, jnp.int32)
+                          for c, s in zip(self.out_channels, self.scalable)])
+
+    def static_counts(self, rate: float) -> tuple[int, ...]:
+        return tuple(kept_channels(rate, c) if s else c for c, s in zip(self.out_channels, self.scalable))
+
+    def in_counts(self, counts) -> jax.Array:
+        """[L] kept input channels (the model input counts as whole)."""
+        counts = jnp.asarray(counts)
+        return jnp.stack([counts[s] if s >= 0 else jnp.asarray(n, counts.dtype)
+                          for s, n in zip(self.source, self.in_units)])
+
+    def out_masks(self, counts) -> dict:
+        """{name: [C] float32} 1 for kept output channels."""
+        counts = jnp.asarray(counts)
+        return {n: (jnp.arange(c) < counts[i]).astype(jnp.float32)
+                for i, (n, c) in enumerate(zip(self.names, self.out_channels))}
+
+    def hooks(self, counts) -> Hooks:
+        """Hooks zeroing the dropped output channels' activations (traced ``counts`` allowed)."""
+        masks = self.out_masks(counts)
+        scalable = dict(zip(self.names, self.scalable))
+
+        def activation(name, h):
+            if scalable.get(name, False):
+                return h * masks[name].astype(h.dtype)
+            return h
+        return Hooks(activation=activation)
+
+    def held(self, variables: dict, counts) -> dict:
+        """0/1 float masks shaped like ``variables``: the entries the sub-model holds."""
+        counts = jnp.asarray(counts)
+        outs = self.out_masks(counts)
+        ins = self.in_counts(counts)
+        params, stats = {}, {}
+        for i, name in enumerate(self.names):
+            out = outs[name]
+            if self.source[i] >= 0:
+                channel = jnp.arange(self.in_units[i]) % self.out_channels[self.source[i]]
+                inp = (channel < ins[i]).astype(jnp.float32)
+            else:
+                inp = jnp.ones((self.in_units[i],), jnp.float32)
+            layer = {}
+            for key, value in variables["params"][name].items():
+                if key == "kernel":
+                    layer[key] = jnp.broadcast_to(inp[:, None] * out[None, :], value.shape)
+                else:
+                    layer[key] = jnp.broadcast_to(out, value.shape)
+            params[name] = layer
+            if name in variables.get("batch_stats", {}):
+                stats[name] = {k: jnp.broadcast_to(out, v.shape) for k, v in variables["batch_stats"][name].items()}
+        return {**variables, "params": params, "batch_stats": stats}
+
+    # ---- exact costs
+    def num_values(self, counts) -> int:
+        """Values of the sub-model (host side, static ``counts``)."""
+        ins = [counts[s] if s >= 0 else n for s, n in zip(self.source, self.in_units)]
+        return int(sum(u * i * c + v * c for u, i, c, v in zip(self.kernel_unit, ins, counts, self.vectors)))
+
+    def bits(self, counts) -> accounting.Cost:
+        """Exact 32-bit size of the sub-model with (traced) ``counts``."""
+        counts = jnp.asarray(counts, jnp.int32)
+        units = [accounting.FLOAT_BITS * u for u in self.kernel_unit] + \
+                [accounting.FLOAT_BITS * v for v in self.vectors]
+        a = jnp.concatenate([self.in_counts(counts), counts])
+        b = jnp.concatenate([counts, jnp.ones_like(counts)])
+        return accounting.Cost.terms(units, a, b)
+
+    def fraction(self, counts) -> jax.Array:
+        """[] float32 fraction of the full model's values the sub-model holds."""
+        counts = jnp.asarray(counts, jnp.float32)
+        ins = self.in_counts(counts)
+        ku, v = jnp.asarray(self.kernel_unit, jnp.float32), jnp.asarray(self.vectors, jnp.float32)
+        full = self.num_values(self.out_channels)
+        return ((ku * ins * counts).sum() + (v * counts).sum()) / full
+
+    def pair_counts(self, counts) -> jax.Array:
+        """[L] int32 kept (input channel, output channel) pairs of each layer."""
+        counts = jnp.asarray(counts, jnp.int32)
+        return self.in_counts(counts) * counts
+
+    def training_flops(self, counts, num_examples) -> accounting.Cost:
+        """Exact training FLOPs of ``num_examples`` examples through the sub-model."""
+        return accounting.Cost.terms(self.flops_unit, self.pair_counts(counts), num_examples)
+
+    def static_training_flops_per_example(self, counts) -> int:
+        ins = [counts[s] if s >= 0 else n for s, n in zip(self.source, self.in_units)]
+        return int(sum(u * i * c for u, i, c in zip(self.flops_unit, ins, counts)))
+
+
+def per_entry_mean(old, stacked, held, weights: jax.Array):
+    """Each entry's weighted mean over the clients holding it; entries no
+    client held keep ``old``. stacked / held leaves [K, ...], weights [K]."""
+    def mean(o, x, h):
+        w = weights.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype) * h
+        den = w.sum(0)
+        return jnp.where(den > 0, (w * x).sum(0) / jnp.where(den > 0, den, 1.0), o)
+    return jax.tree_util.tree_map(mean, old, stacked, held)
+
+
+def parse_rates(rates: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(r) for r in str(rates).split(",") if r.strip())
+    except ValueError:
+        values = ()
+    if not values or not all(0.0 < r <= 1.0 for r in values):
+        raise ValueError(f"heterofl: rates must be comma-separated numbers in (0, 1], got {rates!r}")
+    return values
+
+
+# ---------------------------------------------------------------- the algorithm
+@dataclasses.dataclass(frozen=True)
+class HeteroFLOptions:
+    rates: str = "0.5"          # width levels; client c trains level c % len(levels) (SpaFL: 0.5 for all)
+    eval_rate: float = 0.0      # width of the evaluated global model (0: the largest rate)
+    momentum: float = 0.0       # the clients' SGD momentum
+    weighted: bool = False      # data-size weighted per-entry mean (False: each holder counts once)
+
+
+class HeteroFLServerState(NamedTuple):
+    variables: dict   # the global (full-width) model
+
+
+class HeteroFLMessage(NamedTuple):
+    counts: jax.Array   # [L] int32 kept output channels (the client's level)
+    variables: dict     # the client's model (only the held entries are read)
+
+
+@register_algorithm("heterofl", HeteroFLOptions)
+def heterofl(task: Task, *, rates: str, eval_rate: float, momentum: float, weighted: bool) -> Algorithm:
+    model = task.model
+    levels = parse_rates(rates)
+    layout = WidthLayout.from_model(model, model.init(jax.random.PRNGKey(0)))
+    table = jnp.asarray([layout.static_counts(r) for r in levels], jnp.int32)   # [levels, L]
+    eval_counts = layout.static_counts(eval_rate or max(levels))
+    optimizer = sgd(task.lr, momentum)
+
+    def init(key):
+        return HeteroFLServerState(model.init(key)), ()
+
+    def broadcast(server: HeteroFLServerState, round_index):
+        return server.variables
+
+    def client_update(variables, client_state, data, ctx):
+        counts = table[ctx.client_id % len(levels)]
+        new_vars, _, stats = local_train(
+            model, optimizer, variables, optimizer.init(variables["params"]), data, ctx.key,
+            epochs=task.local_epochs, batch_size=task.batch_size, preprocess=task.preprocess,
+            hooks=layout.hooks(counts))
+        bits = layout.bits(counts)
+        metrics = client_metrics(
+            loss=stats.loss, flops=layout.training_flops(counts, stats.num_examples), uplink_bits=bits,
+            downlink_bits=bits, density=layout.fraction(counts), num_examples=stats.num_examples)
+        return client_state, HeteroFLMessage(counts, new_vars), metrics
+
+    def server_update(server: HeteroFLServerState, messages: HeteroFLMessage, ctx):
+        held = jax.vmap(lambda c: layout.held(server.variables, c))(messages.counts)
+        weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
+        return HeteroFLServerState(per_entry_mean(server.variables, messages.variables, held, weights)), {}
+
+    def global_predict(server: HeteroFLServerState, x):
+        return predict_fn(model, server.variables, layout.hooks(jnp.asarray(eval_counts)))(x)
+
+    return Algorithm("heterofl", init, broadcast, client_update, server_update, global_predict=global_predict,
+                     hparams=dict(rates=levels, eval_rate=eval_rate or max(levels)))
