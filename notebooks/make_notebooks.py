@@ -215,11 +215,11 @@ if REAL:   # the paper's FMNIST setting (LeNet-5-Caffe, raw pixels, lr 0.001, mo
 else:
     data = dict(dataset="digits", model="cnn_small", preprocess="raw", lr=0.001, batch_size=32,
                 partition="dirichlet:0.5")
-NUM_CLIENTS = 6 if SMOKE else (50 if REAL else 20)
+NUM_CLIENTS = 6 if SMOKE else (100 if REAL else 20)
 ROUNDS = 3 if SMOKE else (20 if REAL else 40)
 EVAL_EVERY = 1 if SMOKE else (2 if REAL else 4)
 base = dict(num_clients=NUM_CLIENTS, clients_per_round=3 if SMOKE else 5, rounds=ROUNDS, eval_every=EVAL_EVERY,
-            local_epochs=1 if SMOKE else 2, seed=0, **data)
+            local_epochs=1 if SMOKE or REAL else 2, seed=0, **data)
 # alpha: the regulariser's weight (eq. 5); ramp: the FMNIST code's c(t) = sigmoid(10 t - 5).
 OPTIONS = dict(alpha=0.002, ramp=True, momentum=0.9)
 print(base, OPTIONS)'''),
@@ -435,10 +435,11 @@ keep probabilities (`[clients, channels]`) after every evaluation. A sampled coh
 (`resample_every=2`, as in the paper's partial-participation setting), so the probabilities the server
 optimises for a cohort are used by it in the next round.'''),
     ("code", '''\
-NUM_CLIENTS = 6 if SMOKE else 20
+# Real data: many small clients, few per round, so that a round of the Table 6 CNN stays cheap on a CPU.
+NUM_CLIENTS = 6 if SMOKE else (200 if REAL else 20)
 base = dict(dataset=DATASET, data_dir=DATA, model=MODEL, num_clients=NUM_CLIENTS,
-            clients_per_round=3 if SMOKE else 5, resample_every=2, rounds=4 if SMOKE else (20 if REAL else 40),
-            eval_every=2 if SMOKE else (2 if REAL else 4), local_epochs=1, batch_size=16, lr=0.02 if REAL else 0.05,
+            clients_per_round=3 if SMOKE else (4 if REAL else 5), resample_every=2,
+            rounds=4 if SMOKE else (20 if REAL else 40), eval_every=2 if SMOKE else (5 if REAL else 4), local_epochs=1, batch_size=16, lr=0.02 if REAL else 0.05,
             partition="dirichlet:0.5", preprocess="standardize", seed=0)
 FEDDROP_OPTIONS = dict(budget=BUDGET, **(dict(opt_iters=300, opt_check_every=100) if SMOKE else {}))
 keep_history, run_dirs = [], {}
@@ -560,21 +561,22 @@ The paper's MNIST setting (FSL's LeNet, `dirichlet_split:1.0:0.8`: each client's
 local train/test, supermask lr 0.4, weight lr 0.01), with far fewer clients and rounds. FedAvg trains the
 same bias-free LeNet's weights. The attacked runs make 10 % and 20 % of the clients malicious
 (`malicious_fraction`, FSL's own option): whenever one is sampled, the attacker votes the benign rankings
-of malicious clients and every sampled malicious client submits the reverse.'''),
+of a few malicious clients (`attacker_clients`) and every sampled malicious client submits the reverse.'''),
     ("code", '''\
 if REAL:
     data = dict(dataset="mnist", data_dir=str(DATA_DIR))
 else:
     data = dict(dataset="digits")
 base = dict(model="fsl_lenet", num_clients=10 if SMOKE else (100 if REAL else 30),
-            clients_per_round=4 if SMOKE else 10, rounds=2 if SMOKE else (20 if REAL else 30),
-            eval_every=2 if SMOKE else 5, local_epochs=1 if SMOKE else 2, batch_size=8 if REAL else 16,
+            clients_per_round=4 if SMOKE else (5 if REAL else 10), rounds=2 if SMOKE else (20 if REAL else 30),
+            eval_every=2 if SMOKE else 5, local_epochs=1 if SMOKE or REAL else 2, batch_size=16,
             partition="dirichlet_split:1.0:0.8", seed=0, **data)
 RUNS_SPEC = {
     "fedavg": dict(algorithm="fedavg", lr=0.01 if REAL else 0.05, options=dict(momentum=0.9)),
     "fsl": dict(algorithm="fsl", lr=0.4, options={}),
-    "fsl_10pct_malicious": dict(algorithm="fsl", lr=0.4, options=dict(malicious_fraction=0.1)),
-    "fsl_20pct_malicious": dict(algorithm="fsl", lr=0.4, options=dict(malicious_fraction=0.2)),
+    # attacker_clients: malicious clients whose benign rankings the attacker votes (FRL: 25 of 1000 clients).
+    "fsl_10pct_malicious": dict(algorithm="fsl", lr=0.4, options=dict(malicious_fraction=0.1, attacker_clients=5)),
+    "fsl_20pct_malicious": dict(algorithm="fsl", lr=0.4, options=dict(malicious_fraction=0.2, attacker_clients=5)),
 }
 run_dirs = {}
 for name, spec in RUNS_SPEC.items():

@@ -20,11 +20,14 @@ def execute(name: str, monkeypatch) -> dict:
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
-    # The kernel (a child process) inherits this environment: the worktree's package, smoke mode,
-    # a non-interactive matplotlib backend is chosen by ipykernel itself (inline).
+    # The kernel (a child process) inherits this environment: the worktree's package and smoke mode
+    # (matplotlib's backend is ipykernel's inline one).
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     monkeypatch.setenv("FEDJAX_SPARSE_NOTEBOOK_SMOKE", "1")
     monkeypatch.delenv("MPLBACKEND", raising=False)
+    # Smoke runs are compile-bound (a few rounds each): cheaper XLA:CPU optimisation compiles ~1.5x faster.
+    fast = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    monkeypatch.setenv("XLA_FLAGS", " ".join(p for p in [os.environ.get("XLA_FLAGS"), fast] if p))
     nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                                      resources={"metadata": {"path": str(NOTEBOOKS)}})
