@@ -125,7 +125,9 @@ plt.tight_layout(); plt.show()'''),
 Both runs use the same partition (same seed), model and local training. FedAvg averages the sampled
 clients' models every round (one global model); Local (`algorithm="local"`) never communicates: every
 client trains its own model on its own data. Accuracy is the *personalised* accuracy: each client's model
-(FedAvg: the global one) on that client's test set, averaged over clients.'''),
+(FedAvg: the global one) on that client's test set, averaged over clients. A Local client only trains
+in the rounds it is sampled, so with many clients and few rounds most Local models have barely trained:
+FedAvg's single model, trained on a few clients per round, serves all of them.'''),
     ("code", '''\
 base = dict(dataset=DATASET, data_dir=DATA, model=MODEL, num_clients=NUM_CLIENTS,
             clients_per_round=CLIENTS_PER_ROUND, rounds=ROUNDS, eval_every=EVAL_EVERY, local_epochs=1,
