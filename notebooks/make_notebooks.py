@@ -457,9 +457,10 @@ for algorithm, options in [("feddrop", FEDDROP_OPTIONS), ("fedavg", {})]:
 ## Keep-probability histograms per client (Fig. 9)
 
 Every client starts at the uniform $p$ that meets the budget; the server re-optimises the probabilities of
-each round's cohort, spreading them: channels whose updates agree across clients are dropped more
-(their information reaches the server anyway), dissimilar ones are kept. Clients never sampled keep the
-uniform value.'''),
+each round's cohort, spreading them: eq. (8) charges $S_{ij}^n / \\max(q_i^n, q_j^n)$ for channel $n$ of
+clients $i, j$, so channels whose updates are large and aligned across the cohort are kept (many at
+$p = 1$) and the others dropped more, within the FLOPs budget. Clients never sampled keep the uniform
+value (dotted line).'''),
     ("code", '''\
 final_round, keep = keep_history[-1]
 trained = [c for c in range(keep.shape[0]) if not np.allclose(keep[c], p_uniform)]   # sampled at least once
