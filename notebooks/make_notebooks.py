@@ -217,10 +217,12 @@ if REAL:   # the paper's FMNIST setting (LeNet-5-Caffe, raw pixels, lr 0.001, mo
 else:
     data = dict(dataset="digits", model="cnn_small", preprocess="raw", lr=0.001, batch_size=32,
                 partition="dirichlet:0.5")
-NUM_CLIENTS = 6 if SMOKE else (100 if REAL else 20)
+# Personal models: few enough clients that each is sampled several times in a short run.
+NUM_CLIENTS = 6 if SMOKE else (30 if REAL else 20)
 ROUNDS = 3 if SMOKE else (20 if REAL else 40)
-EVAL_EVERY = 1 if SMOKE else (2 if REAL else 4)
-base = dict(num_clients=NUM_CLIENTS, clients_per_round=3 if SMOKE else 5, rounds=ROUNDS, eval_every=EVAL_EVERY,
+EVAL_EVERY = 1 if SMOKE else 4
+base = dict(num_clients=NUM_CLIENTS, clients_per_round=3 if SMOKE else (6 if REAL else 5), rounds=ROUNDS,
+            eval_every=EVAL_EVERY,
             local_epochs=1 if SMOKE or REAL else 2, seed=0, **data)
 # alpha: the regulariser's weight (eq. 5); ramp: the FMNIST code's c(t) = sigmoid(10 t - 5).
 OPTIONS = dict(alpha=0.002, ramp=True, momentum=0.9)
