@@ -573,8 +573,8 @@ if REAL:
 else:
     data = dict(dataset="digits")
 base = dict(model="fsl_lenet", num_clients=10 if SMOKE else (100 if REAL else 30),
-            clients_per_round=4 if SMOKE else (5 if REAL else 10), rounds=2 if SMOKE else (20 if REAL else 30),
-            eval_every=2 if SMOKE else 5, local_epochs=1 if SMOKE or REAL else 2, batch_size=16,
+            clients_per_round=4 if SMOKE else (5 if REAL else 10), rounds=2 if SMOKE else (12 if REAL else 30),
+            eval_every=2 if SMOKE else (4 if REAL else 5), local_epochs=1 if SMOKE or REAL else 2, batch_size=16,
             partition="dirichlet_split:1.0:0.8", seed=0, **data)
 RUNS_SPEC = {
     "fedavg": dict(algorithm="fedavg", lr=0.01 if REAL else 0.05, options=dict(momentum=0.9)),
