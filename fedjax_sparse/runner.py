@@ -404,7 +404,9 @@ def _loop(config, exp, out, state, totals, rows, bar, sinks, build_seconds, on_e
         bad = [int(totals["round"]) + i + 1 for i in range(n) if not np.isfinite(metrics["loss"][i])]
         totals["round"] = int(totals["round"]) + n
         for key in COST_KEYS:
-            totals[key] = totals[key] + sum(metrics[key].tolist())
+            # An algorithm that does not count a cost leaves its total unknown (None), not 0.
+            unknown = key not in metrics or totals[key] is None
+            totals[key] = None if unknown else totals[key] + sum(metrics[key].tolist())
         evaluation = engine.evaluate(state, data)
         if first_chunk:
             # This process's first chunk includes compiling the round and the evaluation (after a
@@ -420,13 +422,11 @@ def _loop(config, exp, out, state, totals, rows, bar, sinks, build_seconds, on_e
         row = {"round": totals["round"],
                **{k: v for k, v in evaluation.items() if k != "client_accuracies"},
                "loss": float(metrics["loss"][-1]),
-               "uplink_bits": metrics["uplink_bits"][-1],
-               "downlink_bits": metrics["downlink_bits"][-1],
-               "flops": metrics["flops"][-1],
-               "density": float(metrics["density"][-1]),
+               **{key: metrics[key][-1] if key in metrics else None for key in COST_KEYS},
+               "density": float(metrics["density"][-1]) if "density" in metrics else None,
                # The same value under an explicit name: the mean over the round's sampled clients
                # (``density_all_clients``, when the algorithm has personal models, is over all clients).
-               "density_sampled": float(metrics["density"][-1]),
+               "density_sampled": float(metrics["density"][-1]) if "density" in metrics else None,
                "seconds": totals["seconds"],
                "total_uplink_bits": totals["uplink_bits"],
                "total_downlink_bits": totals["downlink_bits"],
@@ -476,7 +476,8 @@ def summarize(config, exp, rows, totals, build_seconds, compile_seconds) -> dict
         "best_accuracy": best["accuracy"] if best else None, "best_round": best["round"] if best else None,
         "final_density": final.get("density"),
         "total_uplink_bits": totals["uplink_bits"], "total_downlink_bits": totals["downlink_bits"],
-        "total_gbit": (totals["uplink_bits"] + totals["downlink_bits"]) / 1e9,
+        "total_gbit": (None if totals["uplink_bits"] is None or totals["downlink_bits"] is None
+                       else (totals["uplink_bits"] + totals["downlink_bits"]) / 1e9),
         "total_flops": totals["flops"],
         # Local steps the sampled clients needed, and what the client schedule ran (padding included).
         "total_client_steps": totals.get("client_steps"),
@@ -501,8 +502,10 @@ def format_summary(summary: dict) -> str:
         ("final global accuracy", pct(summary["final_global_accuracy"])),
         ("best accuracy (round)", f"{pct(summary['best_accuracy'])} ({summary['best_round']})"),
         ("density", "n/a" if summary["final_density"] is None else f"{summary['final_density']:.3f}"),
-        ("communication (up + down)", f"{summary['total_gbit']:.4f} Gbit"),
-        ("training compute", f"{summary['total_flops'] / 1e12:.3f} TFLOPs"),
+        ("communication (up + down)",
+         "not counted" if summary["total_gbit"] is None else f"{summary['total_gbit']:.4f} Gbit"),
+        ("training compute",
+         "not counted" if summary["total_flops"] is None else f"{summary['total_flops'] / 1e12:.3f} TFLOPs"),
         ("wall time", f"{summary['seconds']:.1f} s (first chunk incl. compile "
                       f"{summary['first_chunk_seconds_incl_compile']:.1f} s)"),
     ]

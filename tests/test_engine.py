@@ -309,9 +309,8 @@ def test_a_new_algorithm_needs_only_the_interface():
         return {"rounds_seen": jnp.int32(0)}, {"visits": jnp.zeros((data.num_clients,), jnp.int32)}
 
     def client_update(payload, state, cd, ctx):
-        return ({"visits": state["visits"] + 1}, cd.count,
-                client_metrics(loss=0.0, flops=0.0, uplink_bits=32.0, downlink_bits=0.0, density=1.0,
-                               num_examples=cd.count))
+        # Cost accounting is optional: this algorithm reports only what it must.
+        return {"visits": state["visits"] + 1}, cd.count, client_metrics(loss=0.0, num_examples=cd.count)
 
     def server_update(server, messages, ctx):
         return {"rounds_seen": server["rounds_seen"] + 1}, {"examples": messages.sum()}
@@ -322,8 +321,7 @@ def test_a_new_algorithm_needs_only_the_interface():
     state, metrics = engine.run_rounds(engine.init(jax.random.PRNGKey(0)), data, 5)
     assert int(state.server["rounds_seen"]) == 5
     assert int(state.clients["visits"].sum()) == 10
-    np.testing.assert_allclose(np.asarray(metrics["uplink_bits"]), 64.0)
-    assert "server_examples" in metrics
+    assert "server_examples" in metrics and "uplink_bits" not in metrics and "flops" not in metrics
 
 
 def test_sharding_clients_over_two_devices_gives_the_same_round(tmp_path):
@@ -365,3 +363,27 @@ def test_time_rounds_runs_one_compile_round_plus_the_timed_ones():
     state, first, times, metrics = time_rounds(engine, engine.init(jax.random.PRNGKey(0)), data, 2)
     assert int(state.round) == 3 and len(times) == 2 and first > 0 and all(t > 0 for t in times)
     assert "loss" in metrics
+
+
+def test_an_algorithm_without_cost_accounting_reports_unknown_not_zero(tmp_path):
+    """metrics.jsonl and summary.json say null (unknown) for costs an algorithm does not count."""
+    import json
+
+    from fedjax_sparse import runner
+    config = runner.RunConfig(algorithm="fedavg", dataset="digits", num_clients=6, clients_per_round=3,
+                              local_epochs=1, batch_size=32, rounds=2, partition="iid", out=str(tmp_path / "r"))
+    exp = runner.build(config)
+    counted = exp.engine.algorithm
+
+    def client_update(payload, state, cd, ctx):
+        new_state, message, metrics = counted.client_update(payload, state, cd, ctx)
+        return new_state, message, {k: v for k, v in metrics.items() if k not in ("flops", "uplink_bits")}
+
+    uncounted = dataclasses.replace(counted, client_update=client_update)
+    exp = dataclasses.replace(exp, engine=dataclasses.replace(exp.engine, algorithm=uncounted))
+    summary, _ = runner.run(config, progress=False, experiment=exp)
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["flops"] is None and rows[-1]["total_flops"] is None and rows[-1]["uplink_bits"] is None
+    assert rows[-1]["downlink_bits"] > 0 and rows[-1]["total_downlink_bits"] == 2 * rows[0]["downlink_bits"]
+    assert summary["total_flops"] is None and summary["total_gbit"] is None
+    assert "not counted" in runner.format_summary(summary)

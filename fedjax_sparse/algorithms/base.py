@@ -13,11 +13,13 @@ rounds). One round of the engine is::
 
 ``messages`` and the returned client states are stacked over the K sampled
 clients. ``client_update`` must return in ``metrics`` at least the keys of
-:data:`REQUIRED_CLIENT_METRICS` (build them with :func:`client_metrics`).
-FLOPs and bits are exact :class:`fedjax_sparse.accounting.Cost` values and
-``num_examples`` an int32 count: the host sums them over clients and rounds
-as Python ints. ``loss`` is averaged weighted by examples, everything else
-uniformly over the sampled clients.
+:data:`REQUIRED_CLIENT_METRICS` (``loss``, ``num_examples``; build them with
+:func:`client_metrics`). Cost accounting is an optional part
+(:data:`ACCOUNTING_METRICS`): FLOPs and bits, when reported, are exact
+:class:`fedjax_sparse.accounting.Cost` values the host sums over clients and
+rounds as Python ints; an algorithm that does not count them gets ``null``
+(unknown) in ``metrics.jsonl``, never a made-up 0. ``loss`` is averaged weighted
+by examples, everything else uniformly over the sampled clients.
 
 Evaluation: ``personal_predict(server_state, client_state, client_id, x)``
 gives the logits a client would use (personalised accuracy); when it is None,
@@ -36,7 +38,9 @@ from fedjax_sparse.accounting import as_cost
 from fedjax_sparse.data.federated import ClientData
 from fedjax_sparse.models.base import Model
 
-REQUIRED_CLIENT_METRICS = ("loss", "flops", "uplink_bits", "downlink_bits", "density", "num_examples")
+REQUIRED_CLIENT_METRICS = ("loss", "num_examples")
+# Optional: cost accounting and the kept fraction of the model (``null`` when not reported).
+ACCOUNTING_METRICS = ("flops", "uplink_bits", "downlink_bits", "density")
 # Exact costs (Cost values), summed over clients and rounds on the host.
 COST_METRICS = ("flops", "uplink_bits", "downlink_bits")
 SUMMED_CLIENT_METRICS = COST_METRICS + ("num_examples",)
@@ -101,15 +105,19 @@ class Algorithm:
     extra_clients: Callable[[Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]] | None = None
 
 
-def client_metrics(*, loss, flops, uplink_bits, downlink_bits, density, num_examples, **extra) -> dict:
+def client_metrics(*, loss, num_examples, flops=None, uplink_bits=None, downlink_bits=None, density=None,
+                   **extra) -> dict:
     """Builds the metrics dict ``client_update`` returns.
 
     ``flops``, ``uplink_bits``, ``downlink_bits``: a :class:`Cost`, a static
-    Python number, or a traced int count (all kept exact); ``num_examples``: an
-    int count; the rest become float32 scalars."""
-    out: dict[str, Any] = {k: jnp.asarray(v, jnp.float32) for k, v in dict(loss=loss, density=density, **extra).items()}
-    out.update(flops=as_cost(flops), uplink_bits=as_cost(uplink_bits), downlink_bits=as_cost(downlink_bits),
-               num_examples=jnp.asarray(num_examples, jnp.int32))
+    Python number, or a traced int count (all kept exact), or None when the
+    algorithm does not count them; ``num_examples``: an int count; the rest
+    become float32 scalars."""
+    floats = dict(loss=loss, **({} if density is None else {"density": density}), **extra)
+    out: dict[str, Any] = {k: jnp.asarray(v, jnp.float32) for k, v in floats.items()}
+    costs = dict(flops=flops, uplink_bits=uplink_bits, downlink_bits=downlink_bits)
+    out.update({k: as_cost(v) for k, v in costs.items() if v is not None})
+    out["num_examples"] = jnp.asarray(num_examples, jnp.int32)
     return out
 
 
