@@ -103,7 +103,7 @@ def run_jax(args, workdir: Path) -> tuple[dict, dict]:
     exp = runner.build(config)
     engine, data = exp.engine, exp.data
     state = engine.init(jax.random.PRNGKey(config.seed))
-    params0 = jax.tree_util.tree_map(lambda x: np.asarray(x[0]), state.clients["params"])
+    params0 = jax.tree_util.tree_map(lambda x: np.asarray(x[0]), state.clients.params)
     pinning.save_init_params({"params": params0}, workdir / "init_params.npz")
     (workdir / "partition.json").write_text(json.dumps(
         pinning.partition_to_json(exp.partition, dataset=config.dataset, seed=config.seed)))
