@@ -2,11 +2,14 @@
 import json
 from pathlib import Path
 
+import pytest
+
 import matplotlib
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "explore.ipynb"
 
 
+@pytest.mark.slow  # the four per-system notebooks (tests/test_notebooks.py) run by default; this older tour is slow
 def test_explore_notebook_executes():
     matplotlib.use("Agg")
     cells = json.loads(NOTEBOOK.read_text())["cells"]
