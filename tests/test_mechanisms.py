@@ -32,6 +32,13 @@ def client_data(data, cid):
     return ClientData(data.train_x, data.train_y, data.train_idx[cid], data.train_count[cid])
 
 
+def client_examples(data, cid):
+    """(x preprocessed, y, count): all of client ``cid``'s training examples as one batch."""
+    count = int(data.train_count[cid])
+    rows = np.asarray(data.train_idx[cid])[:count]
+    return data.preprocess(jnp.asarray(data.train_x[rows])), jnp.asarray(data.train_y[rows]), count
+
+
 def leaves(tree):
     return np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree_util.tree_leaves(tree)])
 
@@ -162,9 +169,7 @@ def test_fsl_default_masks_by_absolute_score_on_client_and_server(fsl_setup):
     cid = 2
     ctx = ClientContext(jnp.int32(0), jnp.int32(cid), jax.random.PRNGKey(0), jax.random.PRNGKey(1))
     _, _, metrics = jax.jit(alg.client_update)(alg.broadcast(server, jnp.int32(0)), (), client_data(data, cid), ctx)
-    count = int(data.train_count[cid])
-    rows = np.asarray(data.train_idx[cid])[:count]
-    x, y = data.preprocess(jnp.asarray(data.train_x[rows])), jnp.asarray(data.train_y[rows])
+    x, y, count = client_examples(data, cid)
     params = {name: {"kernel": k} for name, k in kernels.items()}
     logits, _ = jax.jit(lambda v, x: model.apply(v, x, train=True))({"params": params, "batch_stats": {}}, x)
     want = float(masked_cross_entropy(logits, y, jnp.ones(count)))
@@ -187,9 +192,7 @@ def test_fsl_score_update_is_sgd_with_momentum_and_weight_decay(fsl_setup):
     ctx = ClientContext(jnp.int32(0), jnp.int32(cid), jax.random.PRNGKey(0), jax.random.PRNGKey(1))
     _, message, _ = jax.jit(alg.client_update)(alg.broadcast(server, jnp.int32(0)), (), client_data(data, cid), ctx)
 
-    count = int(data.train_count[cid])
-    rows = np.asarray(data.train_idx[cid])[:count]
-    x, y = data.preprocess(jnp.asarray(data.train_x[rows])), jnp.asarray(data.train_y[rows])
+    x, y, count = client_examples(data, cid)
     shapes = {name: w.shape for name, w in server.weights.items()}
     params = {name: {"kernel": w} for name, w in server.weights.items()}
 
