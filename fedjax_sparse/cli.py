@@ -76,6 +76,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
     run.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED",
+                     help="replicas: run the configuration once per seed in one process, each in OUT/seed<SEED>/ "
+                          "(OUT/replicas.json: mean and std over seeds); replaces --seed")
+    run.add_argument("--replica-parallelism", default="auto",
+                     help="--seeds: auto (sequential on CPU, vmap elsewhere) | vmap (all seeds in one program) | "
+                          "sequential (one seed after another through one compiled program)")
 
     part = sub.add_parser("partition", help="partition a dataset and write the partition report")
     part.add_argument("--dataset", required=True)
@@ -145,11 +151,33 @@ def cmd_run(args) -> int:
                                for k, v in _key_values(args.model_option, "--model-option").items()}}
     if args.resume and not config.out:
         raise ValueError("--resume needs --out pointing at the interrupted run's directory")
+    if args.seeds is not None:
+        return _run_replicas(args, config, given)
     summary, _ = runner.run(config, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet,
                             given=given)
     print(runner.format_summary(summary))
     if config.out:
         print(f"outputs: {config.out}/{{config.json,metrics.jsonl,summary.json}}")
+    return 0
+
+
+def _run_replicas(args, config, given: set) -> int:
+    from fedjax_sparse import replicas
+    if "seed" in given:
+        raise ValueError("give either --seed (one run) or --seeds (one replica per seed), not both")
+    results = replicas.run_replicas(config, args.seeds, parallelism=args.replica_parallelism, resume=args.resume,
+                                    overwrite=args.overwrite, progress=not args.quiet, given=given)
+    finals = [r.summary.get("final_accuracy") for r in results]
+    for seed, final in zip(args.seeds, finals):
+        print(f"seed {seed}: final accuracy {'n/a' if final is None else f'{100 * final:.2f}%'}")
+    known = [f for f in finals if f is not None]
+    if len(known) > 1:
+        import numpy as np
+        print(f"over {len(known)} seeds: {100 * np.mean(known):.2f}% ± {100 * np.std(known, ddof=1):.2f}% "
+              "(mean ± sample std)")
+    if config.out:
+        print(f"outputs: {config.out}/seed<SEED>/{{config.json,metrics.jsonl,summary.json}}, "
+              f"{config.out}/replicas.json")
     return 0
 
 

@@ -289,6 +289,22 @@ class Engine:
         state, metrics = self._scan_fn(state, data, int(num_rounds))
         return state, metrics_to_host(metrics)
 
+    @functools.cached_property
+    def _replica_scan_fn(self):
+        def run(states, data, num_rounds):
+            def one_replica(state, train_idx, train_count):
+                replica_data = data.replace(train_idx=train_idx, train_count=train_count)
+                return jax.lax.scan(lambda s, _: self.round_step(s, replica_data), state, None, length=num_rounds)
+            return jax.vmap(one_replica)(states, data.train_idx, data.train_count)
+        return jax.jit(run, static_argnums=2, donate_argnums=0)
+
+    def run_replica_rounds(self, states: EngineState, data: FederatedData, num_rounds: int):
+        """``num_rounds`` rounds of R independent replicas (seeds) in one program: ``states``
+        stacked with a leading [R] axis, ``data`` with ``train_idx`` [R, N, W] and
+        ``train_count`` [R, N] (each replica's partition of the shared pool). Returns (states,
+        device metrics with leading [R, num_rounds] axes: :func:`metrics_to_host` per replica)."""
+        return self._replica_scan_fn(states, data, int(num_rounds))
+
     def advance(self, state: EngineState, data: FederatedData, num_rounds: int, round_mode: str = "scan"):
         """``num_rounds`` rounds by either path: ``"scan"`` (one jitted lax.scan)
         or ``"per_round"`` (the per-round jit called from Python). Returns

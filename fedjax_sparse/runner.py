@@ -329,7 +329,36 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
 
 def _run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool, progress: bool, on_eval,
          experiment: Experiment | None, given: set[str] | None) -> RunResult:
+    opened = _open_run(config, out, resume=resume, overwrite=overwrite, experiment=experiment, given=given)
+    if isinstance(opened, RunResult):
+        return opened
+    bar = Progress(opened.config.rounds, opened.round, progress)
+    opened.start(bar, on_eval)
+    try:
+        state = opened.state
+        first_chunk = True
+        while (n := opened.next_chunk()) > 0:
+            t_chunk = time.perf_counter()
+            if first_chunk:
+                bar.note(f"compiling and running rounds {opened.round + 1}-{opened.round + n} ...")
+            state, metrics = opened.exp.engine.advance(state, opened.exp.data, n, opened.config.round_mode)
+            opened.record(state, metrics, n, chunk_started=t_chunk if first_chunk else None)
+            first_chunk = False
+        bar.close()
+        return RunResult(opened.finish(), state)
+    finally:
+        bar.close()
+        opened.close()
+
+
+def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool,
+              experiment: Experiment | None, given: set[str] | None, record: dict | None = None,
+              build_fn: Callable[[RunConfig], Experiment] | None = None) -> "OpenRun | RunResult":
+    """Prepares ``out`` (resume or fresh), builds the experiment, restores the checkpoint and writes
+    config.json (plus the ``record`` entries). Returns the :class:`OpenRun`, or the finished
+    run's result when a resumed run is already complete."""
     changes: dict = {}
+    recorded: dict = {}
     if out is not None:
         prepare_out_dir(out, resume=resume, overwrite=overwrite)
         if resume:
@@ -341,7 +370,7 @@ def _run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool, 
                                "be resumed: start a fresh run in a new --out") from None
             config, changes = resumed_config(config, saved, given)
     t_build = time.perf_counter()
-    exp = experiment or build(config)
+    exp = experiment or (build_fn or build)(config)
     engine = exp.engine
     build_seconds = time.perf_counter() - t_build
     state = engine.init(jax.random.PRNGKey(config.seed))
@@ -380,45 +409,76 @@ def _run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool, 
             "devices": [str(d) for d in jax.devices()], "python": platform.python_version(),
             "client_parallelism": engine.mode,
             **({"client_bucket_size": engine.clients_per_bucket} if engine.mode == "bucketed" else {}),
+            **(record or {}),
             **({"resumed": history} if history else {})}, indent=2))
-    bar = Progress(config.rounds, int(totals["round"]), progress)
-    sinks = MetricSinks(out, config.log)
-    try:
-        return _loop(config, exp, out, state, totals, rows, bar, sinks, build_seconds, on_eval)
-    finally:
-        bar.close()
-        sinks.close()
+    return OpenRun(config, exp, out, state, totals, rows, build_seconds)
 
 
-def _loop(config, exp, out, state, totals, rows, bar, sinks, build_seconds, on_eval) -> RunResult:
-    engine, data = exp.engine, exp.data
-    t0 = time.perf_counter() - float(totals["seconds"])
-    compile_seconds = 0.0
-    first_chunk = True
-    while int(totals["round"]) < config.rounds:
-        n = min(config.eval_every - int(totals["round"]) % config.eval_every, config.rounds - int(totals["round"]))
-        t_chunk = time.perf_counter()
-        if first_chunk:
-            bar.note(f"compiling and running rounds {int(totals['round']) + 1}-{int(totals['round']) + n} ...")
-        state, metrics = engine.advance(state, data, n, config.round_mode)
-        bad = [int(totals["round"]) + i + 1 for i in range(n) if not np.isfinite(metrics["loss"][i])]
-        totals["round"] = int(totals["round"]) + n
+class OpenRun:
+    """One run's bookkeeping between jitted chunks: totals, metrics rows, output files, progress.
+
+    The caller advances the state (alone, or stacked with other replicas) and hands each chunk's
+    host metrics to :meth:`record`, which evaluates, writes the metrics row, checkpoints and
+    reports progress. ``evaluate`` may be swapped for one shared between replicas (same numbers,
+    one compilation)."""
+
+    def __init__(self, config: RunConfig, exp: Experiment, out: Path | None, state: EngineState, totals: dict,
+                 rows: list, build_seconds: float):
+        self.config, self.exp, self.out, self.state = config, exp, out, state
+        self.totals, self.rows, self.build_seconds = totals, rows, build_seconds
+        self.evaluate: Callable[[EngineState], dict] = lambda s: exp.engine.evaluate(s, exp.data)
+        self.compile_seconds = 0.0
+        self.bar: Progress | None = None
+        self.sinks: MetricSinks | None = None
+        self.on_eval = None
+        self.t0 = 0.0
+
+    @property
+    def round(self) -> int:
+        return int(self.totals["round"])
+
+    def start(self, bar: "Progress | None", on_eval=None) -> None:
+        """Opens the extra logs and starts the clock (``bar``: this run's progress, or None)."""
+        self.bar, self.on_eval = bar, on_eval
+        self.sinks = MetricSinks(self.out, self.config.log)
+        self.t0 = time.perf_counter() - float(self.totals["seconds"])
+
+    def close(self) -> None:
+        if self.sinks is not None:
+            self.sinks.close()
+            self.sinks = None
+
+    def next_chunk(self) -> int:
+        """Rounds in the next chunk: up to the next evaluation round (0 when the run is done)."""
+        done = self.round
+        if done >= self.config.rounds:
+            return 0
+        return min(self.config.eval_every - done % self.config.eval_every, self.config.rounds - done)
+
+    def record(self, state: EngineState, metrics: dict, n: int, chunk_started: float | None = None) -> dict:
+        """Books ``n`` rounds that ended in ``state`` (``metrics``: host metrics, one entry per
+        round): totals, evaluation, the metrics row, checkpoint, progress. ``chunk_started``: the
+        clock at the start of this process's first chunk (its time includes compiling)."""
+        config, totals, out = self.config, self.totals, self.out
+        self.state = state
+        bad = [self.round + i + 1 for i in range(n) if not np.isfinite(metrics["loss"][i])]
+        totals["round"] = self.round + n
         for key in COST_KEYS:
             # An algorithm that does not count a cost leaves its total unknown (None), not 0.
             unknown = key not in metrics or totals[key] is None
             totals[key] = None if unknown else totals[key] + sum(metrics[key].tolist())
-        evaluation = engine.evaluate(state, data)
-        if first_chunk:
+        evaluation = self.evaluate(state)
+        if chunk_started is not None:
             # This process's first chunk includes compiling the round and the evaluation (after a
             # resume too): reported apart, and left out of the ETA.
-            compile_seconds = time.perf_counter() - t_chunk
+            self.compile_seconds = time.perf_counter() - chunk_started
             # Summed over the sessions of a resumed run, so its steady-state speed stays true.
-            totals["compile_seconds"] = float(totals.get("compile_seconds", 0.0)) + compile_seconds
+            totals["compile_seconds"] = float(totals.get("compile_seconds", 0.0)) + self.compile_seconds
             totals["first_chunk_rounds"] = int(totals.get("first_chunk_rounds", 0)) + n
-            bar.note(f"first chunk (incl. compilation) took {compile_seconds:.1f} s")
-            bar.restart(int(totals["round"]))
-            first_chunk = False
-        totals["seconds"] = time.perf_counter() - t0
+            if self.bar is not None:
+                self.bar.note(f"first chunk (incl. compilation) took {self.compile_seconds:.1f} s")
+                self.bar.restart(self.round)
+        totals["seconds"] = time.perf_counter() - self.t0
         row = {"round": totals["round"],
                **{k: v for k, v in evaluation.items() if k != "client_accuracies"},
                "loss": float(metrics["loss"][-1]),
@@ -440,25 +500,33 @@ def _loop(config, exp, out, state, totals, rows, bar, sinks, build_seconds, on_e
             if key not in row and key != "num_examples":
                 row[key] = int(value[-1]) if key in STEP_METRICS else float(value[-1])
         row = {k: _jsonable(v) for k, v in row.items()}
-        rows.append(row)
+        self.rows.append(row)
         if out is not None:
             with open(out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(row, allow_nan=False) + "\n")
-            sinks.write(rows)
+            assert self.sinks is not None, "start() opens the sinks"
+            self.sinks.write(self.rows)
         if bad:
-            bar.close()
-            raise RunError(f"training diverged: the loss is NaN/inf at round {bad[0]}; lower --lr "
+            if self.bar is not None:
+                self.bar.close()
+            raise RunError(f"training diverged{self.label}: the loss is NaN/inf at round {bad[0]}; lower --lr "
                            f"(now {config.lr}) or check the data preprocessing (--preprocess)")
         if out is not None:
             save_checkpoint(out, state, totals)
-        if on_eval is not None:
-            on_eval(row, state, exp)
-        bar.update(int(totals["round"]), row["accuracy"])
-    bar.close()
-    summary = summarize(config, exp, rows, totals, build_seconds, compile_seconds)
-    if out is not None:
-        (out / "summary.json").write_text(json.dumps(_jsonable(summary), indent=2, allow_nan=False))
-    return RunResult(summary, state)
+        if self.on_eval is not None:
+            self.on_eval(row, state, self.exp)
+        if self.bar is not None:
+            self.bar.update(self.round, row["accuracy"])
+        return row
+
+    label = ""   # " (seed k)" for a replica, in error messages
+
+    def finish(self) -> dict:
+        """The summary (also written to OUT/summary.json)."""
+        summary = summarize(self.config, self.exp, self.rows, self.totals, self.build_seconds, self.compile_seconds)
+        if self.out is not None:
+            (self.out / "summary.json").write_text(json.dumps(_jsonable(summary), indent=2, allow_nan=False))
+        return summary
 
 
 def summarize(config, exp, rows, totals, build_seconds, compile_seconds) -> dict:

@@ -1,0 +1,233 @@
+"""Several seeds of one configuration in one process ("replicas"), each with its own outputs.
+
+``run_replicas(config, seeds)`` runs replica r as the run ``config`` with ``seed = seeds[r]`` and
+``out = OUT/seed<seed>``: its own partition, initial weights, cohorts, checkpoints and files, and
+the same numbers as that run started alone (tested). ``OUT/replicas.json`` collects the seeds'
+final accuracies (mean and sample std) and how they ran.
+
+The replicas share one compiled program when they differ only by their random keys and their
+partition of the same data pool:
+
+* ``vmap``: one program runs every replica's chunk of rounds (``vmap`` over a leading replica
+  axis of the stacked states; each replica's client index rows padded to a common width);
+* ``sequential``: the replicas run one after another through the same compiled round, so the
+  program compiles once instead of once per seed;
+* ``auto``: ``sequential`` on CPU (where a vmapped convolution over replicas' different weights
+  runs as a grouped convolution, slower than one replica at a time), ``vmap`` elsewhere.
+
+Replicas whose algorithm depends on the seed beyond its keys (malicious clients chosen by seed),
+or whose data pools or preprocessing constants differ (``synthetic`` data generated per seed,
+``standardize`` statistics of each partition), cannot share a program: they run one after
+another with a program each, and ``replicas.json`` says why.
+
+``resume=True`` (``--resume``) continues every seed that has a checkpoint and starts the others;
+the group first brings the replicas an interruption left behind up to the others.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_sparse.checkpoint import OutputLock, has_checkpoint
+from fedjax_sparse.config import RunConfig, RunError
+from fedjax_sparse.data.federated import FederatedData, pad_index_rows
+from fedjax_sparse.engine import Engine, metrics_to_host
+from fedjax_sparse.runner import Progress, RunResult, _open_run
+
+REPLICA_PARALLELISM = ("auto", "vmap", "sequential")
+
+
+def resolve_replica_parallelism(mode: str) -> str:
+    if mode not in REPLICA_PARALLELISM:
+        raise RunError(f"unknown replica parallelism {mode!r}; valid: {', '.join(REPLICA_PARALLELISM)} "
+                       "(fix --replica-parallelism)")
+    if mode == "auto":
+        return "sequential" if jax.default_backend() == "cpu" else "vmap"
+    return mode
+
+
+def replica_config(config: RunConfig, seed: int) -> RunConfig:
+    """The run of one replica: ``config`` with ``seed`` and ``out = OUT/seed<seed>``."""
+    out = str(Path(config.out) / f"seed{seed}") if config.out else None
+    return dataclasses.replace(config, seed=seed, out=out)
+
+
+def _unshareable_reason(runs) -> str | None:
+    """Why the replicas cannot run through one program (None: they can)."""
+    first = runs[0]
+    options = first.exp.algorithm.hparams
+    if first.config.attack is not None or float(options.get("malicious_fraction", 0) or 0) > 0:
+        return "the malicious clients are chosen by seed"
+    base = first.exp.data
+    for run in runs[1:]:
+        data = run.exp.data
+        static = ("preprocess_name", "mean", "std", "num_classes", "input_shape")
+        if any(getattr(data, f) != getattr(base, f) for f in static):
+            return "the preprocessing constants differ between seeds (e.g. standardize statistics per partition)"
+        for field in ("train_x", "train_y", "test_x", "test_y"):
+            a, b = getattr(data, field), getattr(base, field)
+            if a.shape != b.shape or a.dtype != b.dtype or not bool(jnp.array_equal(a, b)):
+                return f"the data pools differ between seeds ({field})"
+    return None
+
+
+def _train_rows(runs, width: int) -> list[tuple[jax.Array, jax.Array]]:
+    """Each replica's (train_idx [N, width] zero-padded, train_count [N]): only ``train_count``
+    decides which rows are used, so the padding changes no number."""
+    out = []
+    for run in runs:
+        idx = np.asarray(run.exp.data.train_idx)
+        counts = np.asarray(run.exp.data.train_count)
+        rows, _ = pad_index_rows([idx[i, :c] for i, c in enumerate(counts)], pad_to=width)
+        out.append((jnp.asarray(rows), jnp.asarray(counts)))
+    return out
+
+
+def _stack(trees):
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _take(tree, i: int):
+    return jax.tree_util.tree_map(lambda x: x[i], tree)
+
+
+def run_replicas(config: RunConfig, seeds: Sequence[int], *, parallelism: str = "auto", resume: bool = False,
+                 overwrite: bool = False, progress: bool = True, given: set[str] | None = None) -> list:
+    """Runs ``config`` once per seed (see the module docstring); returns the seeds' ``RunResult``s."""
+    seeds = [int(s) for s in seeds]
+    if not seeds:
+        raise RunError("--seeds needs at least one seed")
+    if len(set(seeds)) != len(seeds):
+        raise RunError(f"--seeds lists a seed twice: {seeds}; each seed is one replica")
+    if any(s < 0 for s in seeds):
+        raise RunError(f"--seeds must be non-negative integers, got {seeds}")
+    mode = resolve_replica_parallelism(parallelism)
+    out = Path(config.out) if config.out else None
+    with contextlib.ExitStack() as stack:
+        if out is not None:
+            if out.exists() and not out.is_dir():
+                raise RunError(f"--out {out} exists and is not a directory; choose another --out")
+            out.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(OutputLock(out))
+        opened = []
+        for seed in seeds:
+            cfg = replica_config(config, seed)
+            if cfg.out is not None:
+                Path(cfg.out).mkdir(parents=True, exist_ok=True)
+                stack.enter_context(OutputLock(Path(cfg.out)))
+            out_r = Path(cfg.out) if cfg.out else None
+            # --resume continues every seed that has a checkpoint and starts the others (a seed killed
+            # before its first checkpoint has nothing a resume would keep).
+            resume_r = resume and out_r is not None and has_checkpoint(out_r)
+            opened.append(_open_run(cfg, out_r, resume=resume_r, overwrite=overwrite or (resume and not resume_r),
+                                    experiment=None, given=given))
+        results: dict[int, RunResult] = {s: r for s, r in zip(seeds, opened) if isinstance(r, RunResult)}
+        runs = [r for r in opened if not isinstance(r, RunResult)]
+        reason = _unshareable_reason(runs) if runs else None
+        shared = reason is None
+        t_start = time.perf_counter()
+        if runs:
+            group = _Group(runs, mode if shared else "separate", progress)
+            try:
+                for run, state in zip(runs, group.run()):
+                    results[run.config.seed] = RunResult(run.finish(), state)
+            finally:
+                group.close()
+        ordered = [results[s] for s in seeds]
+        if out is not None:
+            finals = [r.summary.get("final_accuracy") for r in ordered]
+            known = [f for f in finals if f is not None]
+            (out / "replicas.json").write_text(json.dumps({
+                "seeds": seeds, "replica_parallelism": mode if shared else "separate",
+                "shared_program": shared, **({"why_not_shared": reason} if reason else {}),
+                "runs": [f"seed{s}" for s in seeds],
+                "final_accuracy": finals,
+                "final_accuracy_mean": float(np.mean(known)) if known else None,
+                "final_accuracy_std": float(np.std(known, ddof=1)) if len(known) > 1 else None,
+                "seconds_this_session": time.perf_counter() - t_start}, indent=2))
+        return ordered
+
+
+class _Group:
+    """Advances open replica runs chunk by chunk and books each chunk in every replica's files."""
+
+    def __init__(self, runs, mode: str, progress: bool):
+        self.runs, self.mode = runs, mode
+        self.engine: Engine = runs[0].exp.engine
+        first = runs[0]
+        self.bar = Progress(first.config.rounds, min(r.round for r in runs), progress)
+        for run in runs:
+            run.label = f" (seed {run.config.seed})"
+            run.start(None)
+        if mode != "separate":
+            # One evaluation program for all (same shapes compile once); each replica's own test split.
+            for run in runs:
+                run.evaluate = (lambda data: lambda s: self.engine.evaluate(s, data))(run.exp.data)
+            width = max(int(r.exp.data.train_idx.shape[1]) for r in runs)
+            base = first.exp.data
+            self.rows = _train_rows(runs, width)
+            # Training reads only the pool and each replica's train rows: one data shape for all.
+            self.train_data = [base.replace(train_idx=i, train_count=c) for i, c in self.rows]
+
+    def _engine_of(self, i: int) -> Engine:
+        return self.runs[i].exp.engine if self.mode == "separate" else self.engine
+
+    def _data_of(self, i: int) -> FederatedData:
+        return self.runs[i].exp.data if self.mode == "separate" else self.train_data[i]
+
+    def _advance_one(self, i: int, n: int, first: bool) -> None:
+        run = self.runs[i]
+        t = time.perf_counter()
+        state, metrics = self._engine_of(i).advance(run.state, self._data_of(i), n, run.config.round_mode)
+        run.record(state, metrics, n, chunk_started=t if first else None)
+
+    def run(self) -> list:
+        """Runs every replica to its last round; returns their final states."""
+        runs = self.runs
+        first = [True] * len(runs)
+        restarted = False
+        # Catch up: an interruption between two replicas' checkpoints leaves some a chunk behind.
+        target = max(r.round for r in runs)
+        for i, run in enumerate(runs):
+            while run.round < target:
+                self._advance_one(i, min(run.next_chunk(), target - run.round), first[i])
+                first[i] = False
+        while (n := runs[0].next_chunk()) > 0:
+            if any(r.next_chunk() != n for r in runs):
+                raise RunError("replicas disagree on the next chunk; resume each seed's run separately")
+            if first[0]:
+                self.bar.note(f"compiling and running rounds {runs[0].round + 1}-{runs[0].round + n} of "
+                              f"{len(runs)} replicas ({self.mode}) ...")
+            t_chunk = time.perf_counter()
+            if self.mode == "vmap":
+                states = _stack([r.state for r in runs])
+                data = self.train_data[0].replace(train_idx=jnp.stack([i for i, _ in self.rows]),
+                                                  train_count=jnp.stack([c for _, c in self.rows]))
+                states, metrics = self.engine.run_replica_rounds(states, data, n)
+                for i, run in enumerate(runs):
+                    run.record(_take(states, i), metrics_to_host(_take(metrics, i)), n,
+                               chunk_started=t_chunk if first[i] else None)
+                    first[i] = False
+            else:
+                for i in range(len(runs)):
+                    self._advance_one(i, n, first[i])
+                    first[i] = False
+            if not restarted:  # rates and the ETA count from after the compiling chunk
+                self.bar.restart(runs[0].round)
+                restarted = True
+            accuracies = [r.rows[-1]["accuracy"] for r in runs if r.rows and r.rows[-1]["accuracy"] is not None]
+            self.bar.update(runs[0].round, float(np.mean(accuracies)) if accuracies else None)
+        return [r.state for r in runs]
+
+    def close(self) -> None:
+        self.bar.close()
+        for run in self.runs:
+            run.close()
