@@ -21,7 +21,9 @@ rates (0.15, 0.001, 0.01).
 Each (method, seed) is one ``fedjax_sparse.runner.run`` into
 ``OUT/<method>/seed<k>/`` (config.json, metrics.jsonl, summary.json); runs
 with a summary.json are skipped, interrupted ones resume from their
-checkpoint. For the SpaFL family a callback records, after every
+checkpoint. ``--replicas sequential|vmap|auto`` runs each method's seeds as
+replicas in one process (``fedjax_sparse.replicas``: the same files and
+numbers, one compiled program for all seeds). For the SpaFL family a callback records, after every
 evaluation, every client's conv1 row mask and density (``spafl_masks.npz``):
 the paper's density is the mean over *all* clients of their mean per-layer
 kept fraction. At the end: ``OUT/results.md`` / ``results.json`` (accuracy
@@ -136,7 +138,7 @@ class MaskRecorder:
         tmp.replace(self.path)
 
 
-def run_one(study: dict, method: str, seed: int, args, out: Path) -> dict:
+def method_config(study: dict, method: str, seed: int, args, out: Path):
     from fedjax_sparse import runner
     spec = study["methods"][method]
     base = dict(study["base"])
@@ -148,6 +150,26 @@ def run_one(study: dict, method: str, seed: int, args, out: Path) -> dict:
                               client_parallelism=args.client_parallelism, **base)
     for key, value in spec.get("config", {}).items():
         setattr(config, key, value)
+    return config
+
+
+def run_method_replicas(study: dict, method: str, args, out: Path) -> None:
+    """Every seed of one method as replicas in one process (``--replicas``): the same
+    ``OUT/<method>/seed<k>/`` files as one run per seed, one compiled program."""
+    from fedjax_sparse import replicas
+    spec = study["methods"][method]
+    config = method_config(study, method, args.seeds[0], args, out)
+    spafl = is_spafl(spec["algorithm"])
+    print(f"[run] {method} seeds {args.seeds} as replicas ({args.replicas}) -> {out}/seed<k>", flush=True)
+    replicas.run_replicas(config, args.seeds, parallelism=args.replicas, resume=True, progress=not args.quiet,
+                          on_eval_for_seed=(lambda seed: MaskRecorder(out / f"seed{seed}" / "spafl_masks.npz"))
+                          if spafl else None)
+
+
+def run_one(study: dict, method: str, seed: int, args, out: Path) -> dict:
+    from fedjax_sparse import runner
+    spec = study["methods"][method]
+    config = method_config(study, method, seed, args, out)
     if (out / "summary.json").exists():
         print(f"[skip] {out} is complete", flush=True)
         return json.loads((out / "summary.json").read_text())
@@ -324,6 +346,9 @@ def parse_args(argv, studies: dict, default_study: str, extra=None):
     parser.add_argument("--local-epochs", type=int, default=None, help="override (smoke tests)")
     parser.add_argument("--eval-every", type=int, default=None)
     parser.add_argument("--client-parallelism", default="auto", choices=["auto", "map", "vmap"])
+    parser.add_argument("--replicas", default="off", choices=["off", "auto", "sequential", "vmap"],
+                        help="run each method's seeds as replicas in one process (fedjax_sparse.replicas; "
+                             "same files and numbers, one compiled program); off: one run per seed")
     parser.add_argument("--report-only", action="store_true", help="only rebuild the table and plots")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     if extra is not None:
@@ -350,6 +375,9 @@ def main(argv=None, studies=STUDIES, default_study="fmnist", extra=None, adjust=
     out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         for method in args.methods:
+            if args.replicas != "off":
+                run_method_replicas(study, method, args, out / method)
+                continue
             for seed in args.seeds:
                 run_one(study, method, seed, args, out / method / f"seed{seed}")
     write_report(study, out, args.methods, args.seeds)

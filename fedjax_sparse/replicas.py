@@ -30,7 +30,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -69,7 +69,9 @@ def _unshareable_reason(runs) -> str | None:
     base = first.exp.data
     for run in runs[1:]:
         data = run.exp.data
-        static = ("preprocess_name", "mean", "std", "num_classes", "input_shape")
+        # mean and std are read only by ``standardize`` (each partition's own statistics).
+        static = ("preprocess_name", "num_classes", "input_shape") + (
+            ("mean", "std") if base.preprocess_name == "standardize" else ())
         if any(getattr(data, f) != getattr(base, f) for f in static):
             return "the preprocessing constants differ between seeds (e.g. standardize statistics per partition)"
         for field in ("train_x", "train_y", "test_x", "test_y"):
@@ -79,16 +81,17 @@ def _unshareable_reason(runs) -> str | None:
     return None
 
 
+def _padded_rows(idx: jax.Array, counts: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+    """(index rows [N, width] zero-padded, counts [N]): only the counts decide which rows are
+    read, so the padding changes no number."""
+    idx_np, counts_np = np.asarray(idx), np.asarray(counts)
+    rows, _ = pad_index_rows([idx_np[i, :c] for i, c in enumerate(counts_np)], pad_to=width)
+    return jnp.asarray(rows), jnp.asarray(counts_np)
+
+
 def _train_rows(runs, width: int) -> list[tuple[jax.Array, jax.Array]]:
-    """Each replica's (train_idx [N, width] zero-padded, train_count [N]): only ``train_count``
-    decides which rows are used, so the padding changes no number."""
-    out = []
-    for run in runs:
-        idx = np.asarray(run.exp.data.train_idx)
-        counts = np.asarray(run.exp.data.train_count)
-        rows, _ = pad_index_rows([idx[i, :c] for i, c in enumerate(counts)], pad_to=width)
-        out.append((jnp.asarray(rows), jnp.asarray(counts)))
-    return out
+    """Each replica's (train_idx [N, width], train_count [N])."""
+    return [_padded_rows(r.exp.data.train_idx, r.exp.data.train_count, width) for r in runs]
 
 
 def _stack(trees):
@@ -100,8 +103,12 @@ def _take(tree, i: int):
 
 
 def run_replicas(config: RunConfig, seeds: Sequence[int], *, parallelism: str = "auto", resume: bool = False,
-                 overwrite: bool = False, progress: bool = True, given: set[str] | None = None) -> list:
-    """Runs ``config`` once per seed (see the module docstring); returns the seeds' ``RunResult``s."""
+                 overwrite: bool = False, progress: bool = True, given: set[str] | None = None,
+                 on_eval_for_seed: Callable[[int], Callable | None] | None = None) -> list:
+    """Runs ``config`` once per seed (see the module docstring); returns the seeds' ``RunResult``s.
+
+    ``on_eval_for_seed(seed)``: that replica's ``on_eval(row, state, experiment)`` hook (as in
+    ``runner.run``), or None."""
     seeds = [int(s) for s in seeds]
     if not seeds:
         raise RunError("--seeds needs at least one seed")
@@ -135,7 +142,8 @@ def run_replicas(config: RunConfig, seeds: Sequence[int], *, parallelism: str = 
         shared = reason is None
         t_start = time.perf_counter()
         if runs:
-            group = _Group(runs, mode if shared else "separate", progress)
+            hooks = [on_eval_for_seed(r.config.seed) if on_eval_for_seed else None for r in runs]
+            group = _Group(runs, mode if shared else "separate", progress, hooks)
             try:
                 for run, state in zip(runs, group.run()):
                     results[run.config.seed] = RunResult(run.finish(), state)
@@ -159,20 +167,26 @@ def run_replicas(config: RunConfig, seeds: Sequence[int], *, parallelism: str = 
 class _Group:
     """Advances open replica runs chunk by chunk and books each chunk in every replica's files."""
 
-    def __init__(self, runs, mode: str, progress: bool):
+    def __init__(self, runs, mode: str, progress: bool, hooks):
         self.runs, self.mode = runs, mode
         self.engine: Engine = runs[0].exp.engine
         first = runs[0]
         self.bar = Progress(first.config.rounds, min(r.round for r in runs), progress)
-        for run in runs:
+        for run, hook in zip(runs, hooks):
             run.label = f" (seed {run.config.seed})"
-            run.start(None)
+            run.start(None, hook)
         if mode != "separate":
-            # One evaluation program for all (same shapes compile once); each replica's own test split.
-            for run in runs:
-                run.evaluate = (lambda data: lambda s: self.engine.evaluate(s, data))(run.exp.data)
-            width = max(int(r.exp.data.train_idx.shape[1]) for r in runs)
             base = first.exp.data
+            # One evaluation program for all: each replica's own test split, its index rows padded to
+            # a common width (the union for the global model keeps its own length).
+            test_width = max(int(r.exp.data.test_idx.shape[1]) for r in runs)
+            for run in runs:
+                own = run.exp.data
+                test_idx, test_count = _padded_rows(own.test_idx, own.test_count, test_width)
+                eval_data = base.replace(test_idx=test_idx, test_count=test_count,
+                                         global_test_idx=own.global_test_idx)
+                run.evaluate = (lambda data: lambda s: self.engine.evaluate(s, data))(eval_data)
+            width = max(int(r.exp.data.train_idx.shape[1]) for r in runs)
             self.rows = _train_rows(runs, width)
             # Training reads only the pool and each replica's train rows: one data shape for all.
             self.train_data = [base.replace(train_idx=i, train_count=c) for i, c in self.rows]

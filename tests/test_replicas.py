@@ -1,7 +1,9 @@
 """Replicas (``--seeds``): each seed's files equal the run of that seed started alone."""
 import dataclasses
 import json
+import logging
 
+import jax
 import pytest
 
 from fedjax_sparse import replicas, runner
@@ -35,9 +37,14 @@ def test_partitions_differ_between_the_seeds():
     assert len(widths) == len(SEEDS)
 
 
-def test_sequential_replicas_are_bit_identical_to_separate_runs(alone, tmp_path):
-    results = replicas.run_replicas(dataclasses.replace(BASE, out=str(tmp_path)), SEEDS, parallelism="sequential",
-                                    progress=False)
+def test_sequential_replicas_are_bit_identical_to_separate_runs(alone, tmp_path, caplog):
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING, logger="jax"):
+        results = replicas.run_replicas(dataclasses.replace(BASE, out=str(tmp_path)), SEEDS,
+                                        parallelism="sequential", progress=False)
+    compiled = [r.getMessage().split(" with ")[0] for r in caplog.records if r.getMessage().startswith("Compiling")]
+    # One program for all seeds: the round chunk and the personalised evaluation compile once.
+    assert compiled.count("Compiling jit(run)") == 1, compiled
+    assert compiled.count("Compiling jit(personal)") == 1, compiled
     for seed, result in zip(SEEDS, results):
         assert rows(tmp_path / f"seed{seed}" / "metrics.jsonl") == rows(alone / f"seed{seed}" / "metrics.jsonl")
         assert json.loads((tmp_path / f"seed{seed}" / "config.json").read_text())["config"]["seed"] == seed
