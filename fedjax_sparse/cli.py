@@ -76,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
     run.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--compile-cache", default=None, metavar="DIR|off",
+                     help="folder of JAX's persistent compilation cache, so a rerun, a resume or another seed "
+                          "of the same shapes skips compiling (default: $FEDJAX_SPARSE_COMPILE_CACHE, else "
+                          "$XDG_CACHE_HOME/fedjax_sparse/jax, i.e. ~/.cache/...; 'off' disables it)")
     run.add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED",
                      help="replicas: run the configuration once per seed in one process, each in OUT/seed<SEED>/ "
                           "(OUT/replicas.json: mean and std over seeds); replaces --seed")
@@ -117,8 +121,39 @@ def _model_option(value: str):
     return value
 
 
+def compile_cache_dir(flag: str | None) -> Path | None:
+    """The persistent compilation cache folder for a CLI run (None: off). JAX's own
+    ``JAX_COMPILATION_CACHE_DIR`` wins when set (JAX reads it itself)."""
+    import os
+    choice = flag or os.environ.get("FEDJAX_SPARSE_COMPILE_CACHE")
+    if choice == "off" or (choice is None and os.environ.get("JAX_COMPILATION_CACHE_DIR")):
+        return None
+    if choice:
+        return Path(choice).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "fedjax_sparse" / "jax"
+
+
+def _enable_compile_cache(flag: str | None) -> None:
+    """Turns on JAX's persistent compilation cache for this process (the CLI is the process's
+    entry point; library users set ``jax_compilation_cache_dir`` themselves). A compiled program
+    is reused only for identical programs, XLA flags and versions, so no number changes."""
+    folder = compile_cache_dir(flag)
+    if folder is None:
+        return
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"notice: no compilation cache ({folder}: {e.strerror}); every run compiles afresh; "
+              "pass --compile-cache DIR or --compile-cache off", file=sys.stderr)
+        return
+    import jax
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+
+
 def cmd_run(args) -> int:
     from fedjax_sparse import runner
+    _enable_compile_cache(args.compile_cache)
     base = {}
     if args.config:
         path = Path(args.config)

@@ -12,6 +12,10 @@ if os.environ.get("FEDJAX_SPARSE_TEST_FULL_OPT") != "1":
     _FLAGS += ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", "")] + _FLAGS).strip()
 
+# The CLI's persistent compilation cache is process-global: tests that call the CLI in-process would
+# turn it on for every later test. Tests that check the cache pass --compile-cache themselves.
+os.environ.setdefault("FEDJAX_SPARSE_COMPILE_CACHE", "off")
+
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 

@@ -1,5 +1,6 @@
 """CLI and runner: outputs, resume, and one-line errors for bad input."""
 import gzip
+import os
 import json
 import subprocess
 import sys
@@ -127,3 +128,24 @@ def test_config_file_and_list_and_partition_commands(tmp_path, capsys):
 def test_module_entry_point_runs():
     proc = subprocess.run([sys.executable, "-m", "fedjax_sparse", "list"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "algorithms:" in proc.stdout
+
+
+def test_compile_cache_is_written_once_and_reused_by_a_rerun(tmp_path):
+    cache = tmp_path / "cache"
+    env = {**os.environ, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    args = [sys.executable, "-m", "fedjax_sparse", "run", "--algorithm", "fedavg", *QUICK, "--rounds", "1",
+            "--compile-cache", str(cache)]
+
+    def entries():
+        return {p.name: p.stat().st_mtime_ns for p in cache.iterdir() if p.name.startswith("jit_run")}
+    first = subprocess.run(args + ["--out", str(tmp_path / "a")], capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0, first.stderr
+    written = entries()
+    assert len(written) == 1, sorted(cache.iterdir())   # the round chunk's program
+    second = subprocess.run(args + ["--out", str(tmp_path / "b")], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert entries() == written   # read back, not compiled and written again
+    off = subprocess.run(args[:-1] + ["off", "--out", str(tmp_path / "c")], capture_output=True, text=True,
+                         env={**env, "XDG_CACHE_HOME": str(tmp_path / "xdg")}, timeout=300)
+    assert off.returncode == 0 and not (tmp_path / "xdg").exists()
