@@ -324,6 +324,8 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from fedjax_sparse.cli import enable_compile_cache
+    enable_compile_cache(None)  # as `run` does: reruns and resumes load their programs
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.bench:

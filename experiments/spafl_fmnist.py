@@ -369,6 +369,8 @@ def parse_args(argv, studies: dict, default_study: str, extra=None):
 
 def main(argv=None, studies=STUDIES, default_study="fmnist", extra=None, adjust=None) -> int:
     args, study = parse_args(argv, studies, default_study, extra)
+    from fedjax_sparse.cli import enable_compile_cache
+    enable_compile_cache(None)  # as `run` does: reruns and resumes load their programs
     if adjust is not None:
         study = adjust(study, args)
     out = Path(args.out)

@@ -134,7 +134,7 @@ def compile_cache_dir(flag: str | None) -> Path | None:
     return Path(base) / "fedjax_sparse" / "jax"
 
 
-def _enable_compile_cache(flag: str | None) -> None:
+def enable_compile_cache(flag: str | None) -> None:
     """Turns on JAX's persistent compilation cache for this process (the CLI is the process's
     entry point; library users set ``jax_compilation_cache_dir`` themselves). A compiled program
     is reused only for identical programs, XLA flags and versions, so no number changes."""
@@ -153,7 +153,7 @@ def _enable_compile_cache(flag: str | None) -> None:
 
 def cmd_run(args) -> int:
     from fedjax_sparse import runner
-    _enable_compile_cache(args.compile_cache)
+    enable_compile_cache(args.compile_cache)
     base = {}
     if args.config:
         path = Path(args.config)
