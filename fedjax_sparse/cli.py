@@ -31,7 +31,8 @@ RUN_FLAGS = [
     ("--out", "out", str, "output directory (config.json, metrics.jsonl, summary.json, checkpoint)"),
     ("--preprocess", "preprocess", str, "input scaling: unit (x/255) | raw (0-255) | standardize"),
     ("--client-parallelism", "client_parallelism", str,
-     "auto (map on CPU, vmap elsewhere) | vmap | map | bucketed (cohort sorted by step count, vmap in buckets)"),
+     "auto (map on CPU, vmap elsewhere) | vmap | map | bucketed (cohort sorted by step count, vmap in buckets) | "
+     "measure (time one round of map, vmap and bucketed, use the fastest; recorded in config.json)"),
     ("--client-bucket-size", "client_bucket_size", int, "bucketed mode: clients per lockstep bucket (default: K/4)"),
     ("--round-mode", "round_mode", str, "scan (rounds in one jitted lax.scan per chunk) | per_round"),
     ("--eval-batch-size", "eval_batch_size", int, "evaluation batch size (default: from the clients' test-set sizes)"),

@@ -141,9 +141,9 @@ def validate(config: RunConfig):
         raise RunError(f"unknown dataset {config.dataset!r}; valid datasets: {', '.join(datasets.DATASETS)}")
     if config.preprocess not in PREPROCESSING:
         raise RunError(f"unknown --preprocess {config.preprocess!r}; valid: {', '.join(PREPROCESSING)}")
-    if config.client_parallelism not in CLIENT_PARALLELISM:
+    if config.client_parallelism not in CLIENT_PARALLELISM + ("measure",):
         raise RunError(f"unknown --client-parallelism {config.client_parallelism!r}; valid: "
-                       f"{', '.join(CLIENT_PARALLELISM)}")
+                       f"{', '.join(CLIENT_PARALLELISM + ('measure',))}")
     if config.client_bucket_size < 0:
         raise RunError(f"--client-bucket-size must be >= 0 (0 = a quarter of --clients-per-round), got "
                        f"{config.client_bucket_size}")

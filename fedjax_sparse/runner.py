@@ -132,13 +132,37 @@ def build(config: RunConfig) -> Experiment:
     except ValueError as e:
         raise RunError(str(e)) from None
     engine = Engine(algorithm, config.num_clients, config.clients_per_round,
-                    client_parallelism=config.client_parallelism, resample_every=config.resample_every,
+                    # ``measure`` is decided by the run (measure_client_parallelism); "auto" until then.
+                    client_parallelism="auto" if config.client_parallelism == "measure" else config.client_parallelism,
+                    resample_every=config.resample_every,
                     bucket_size=config.client_bucket_size, local_epochs=config.local_epochs,
                     batch_size=config.batch_size,
                     eval_batch_size=config.eval_batch_size or auto_eval_batch_size(data),
                     personal_eval=config.personal_eval,
                     cohort_schedule=None if schedule is None else tuple(map(tuple, schedule.tolist())))
     return Experiment(config, dataset, partition, data, task, engine, pinned)
+
+
+MEASURED_SCHEDULES = ("map", "vmap", "bucketed")
+
+
+def measure_client_parallelism(engine: Engine, state: EngineState, data: FederatedData,
+                               repeats: int = 2) -> tuple[str, dict]:
+    """``--client-parallelism measure``: runs one round of every client schedule on a copy of
+    ``state`` (the run's own state is untouched), after one compiling call each, and picks the
+    fastest median. Returns (schedule, {schedule: median seconds per round})."""
+    seconds = {}
+    for mode in MEASURED_SCHEDULES:
+        candidate = dataclasses.replace(engine, client_parallelism=mode)
+        times = []
+        for i in range(repeats + 1):
+            copy = jax.tree_util.tree_map(jnp.copy, state)
+            t = time.perf_counter()
+            jax.block_until_ready(candidate.round_fn(copy, data))
+            if i:  # the first call compiles
+                times.append(time.perf_counter() - t)
+        seconds[mode] = float(np.median(times))
+    return min(seconds, key=seconds.__getitem__), seconds
 
 
 def _constant_init(variables: dict):
@@ -401,6 +425,19 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
                 return RunResult(summary, state)
         elif overwrite:
             clear_outputs(out)  # only now that the new run has built
+    measured = None
+    if config.client_parallelism == "measure":
+        if recorded.get("client_parallelism_measured"):
+            # A resumed run keeps the schedule it measured (same program, same numbers).
+            measured = recorded["client_parallelism_measured"]
+            mode = recorded["client_parallelism"]
+        else:
+            mode, seconds = measure_client_parallelism(engine, state, exp.data)
+            measured = {"seconds_per_round": seconds, "backend": jax.default_backend()}
+            print(f"client parallelism: measured {', '.join(f'{m} {t:.3f} s' for m, t in seconds.items())} per "
+                  f"round; using {mode}", file=sys.stderr)
+        exp.engine = engine = dataclasses.replace(engine, client_parallelism=mode)
+    if out is not None:
         (out / "config.json").write_text(json.dumps({
             "config": config.to_json(), "algorithm_options": exp.algorithm.hparams,
             "model": exp.model.name, "num_params": exp.model.num_params,
@@ -409,6 +446,7 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
             "devices": [str(d) for d in jax.devices()], "python": platform.python_version(),
             "client_parallelism": engine.mode,
             **({"client_bucket_size": engine.clients_per_bucket} if engine.mode == "bucketed" else {}),
+            **({"client_parallelism_measured": measured} if measured else {}),
             **(record or {}),
             **({"resumed": history} if history else {})}, indent=2))
     return OpenRun(config, exp, out, state, totals, rows, build_seconds)
