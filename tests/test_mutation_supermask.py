@@ -40,7 +40,7 @@ def test_unknown_mask_by_and_init_name_the_valid_choices():
         sm.frozen_weights(jax.random.PRNGKey(0), (2, 3), "xavier")
 
 
-def test_vote_rejects_reputation_sums_that_overflow_int32():
+def test_vote_refuses_reputation_sums_that_overflow_int32():
     # 2048 clients x reputations up to n - 1 = 2^20 sum to 2^31 > int32 max: must be refused
     n = 2 ** 20 + 1
     with pytest.raises(ValueError, match="overflow int32"):
