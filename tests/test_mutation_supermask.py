@@ -1,5 +1,4 @@
 """Tests written for the mutmut survivors of ``mechanisms/supermask.py`` (docs/testing.md)."""
-import math
 
 import jax
 import jax.numpy as jnp
