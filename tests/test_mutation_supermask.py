@@ -1,0 +1,109 @@
+"""Tests written for the mutmut survivors of ``mechanisms/supermask.py`` (docs/testing.md)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_sparse import supermask as sm
+from fedjax_sparse.mechanisms import supermask as sm_impl
+
+
+# ---------------------------------------------------------------- communication (no test reached these)
+def test_rank_bits_are_ceil_log2_of_the_layer_size():
+    # an edge id in [0, n) needs ceil(log2 n) bits; a single-edge layer still sends 1 bit
+    assert [sm.rank_bits(n) for n in (1, 2, 3, 4, 5, 1024, 1025)] == [1, 1, 2, 2, 3, 10, 11]
+
+
+def test_ranking_bits_full_and_sparse_by_hand():
+    # full rankings: 4 edges x 2 bits + 10 edges x 4 bits
+    assert sm.ranking_bits([4, 10]) == 4 * 2 + 10 * 4 == 48
+    assert sm.ranking_bits([4, 10], 1.0) == 48
+    # Sparse-FSL top half: int((1 - 0.5) * 4) = 2 dropped of 4, 5 of 10 -> 2 x 2 + 5 x 4 bits
+    assert sm.ranking_bits([4, 10], 0.5) == 2 * 2 + 5 * 4 == 24
+    # top 25 %: 10 - int(0.75 * 10) = 3 edges of 10, 4 bits each
+    assert sm.ranking_bits([10], 0.25) == 3 * 4
+
+
+def test_mebibytes_are_two_to_the_twenty_bytes():
+    # the paper's MB is 2^20 bytes = 2^23 bits
+    assert sm.mebibytes(8 * 2 ** 20) == 1.0
+    assert sm.mebibytes(12 * 2 ** 20) == 1.5
+
+
+# ---------------------------------------------------------------- error messages and guards
+def test_unknown_mask_by_and_init_name_the_valid_choices():
+    with pytest.raises(ValueError, match="unknown mask_by 'top'"):
+        sm.supermask(jnp.ones(4), 0.5, "top")
+    with pytest.raises(ValueError, match="unknown weight init 'xavier'"):
+        sm.frozen_weights(jax.random.PRNGKey(0), (2, 3), "xavier")
+
+
+def test_vote_refuses_reputation_sums_that_overflow_int32():
+    # 2048 clients x reputations up to n - 1 = 2^20 sum to 2^31 > int32 max: must be refused
+    n = 2 ** 20 + 1
+    with pytest.raises(ValueError, match="overflow int32"):
+        jax.eval_shape(sm.vote, jax.ShapeDtypeStruct((2048, n), jnp.int32))
+    # Sparse-FSL: the client count is the first axis of the [K, m] tops, whatever m is
+    with pytest.raises(ValueError, match="overflow int32"):
+        jax.eval_shape(lambda t: sm.vote_sparse(t, n), jax.ShapeDtypeStruct((2048, 4), jnp.int32))
+    # well inside int32: fine
+    jax.eval_shape(sm.vote, jax.ShapeDtypeStruct((1024, n), jnp.int32))
+
+
+# ---------------------------------------------------------------- integer reputations
+def test_reputations_are_int32():
+    r = jnp.array([4, 0, 2, 3, 5, 1], jnp.int32)
+    assert sm.reputations(r).dtype == jnp.int32
+    assert sm.sparse_reputations(r[3:], 6).dtype == jnp.int32
+
+
+def test_vote_with_include_sums_reputations_exactly_beyond_float32():
+    """Two clients, n = 2^23 + 8 edges: the sums reach 2^24 + 13, where float32 has a
+    spacing of 2. The last four edges get sums 2^24 + (9, 11, 13, 11); exact integer
+    sums rank them [n-4, n-3, n-1, n-2], float32 sums (all but the first round to
+    2^24 + 12) would tie the last three and keep index order."""
+    n = 2 ** 23 + 8
+    identity = np.arange(n, dtype=np.int32)
+    rep_b = identity.copy()
+    rep_b[n - 4:] = [n - 3, n - 2, n - 1, n - 4]
+    ranking_b = np.empty(n, np.int32)
+    ranking_b[rep_b] = identity                        # the ranking whose reputations are rep_b
+    rankings = jnp.asarray(np.stack([identity, ranking_b]))
+    want_tail = [n - 4, n - 3, n - 1, n - 2]
+    sums = identity.astype(np.int64) + rep_b
+    np.testing.assert_array_equal(np.argsort(sums, kind="stable")[-4:], want_tail)
+    include = jnp.array([True, True])
+    np.testing.assert_array_equal(np.asarray(sm.vote(rankings, include=include))[-4:], want_tail)
+    np.testing.assert_array_equal(np.asarray(sm.vote_sparse(rankings, n, include=include))[-4:], want_tail)
+
+
+# ---------------------------------------------------------------- float order keys
+def test_argsort_keeps_differences_below_float32_spacing_at_one():
+    # 1e-8 apart: indistinguishable after adding 1.0, distinct as they are
+    x = jnp.array([2e-8, 0.0, 1e-8, -1e-8], jnp.float32)
+    np.testing.assert_array_equal(sm.argsort(x), [3, 1, 2, 0])
+    np.testing.assert_array_equal(sm.ranking(x), np.argsort(np.asarray(x), kind="stable"))
+
+
+def test_argsort_separates_positive_floats_one_ulp_apart():
+    # 1.0 and the next float32 differ only in the last mantissa bit
+    up = np.nextafter(np.float32(1.0), np.float32(2.0))
+    x = jnp.array([up, 1.0, -up, -1.0], jnp.float32)
+    np.testing.assert_array_equal(sm.argsort(x), [2, 3, 1, 0])
+
+
+def test_numpy_argsort_refuses_other_dtypes():
+    with pytest.raises(TypeError, match="float32 and int32, got int64"):
+        sm_impl._numpy_argsort(np.array([3, 1, 2], np.int64))
+
+
+def test_argsort_off_the_cpu_is_the_same_stable_int32_argsort(monkeypatch):
+    """Off the CPU ``argsort`` is ``jnp.argsort``: run that branch here by reporting another backend."""
+    x = jnp.array([[[3, 1, 3, 0], [2, 2, -2, 2]], [[0, 0, 5, 1], [7, 6, 6, 7]]], jnp.int32)   # [2, 2, 4], ties
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    many_ties = jax.random.randint(jax.random.PRNGKey(0), (2000,), 0, 3, jnp.int32)   # an unstable sort reorders ties
+    for a in (x, x[0], x[0, 1], many_ties):                          # 3-D, 2-D, 1-D
+        got = sm.argsort(a)
+        assert got.dtype == jnp.int32
+        np.testing.assert_array_equal(got, np.argsort(np.asarray(a), axis=-1, kind="stable"))
