@@ -122,3 +122,14 @@ def test_table2_gbit_check():
     assert table["heterofl"][2] == pytest.approx(68.88)          # paper: p x dense, to the digit
     assert table["fedpm"][0] == pytest.approx(71.0325)           # 33 bits x 430,500 x 5,000
     assert table["fjord"][0] == pytest.approx(50.016)
+
+
+def test_residual_models_are_refused_in_one_line():
+    import jax
+    import pytest
+
+    from fedjax_sparse.algorithms.heterofl import WidthLayout
+    from fedjax_sparse.models import make_model
+    model = make_model("resnet18_narrow", (32, 32, 3), 10)
+    with pytest.raises(ValueError, match="needs a sequential model.*preact"):
+        WidthLayout.from_model(model, model.init(jax.random.PRNGKey(0)))

@@ -80,6 +80,13 @@ class WidthLayout:
     @classmethod
     def from_model(cls, model: Model, variables: dict) -> "WidthLayout":
         index = {layer.name: i for i, layer in enumerate(model.layers)}
+        extra = sorted(set(variables["params"]) - set(index))
+        if extra:
+            # e.g. a ResNet's pre-activation BatchNorms, which belong to no weight layer
+            raise ValueError(f"width scaling (heterofl, fjord) needs a sequential model whose every parameter "
+                             f"belongs to a weight layer; {model.name} also has {', '.join(extra[:3])}"
+                             f"{' ...' if len(extra) > 3 else ''} (residual models are not supported yet): "
+                             "choose a sequential --model such as cnn7 or lenet5_caffe")
         names, outs, scal, src, ins, per, ku, fu, vec = [], [], [], [], [], [], [], [], []
         for i, layer in enumerate(model.layers):
             s = index[layer.input_layer] if layer.input_layer is not None else -1
