@@ -124,9 +124,12 @@ def run_replicas(config: RunConfig, seeds: Sequence[int], *, parallelism: str = 
                 raise RunError(f"--out {out} exists and is not a directory; choose another --out")
             out.mkdir(parents=True, exist_ok=True)
             stack.enter_context(OutputLock(out))
-        opened = []
+        opened: list = []
         for seed in seeds:
             cfg = replica_config(config, seed)
+            if cfg.client_parallelism == "measure" and opened and not isinstance(opened[0], RunResult):
+                # Measured once, on the first seed: the others run the schedule it chose.
+                cfg = dataclasses.replace(cfg, client_parallelism=opened[0].exp.engine.mode)
             if cfg.out is not None:
                 Path(cfg.out).mkdir(parents=True, exist_ok=True)
                 stack.enter_context(OutputLock(Path(cfg.out)))
