@@ -376,11 +376,10 @@ def _run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool, 
 
 
 def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool,
-              experiment: Experiment | None, given: set[str] | None, record: dict | None = None,
-              build_fn: Callable[[RunConfig], Experiment] | None = None) -> "OpenRun | RunResult":
+              experiment: Experiment | None, given: set[str] | None) -> "OpenRun | RunResult":
     """Prepares ``out`` (resume or fresh), builds the experiment, restores the checkpoint and writes
-    config.json (plus the ``record`` entries). Returns the :class:`OpenRun`, or the finished
-    run's result when a resumed run is already complete."""
+    config.json. Returns the :class:`OpenRun`, or the finished run's result when a resumed run is
+    already complete."""
     changes: dict = {}
     recorded: dict = {}
     if out is not None:
@@ -394,7 +393,7 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
                                "be resumed: start a fresh run in a new --out") from None
             config, changes = resumed_config(config, saved, given)
     t_build = time.perf_counter()
-    exp = experiment or (build_fn or build)(config)
+    exp = experiment or build(config)
     engine = exp.engine
     build_seconds = time.perf_counter() - t_build
     state = engine.init(jax.random.PRNGKey(config.seed))
@@ -447,7 +446,6 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
             "client_parallelism": engine.mode,
             **({"client_bucket_size": engine.clients_per_bucket} if engine.mode == "bucketed" else {}),
             **({"client_parallelism_measured": measured} if measured else {}),
-            **(record or {}),
             **({"resumed": history} if history else {})}, indent=2))
     return OpenRun(config, exp, out, state, totals, rows, build_seconds)
 
