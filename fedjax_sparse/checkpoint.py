@@ -105,6 +105,19 @@ class OutputLock:
         self.release()
 
 
+def locked_out_dir(out: Path) -> OutputLock:
+    """Checks that ``out`` can be a run's folder, creates it and returns its lock, taken on entering
+    (``with locked_out_dir(out): ...``)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise RunError(f"--out {out} exists and is not a directory; choose another --out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunError(f"cannot create --out {out} ({e.strerror}); choose a writable --out") from None
+    return OutputLock(out)
+
+
 # ---------------------------------------------------------------- metrics
 def read_metrics(out: str | Path, repair: bool = False) -> list[dict]:
     """The rows of ``OUT/metrics.jsonl`` (one per evaluated round); [] when there is none yet.

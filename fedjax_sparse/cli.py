@@ -81,6 +81,13 @@ def _parser() -> argparse.ArgumentParser:
                      help="folder of JAX's persistent compilation cache, so a rerun, a resume or another seed "
                           "of the same shapes skips compiling (default: $FEDJAX_SPARSE_COMPILE_CACHE, else "
                           "$XDG_CACHE_HOME/fedjax_sparse/jax, i.e. ~/.cache/...; 'off' disables it)")
+    run.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                     help="multi-process run (jax.distributed): address of process 0; with --num-processes and "
+                          "--process-id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
+    run.add_argument("--num-processes", type=int, default=None, metavar="N",
+                     help="multi-process run: how many processes (one command per process, same flags)")
+    run.add_argument("--process-id", type=int, default=None, metavar="I",
+                     help="multi-process run: this process's index, 0 .. N-1 (process 0 writes the files)")
     run.add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED",
                      help="replicas: run the configuration once per seed in one process, each in OUT/seed<SEED>/ "
                           "(OUT/replicas.json: mean and std over seeds); replaces --seed")
@@ -153,8 +160,9 @@ def enable_compile_cache(flag: str | None) -> None:
 
 
 def cmd_run(args) -> int:
-    from fedjax_sparse import runner
+    from fedjax_sparse import distributed, runner
     enable_compile_cache(args.compile_cache)
+    processes = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     base = {}
     if args.config:
         path = Path(args.config)
@@ -188,9 +196,13 @@ def cmd_run(args) -> int:
     if args.resume and not config.out:
         raise ValueError("--resume needs --out pointing at the interrupted run's directory")
     if args.seeds is not None:
+        if processes > 1:
+            raise ValueError("--seeds runs in one process; launch one multi-process run per --seed instead")
         return _run_replicas(args, config, given)
     summary, _ = runner.run(config, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet,
                             given=given)
+    if not distributed.is_primary():
+        return 0  # process 0 reports
     print(runner.format_summary(summary))
     if config.out:
         print(f"outputs: {config.out}/{{config.json,metrics.jsonl,summary.json}}")

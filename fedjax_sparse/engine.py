@@ -30,7 +30,10 @@ padding included).
 Devices: with more than one device and ``vmap``, the sampled clients are
 sharded over a 1-D ``clients`` mesh (K must divide evenly; otherwise the round
 runs on one device). XLA partitions the vmapped client updates and inserts
-the cross-device reduction for the server aggregate.
+the cross-device reduction for the server aggregate. In a multi-process run
+(``fedjax_sparse.distributed``) the mesh spans every process's devices, ``auto``
+means ``vmap``, and the round's outputs are gathered back to replicated arrays,
+so every process reads the same state and metrics.
 """
 from __future__ import annotations
 
@@ -65,7 +68,8 @@ def resolve_parallelism(mode: str) -> str:
     if mode not in CLIENT_PARALLELISM:
         raise ValueError(f"unknown client parallelism {mode!r}; valid: {CLIENT_PARALLELISM}")
     if mode == "auto":
-        return "map" if jax.default_backend() == "cpu" else "vmap"
+        # Several processes only share the work through vmap's sharded client axis.
+        return "map" if jax.default_backend() == "cpu" and jax.process_count() == 1 else "vmap"
     return mode
 
 
@@ -172,12 +176,22 @@ class Engine:
 
     @functools.cached_property
     def client_sharding(self):
-        """NamedSharding of the client axis over local devices, or None (one device)."""
-        n = jax.local_device_count()
+        """NamedSharding of the client axis over all devices (every process's, in a multi-process
+        run), or None (one device, or a cohort that does not divide evenly)."""
+        n = jax.device_count()
         if not self.shard_clients or self.mode != "vmap" or n < 2 or self.clients_per_round % n:
             return None
-        mesh = jax.sharding.Mesh(np.array(jax.local_devices()), ("clients",))
+        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("clients",))
         return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("clients"))
+
+    def _replicate(self, tree):
+        """Multi-process: ``tree`` gathered to a copy on every device, so each process can read
+        it (metrics) and the next round starts from the same state everywhere."""
+        if jax.process_count() == 1:
+            return tree
+        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("clients",))
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        return jax.tree_util.tree_map(lambda x: jax.lax.with_sharding_constraint(x, replicated), tree)
 
     def _shard(self, tree):
         sharding = self.client_sharding
@@ -242,7 +256,7 @@ class Engine:
             round_metrics["client_steps"] = steps.sum()
             round_metrics["client_steps_executed"] = executed_client_steps(steps, self.mode, self.clients_per_bucket)
         round_metrics.update({f"server_{k}": jnp.asarray(v, jnp.float32) for k, v in server_metrics.items()})
-        return EngineState(server, clients, state.key, state.round + 1), round_metrics
+        return self._replicate((EngineState(server, clients, state.key, state.round + 1), round_metrics))
 
     def _extra_updates(self, state: EngineState, data: FederatedData, payload, key_shared, server_ctx, one_client):
         """Runs ``client_update`` for the algorithm's extra clients of this round (only when it

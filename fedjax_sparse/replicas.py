@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse.checkpoint import OutputLock, has_checkpoint
+from fedjax_sparse.checkpoint import has_checkpoint, locked_out_dir
 from fedjax_sparse.config import RunConfig, RunError
 from fedjax_sparse.data.federated import FederatedData, pad_index_rows
 from fedjax_sparse.engine import Engine, metrics_to_host
@@ -120,10 +120,7 @@ def run_replicas(config: RunConfig, seeds: Sequence[int], *, parallelism: str = 
     out = Path(config.out) if config.out else None
     with contextlib.ExitStack() as stack:
         if out is not None:
-            if out.exists() and not out.is_dir():
-                raise RunError(f"--out {out} exists and is not a directory; choose another --out")
-            out.mkdir(parents=True, exist_ok=True)
-            stack.enter_context(OutputLock(out))
+            stack.enter_context(locked_out_dir(out))
         opened: list = []
         for seed in seeds:
             cfg = replica_config(config, seed)
@@ -131,8 +128,7 @@ def run_replicas(config: RunConfig, seeds: Sequence[int], *, parallelism: str = 
                 # Measured once, on the first seed: the others run the schedule it chose.
                 cfg = dataclasses.replace(cfg, client_parallelism=opened[0].exp.engine.mode)
             if cfg.out is not None:
-                Path(cfg.out).mkdir(parents=True, exist_ok=True)
-                stack.enter_context(OutputLock(Path(cfg.out)))
+                stack.enter_context(locked_out_dir(Path(cfg.out)))
             out_r = Path(cfg.out) if cfg.out else None
             # --resume continues every seed that has a checkpoint and starts the others (a seed killed
             # before its first checkpoint has nothing a resume would keep).

@@ -31,12 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse import pinning
+from fedjax_sparse import distributed, pinning
 from fedjax_sparse.algorithms import Task, compose, make_algorithm
 # The config and checkpoint modules' names stay importable from here (scripts use runner.RunConfig).
 from fedjax_sparse.checkpoint import (CHECKPOINT, OutputLock, clear_outputs, has_checkpoint,  # noqa: F401
-                                      load_checkpoint, prepare_out_dir, read_metrics, save_checkpoint,
-                                      write_metrics)
+                                      load_checkpoint, locked_out_dir, prepare_out_dir, read_metrics,
+                                      save_checkpoint, write_metrics)
 from fedjax_sparse.config import DEFAULT_MODELS, ROUND_MODES, RunConfig, RunError, validate  # noqa: F401
 from fedjax_sparse.data.federated import FederatedData, build_federated_data
 from fedjax_sparse.engine import STEP_METRICS, Engine, EngineState
@@ -335,18 +335,16 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
     to record masks for plots). ``experiment`` reuses an already built one.
     ``resume`` continues the run recorded in ``config.out`` (see :func:`resumed_config`;
     ``given`` names the fields the user set). The output folder is locked for the run.
+    In a multi-process run (:mod:`fedjax_sparse.distributed`) every process calls ``run``;
+    process 0 locks the folder and writes the files.
     """
     out = Path(config.out) if config.out else None
-    if out is None:
-        return _run(config, None, resume=False, overwrite=False, progress=progress, on_eval=on_eval,
-                    experiment=experiment, given=given)
-    if out.exists() and not out.is_dir():
-        raise RunError(f"--out {out} exists and is not a directory; choose another --out")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise RunError(f"cannot create --out {out} ({e.strerror}); choose a writable --out") from None
-    with OutputLock(out):
+    if out is None or not distributed.is_primary():
+        # No folder, or a process other than 0 of a multi-process run (it writes nothing, reads to resume).
+        return _run(config, out, resume=resume and out is not None, overwrite=False,
+                    progress=progress and distributed.is_primary(), on_eval=on_eval, experiment=experiment,
+                    given=given)
+    with locked_out_dir(out):
         return _run(config, out, resume=resume, overwrite=overwrite, progress=progress, on_eval=on_eval,
                     experiment=experiment, given=given)
 
@@ -382,8 +380,10 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
     already complete."""
     changes: dict = {}
     recorded: dict = {}
+    writes = out is not None and distributed.is_primary()
     if out is not None:
-        prepare_out_dir(out, resume=resume, overwrite=overwrite)
+        if writes:
+            prepare_out_dir(out, resume=resume, overwrite=overwrite)
         if resume:
             try:
                 recorded = json.loads((out / "config.json").read_text())
@@ -396,6 +396,8 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
     exp = experiment or build(config)
     engine = exp.engine
     build_seconds = time.perf_counter() - t_build
+    if distributed.multi_process():
+        _check_multi_process(config, engine)
     state = engine.init(jax.random.PRNGKey(config.seed))
     # Costs are exact Python ints (float only for expectations such as FedDrop's FLOPs).
     totals: dict[str, Any] = {"round": 0, "uplink_bits": 0, "downlink_bits": 0, "flops": 0, "seconds": 0.0,
@@ -408,8 +410,11 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
             totals.setdefault("client_steps", None)
             totals.setdefault("client_steps_executed", None)
             totals = {k: _exact_number(v) if k in COST_KEYS else v for k, v in totals.items()}
-            rows = [r for r in read_metrics(out, repair=True) if r["round"] <= totals["round"]]  # drop rows past it
-            write_metrics(out, rows)
+            rows = [r for r in read_metrics(out, repair=writes) if r["round"] <= totals["round"]]  # drop rows past it
+            # Every process has read the recorded run before process 0 rewrites any of it.
+            distributed.barrier("fedjax_sparse:resume-read")
+            if writes:
+                write_metrics(out, rows)
             history = list(recorded.get("resumed", []))
             history.append({"at_round": int(totals["round"]), "changed": changes})
             if int(totals["round"]) >= config.rounds:
@@ -420,9 +425,10 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
                     return RunResult(json.loads(summary_path.read_text()), state)
                 # Killed between its last checkpoint and its summary: write the summary now.
                 summary = summarize(config, exp, rows, totals, build_seconds, 0.0)
-                summary_path.write_text(json.dumps(_jsonable(summary), indent=2, allow_nan=False))
+                if writes:
+                    summary_path.write_text(json.dumps(_jsonable(summary), indent=2, allow_nan=False))
                 return RunResult(summary, state)
-        elif overwrite:
+        elif overwrite and writes:
             clear_outputs(out)  # only now that the new run has built
     measured = None
     if config.client_parallelism == "measure":
@@ -436,18 +442,39 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
             print(f"client parallelism: measured {', '.join(f'{m} {t:.3f} s' for m, t in seconds.items())} per "
                   f"round; using {mode}", file=sys.stderr)
         exp.engine = engine = dataclasses.replace(engine, client_parallelism=mode)
-    if out is not None:
+    if distributed.multi_process():
+        state, exp.data = distributed.to_global((state, exp.data))
+    if writes and out is not None:
         (out / "config.json").write_text(json.dumps({
             "config": config.to_json(), "algorithm_options": exp.algorithm.hparams,
             "model": exp.model.name, "num_params": exp.model.num_params,
             "forward_macs_per_example": exp.model.forward_macs,
             "pinned_draws": exp.pinned, "jax": jax.__version__, "backend": jax.default_backend(),
             "devices": [str(d) for d in jax.devices()], "python": platform.python_version(),
+            "processes": jax.process_count(),
+            # Devices each round's cohort is split over (1: not split).
+            "client_devices": 1 if engine.client_sharding is None else len(engine.client_sharding.device_set),
             "client_parallelism": engine.mode,
             **({"client_bucket_size": engine.clients_per_bucket} if engine.mode == "bucketed" else {}),
             **({"client_parallelism_measured": measured} if measured else {}),
             **({"resumed": history} if history else {})}, indent=2))
     return OpenRun(config, exp, out, state, totals, rows, build_seconds)
+
+
+def _check_multi_process(config: RunConfig, engine: Engine) -> None:
+    """The settings a multi-process run needs: every process must run the same program, and the
+    cohort must split evenly over all devices (otherwise no process would share the work)."""
+    devices = jax.device_count()
+    if config.client_parallelism == "measure":
+        raise RunError("--client-parallelism measure times each process on its own and could pick different "
+                       "programs; a multi-process run uses vmap: drop the flag or pass --client-parallelism vmap")
+    if engine.mode != "vmap":
+        raise RunError(f"a multi-process run splits the cohort through vmap; --client-parallelism "
+                       f"{config.client_parallelism} would repeat all the work on every process: use auto or vmap")
+    if engine.client_sharding is None:
+        raise RunError(f"a multi-process run splits each round's {engine.clients_per_round} clients over all "
+                       f"{devices} devices ({jax.process_count()} processes): --clients-per-round must be a "
+                       f"multiple of {devices}")
 
 
 class OpenRun:
@@ -461,6 +488,8 @@ class OpenRun:
     def __init__(self, config: RunConfig, exp: Experiment, out: Path | None, state: EngineState, totals: dict,
                  rows: list, build_seconds: float):
         self.config, self.exp, self.out, self.state = config, exp, out, state
+        # Process 0 writes the files (every process checkpoints: orbax coordinates them).
+        self.writes = out is not None and distributed.is_primary()
         self.totals, self.rows, self.build_seconds = totals, rows, build_seconds
         self.evaluate: Callable[[EngineState], dict] = lambda s: exp.engine.evaluate(s, exp.data)
         self.compile_seconds = 0.0
@@ -476,7 +505,7 @@ class OpenRun:
     def start(self, bar: "Progress | None", on_eval=None) -> None:
         """Opens the extra logs and starts the clock (``bar``: this run's progress, or None)."""
         self.bar, self.on_eval = bar, on_eval
-        self.sinks = MetricSinks(self.out, self.config.log)
+        self.sinks = MetricSinks(self.out if self.writes else None, self.config.log)
         self.t0 = time.perf_counter() - float(self.totals["seconds"])
 
     def close(self) -> None:
@@ -537,7 +566,7 @@ class OpenRun:
                 row[key] = int(value[-1]) if key in STEP_METRICS else float(value[-1])
         row = {k: _jsonable(v) for k, v in row.items()}
         self.rows.append(row)
-        if out is not None:
+        if self.writes and out is not None:
             with open(out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(row, allow_nan=False) + "\n")
             assert self.sinks is not None, "start() opens the sinks"
@@ -560,7 +589,7 @@ class OpenRun:
     def finish(self) -> dict:
         """The summary (also written to OUT/summary.json)."""
         summary = summarize(self.config, self.exp, self.rows, self.totals, self.build_seconds, self.compile_seconds)
-        if self.out is not None:
+        if self.writes and self.out is not None:
             (self.out / "summary.json").write_text(json.dumps(_jsonable(summary), indent=2, allow_nan=False))
         return summary
 
