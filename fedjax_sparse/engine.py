@@ -220,14 +220,21 @@ class Engine:
         key_sample = jax.random.split(jax.random.fold_in(run_key, first_round), 4)[0]
         return sample_clients(key_sample, self.num_clients, self.clients_per_round)
 
-    def round_step(self, state: EngineState, data: FederatedData):
-        """One federated round. Returns (new state, round metrics dict of scalars)."""
+    def round_step(self, state: EngineState, data: FederatedData, resident: jax.Array | None = None):
+        """One federated round. Returns (new state, round metrics dict of scalars).
+
+        ``resident`` [U] (sorted client ids): ``state.clients`` holds only these clients' rows
+        (leaves [U, ...]), a superset of this round's cohort (a host-resident population brings
+        just the rows a chunk of rounds needs; :mod:`fedjax_sparse.population`). None: all N."""
         alg = self.algorithm
         round_key = jax.random.fold_in(state.key, state.round)
         _, key_clients, key_shared, key_server = jax.random.split(round_key, 4)  # first: cohort()'s
         ids = self.cohort(state.key, state.round)
-        take = lambda tree: jax.tree_util.tree_map(lambda x: x[ids], tree)  # noqa: E731
-        client_states = take(state.clients)
+        if resident is not None and alg.extra_clients is not None:
+            raise ValueError(f"{alg.name} trains extra clients chosen inside the round; it needs every client's "
+                             "state resident")
+        rows_of = ids if resident is None else jnp.searchsorted(resident, ids)
+        client_states = jax.tree_util.tree_map(lambda x: x[rows_of], state.clients)
         chex.assert_tree_shape_prefix(client_states, (self.clients_per_round,))
         idx_rows, counts = data.train_idx[ids], data.train_count[ids]
         payload = alg.broadcast(state.server, state.round)
@@ -249,7 +256,7 @@ class Engine:
         server, server_metrics = alg.server_update(state.server, messages, server_ctx)
         # A client_update must return its state with the shapes it received (scatter writes rows back).
         chex.assert_trees_all_equal_shapes_and_dtypes(new_states, client_states)
-        clients = jax.tree_util.tree_map(lambda all_, new: all_.at[ids].set(new), state.clients, new_states)
+        clients = jax.tree_util.tree_map(lambda all_, new: all_.at[rows_of].set(new), state.clients, new_states)
         round_metrics = reduce_client_metrics(metrics)
         if self.local_epochs is not None and self.batch_size is not None:
             steps = self.local_epochs * ((counts + self.batch_size - 1) // self.batch_size)
@@ -302,6 +309,28 @@ class Engine:
         see :func:`metrics_to_host`, one entry per round)."""
         state, metrics = self._scan_fn(state, data, int(num_rounds))
         return state, metrics_to_host(metrics)
+
+    @functools.cached_property
+    def _resident_scan_fn(self):
+        def run(state, data, resident, num_rounds):
+            return jax.lax.scan(lambda s, _: self.round_step(s, data, resident), state, None, length=num_rounds)
+        return jax.jit(run, static_argnums=3, donate_argnums=0)
+
+    def run_rounds_resident(self, state: EngineState, data: FederatedData, resident: jax.Array, num_rounds: int):
+        """As :meth:`run_rounds`, with ``state.clients`` holding only the rows of the sorted client
+        ids ``resident`` [U] (every client the ``num_rounds`` cohorts sample: see
+        :meth:`cohorts`). Returns (state, device metrics: :func:`metrics_to_host` them)."""
+        return self._resident_scan_fn(state, data, resident, int(num_rounds))
+
+    def cohorts(self, run_key: jax.Array, first_round: int, num_rounds: int) -> np.ndarray:
+        """[num_rounds, K] client ids of rounds ``first_round ...`` (what the rounds will sample),
+        computed ahead on the host."""
+        rounds = jnp.arange(first_round, first_round + num_rounds, dtype=jnp.int32)
+        return np.asarray(self._cohorts_fn(run_key, rounds))
+
+    @functools.cached_property
+    def _cohorts_fn(self):
+        return jax.jit(jax.vmap(self.cohort, in_axes=(None, 0)))
 
     @functools.cached_property
     def _replica_scan_fn(self):
