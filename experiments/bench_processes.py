@@ -85,6 +85,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-every", type=int, default=3)
     ap.add_argument("--baseline-tree", type=Path, default=None,
                     help="another checkout whose single-process default run is timed too (before/after)")
+    ap.add_argument("--repeats", type=int, default=3, help="before/after pairs of the single-process default")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     configs = [("one process, map (CPU default)", 1, 1, "auto"),
@@ -98,8 +99,9 @@ def main(argv=None) -> int:
     for name, processes, devices, parallelism in configs:
         results.append(run_config(name, processes, devices, parallelism, args))
     if args.baseline_tree is not None:  # alternated, so drift in the machine's load shows
-        results.append(run_config("before: one process, map (again)", 1, 1, "auto", args, tree=args.baseline_tree))
-        results.append(run_config("one process, map (CPU default, again)", 1, 1, "auto", args))
+        for _ in range(args.repeats - 1):
+            results.append(run_config("before: one process, map (again)", 1, 1, "auto", args, tree=args.baseline_tree))
+            results.append(run_config("one process, map (CPU default, again)", 1, 1, "auto", args))
     vmap_accuracies = {r["final_accuracy"] for r in results if r["client_parallelism"] == "vmap"}
     report = {
         "what": "SpaFL Fashion-MNIST LeNet-5-Caffe, 100 clients, 8 per round, 1 local epoch, "
@@ -107,10 +109,15 @@ def main(argv=None) -> int:
                 "first chunk (evaluation included) for processes x CPU devices on this machine",
         "command": "python experiments/bench_processes.py --data-dir ../shared/data"
                    + ("" if args.baseline_tree is None else " --baseline-tree <worktree of the previous commit>")
-                   + f" --rounds {args.rounds} --eval-every {args.eval_every} --out {args.out}",
+                   + f" --rounds {args.rounds} --eval-every {args.eval_every} --repeats {args.repeats}"
+                   + f" --out {args.out}",
         "cpu_count": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
         "results": results,
         "vmap_final_accuracies_distinct": sorted(vmap_accuracies),
+        "single_process_before_after": None if args.baseline_tree is None else {
+            "before_rounds_per_second": [r["rounds_per_second"] for r in results if r["name"].startswith("before")],
+            "after_rounds_per_second": [r["rounds_per_second"] for r in results
+                                        if r["name"].startswith("one process, map")]},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

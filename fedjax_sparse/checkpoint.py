@@ -183,7 +183,9 @@ def save_checkpoint(out: Path, state: EngineState, totals: dict) -> None:
     step = int(totals["round"])
     if step in manager.all_steps():  # the same round again (a resumed run re-saving): replace it
         manager.delete(step)
-    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(jax.device_get(state)),
+    # Several processes: orbax writes the global arrays, each process its own shards.
+    saved = state if jax.process_count() > 1 else jax.device_get(state)
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(saved),
                                                totals=ocp.args.JsonSave(totals)))
     manager.wait_until_finished()
     manager.close()
@@ -203,7 +205,11 @@ def load_checkpoint(out: Path, template: EngineState) -> tuple[EngineState, dict
     manager = _manager(out)
     steps = sorted(manager.all_steps(), reverse=True)
     problems = []
-    abstract = jax.tree_util.tree_map(np.asarray, jax.device_get(template))
+    if jax.process_count() > 1:  # restored straight into the template's shards
+        abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                          template)
+    else:
+        abstract = jax.tree_util.tree_map(np.asarray, jax.device_get(template))
     try:
         for step in steps:
             try:

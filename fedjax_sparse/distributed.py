@@ -9,15 +9,15 @@ reduction of the server aggregate (gloo on CPU, NCCL on GPU).
 
 What lives where:
 
-* the server state, the stacked client state and the data pool are global arrays *replicated*
-  on every device (:func:`to_global`): each process holds a full copy, as a single-process run
-  does. (Sharding the population's state along the client axis is the next memory step:
-  docs/scaling.md.)
-* the round's per-client work is sharded; its outputs are gathered back to replicated, so
-  metrics, evaluation and checkpoints read the same values on every process.
+* the population's state [N, ...] is split along N over all devices when N is a multiple of the
+  device count (:attr:`fedjax_sparse.engine.Engine.population_sharding`; built in place, so no
+  process holds all of it), else replicated; the server state and the data pool are replicated
+  (:func:`to_global`): each process holds a full copy, as a single-process run does.
+* the round's per-client work is sharded; metrics and the server state come back replicated, so
+  every process reads the same values.
 * files are written by process 0 only (:func:`is_primary`): the lock, config.json,
   metrics.jsonl, summary.json, the extra logs; checkpoints are saved by orbax with every
-  process taking part, and every process restores them for ``--resume``.
+  process writing its own shards, and every process restores them for ``--resume``.
 
 Launch (one command per process; flags, or the environment variables ``JAX_COORDINATOR_ADDRESS``,
 ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``)::

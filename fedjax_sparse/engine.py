@@ -32,8 +32,8 @@ sharded over a 1-D ``clients`` mesh (K must divide evenly; otherwise the round
 runs on one device). XLA partitions the vmapped client updates and inserts
 the cross-device reduction for the server aggregate. In a multi-process run
 (``fedjax_sparse.distributed``) the mesh spans every process's devices, ``auto``
-means ``vmap``, and the round's outputs are gathered back to replicated arrays,
-so every process reads the same state and metrics.
+means ``vmap``, the population's state is split along N (``population_sharding``),
+and metrics and the server state come back replicated, so every process reads them.
 """
 from __future__ import annotations
 
@@ -184,14 +184,36 @@ class Engine:
         mesh = jax.sharding.Mesh(np.array(jax.devices()), ("clients",))
         return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("clients"))
 
-    def _replicate(self, tree):
-        """Multi-process: ``tree`` gathered to a copy on every device, so each process can read
-        it (metrics) and the next round starts from the same state everywhere."""
+    @functools.cached_property
+    def population_sharding(self):
+        """Multi-process: the population's state [N, ...] split along N over all devices (each
+        process holds N / processes clients' rows), or None (one process, or N not divisible by
+        the device count: then every process holds all rows)."""
+        if jax.process_count() == 1 or self.client_sharding is None or self.num_clients % jax.device_count():
+            return None
+        return self.client_sharding
+
+    @functools.cached_property
+    def state_shardings(self):
+        """Multi-process: the EngineState's shardings (a pytree prefix): server, key and round
+        replicated, clients by :attr:`population_sharding` (replicated when None). None in one process."""
         if jax.process_count() == 1:
-            return tree
+            return None
         mesh = jax.sharding.Mesh(np.array(jax.devices()), ("clients",))
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        return jax.tree_util.tree_map(lambda x: jax.lax.with_sharding_constraint(x, replicated), tree)
+        return EngineState(replicated, self.population_sharding or replicated, replicated, replicated)
+
+    def _finish_round(self, state: EngineState, metrics: dict):
+        """Multi-process: the round's results placed where every process can read them (metrics,
+        server state replicated; client rows back in their shards), so the next round and the
+        host see the same state everywhere."""
+        shardings = self.state_shardings
+        if shardings is None:
+            return state, metrics
+        constrain = lambda tree, sharding: jax.tree_util.tree_map(  # noqa: E731
+            lambda x: jax.lax.with_sharding_constraint(x, sharding), tree)
+        state = EngineState(*(constrain(part, sharding) for part, sharding in zip(state, shardings)))
+        return state, constrain(metrics, shardings.server)
 
     def _shard(self, tree):
         sharding = self.client_sharding
@@ -263,7 +285,7 @@ class Engine:
             round_metrics["client_steps"] = steps.sum()
             round_metrics["client_steps_executed"] = executed_client_steps(steps, self.mode, self.clients_per_bucket)
         round_metrics.update({f"server_{k}": jnp.asarray(v, jnp.float32) for k, v in server_metrics.items()})
-        return self._replicate((EngineState(server, clients, state.key, state.round + 1), round_metrics))
+        return self._finish_round(EngineState(server, clients, state.key, state.round + 1), round_metrics)
 
     def _extra_updates(self, state: EngineState, data: FederatedData, payload, key_shared, server_ctx, one_client):
         """Runs ``client_update`` for the algorithm's extra clients of this round (only when it

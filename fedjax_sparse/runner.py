@@ -398,7 +398,12 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
     build_seconds = time.perf_counter() - t_build
     if distributed.multi_process():
         _check_multi_process(config, engine)
-    state = engine.init(jax.random.PRNGKey(config.seed))
+    if distributed.multi_process():
+        # Built in place: the population's rows land in their processes' shards (no full copy anywhere).
+        state = jax.jit(engine.init, out_shardings=engine.state_shardings)(jax.random.PRNGKey(config.seed))
+        exp.data = distributed.to_global(exp.data)
+    else:
+        state = engine.init(jax.random.PRNGKey(config.seed))
     # Costs are exact Python ints (float only for expectations such as FedDrop's FLOPs).
     totals: dict[str, Any] = {"round": 0, "uplink_bits": 0, "downlink_bits": 0, "flops": 0, "seconds": 0.0,
                               "client_steps": 0, "client_steps_executed": 0}
@@ -442,8 +447,6 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
             print(f"client parallelism: measured {', '.join(f'{m} {t:.3f} s' for m, t in seconds.items())} per "
                   f"round; using {mode}", file=sys.stderr)
         exp.engine = engine = dataclasses.replace(engine, client_parallelism=mode)
-    if distributed.multi_process():
-        state, exp.data = distributed.to_global((state, exp.data))
     if writes and out is not None:
         (out / "config.json").write_text(json.dumps({
             "config": config.to_json(), "algorithm_options": exp.algorithm.hparams,
@@ -454,6 +457,8 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
             "processes": jax.process_count(),
             # Devices each round's cohort is split over (1: not split).
             "client_devices": 1 if engine.client_sharding is None else len(engine.client_sharding.device_set),
+            # Multi-process: whether the population's state is split over the processes (else replicated).
+            "population_sharded": engine.population_sharding is not None,
             "client_parallelism": engine.mode,
             **({"client_bucket_size": engine.clients_per_bucket} if engine.mode == "bucketed" else {}),
             **({"client_parallelism_measured": measured} if measured else {}),

@@ -60,6 +60,16 @@ def test_two_processes_resumed_match_one_process_on_the_same_four_devices(tmp_pa
     assert [r["round"] for r in rows] == [1, 2, 3]
     config = json.loads((two / "config.json").read_text())
     assert config["processes"] == 2 and config["client_devices"] == 4 and len(config["devices"]) == 4
+    assert config["population_sharded"]  # each process holds 4 of the 8 clients' rows
+    # orbax's own record of the checkpoint: the clients' rows were saved split along the client axis
+    # (each process wrote its shards), the rest replicated.
+    import base64
+    recorded = json.loads((two / "checkpoints" / "3" / "state" / "_sharding").read_text())
+    specs = {base64.b64decode(k).decode(): json.loads(v)["partition_spec"] for k, v in recorded.items()}
+    client_specs = {spec[0] if spec else None for name, spec in specs.items() if name.startswith("clients.")}
+    assert client_specs == {"clients"}, specs
+    assert all(not spec for name, spec in specs.items() if not name.startswith("clients.")), specs
+    assert all((two / "checkpoints" / "3" / "state" / f"ocdbt.process_{i}").is_dir() for i in (0, 1))
     assert json.loads((tmp_path / "one_1" / "config.json").read_text())["client_devices"] == 1
     for reference in single.values():
         for mine, theirs in zip(rows, reference):
