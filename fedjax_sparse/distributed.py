@@ -111,3 +111,20 @@ def barrier(name: str) -> None:
     if multi_process():
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)
+
+
+def stop_together(step: str, error: Exception | None) -> None:
+    """Every process calls this once after ``step``, with the error it hit (or None): if any
+    process failed, every process raises (its own error, or one naming the failed process), so no
+    process is left waiting in a collective for one that has exited. No-op in a single process
+    except re-raising ``error``."""
+    if multi_process():
+        from jax.experimental import multihost_utils
+        failed = np.asarray(multihost_utils.process_allgather(np.array([error is not None])), bool).ravel()
+    else:
+        failed = np.array([error is not None])
+    if error is not None:
+        raise error
+    if failed.any():
+        raise RunError(f"process {int(np.flatnonzero(failed)[0])} stopped while {step} (its own error names the "
+                       "problem and the fix); this process stops too")

@@ -344,9 +344,16 @@ def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, pro
         return _run(config, out, resume=resume and out is not None, overwrite=False,
                     progress=progress and distributed.is_primary(), on_eval=on_eval, experiment=experiment,
                     given=given)
-    with locked_out_dir(out):
+    try:
+        lock = locked_out_dir(out).acquire()
+    except RunError as e:
+        distributed.stop_together("opening --out", e)  # the other processes stop too; raises e
+        raise
+    try:
         return _run(config, out, resume=resume, overwrite=overwrite, progress=progress, on_eval=on_eval,
                     experiment=experiment, given=given)
+    finally:
+        lock.release()
 
 
 def _run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool, progress: bool, on_eval,
@@ -382,8 +389,14 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
     recorded: dict = {}
     writes = out is not None and distributed.is_primary()
     if out is not None:
-        if writes:
-            prepare_out_dir(out, resume=resume, overwrite=overwrite)
+        problem = None
+        try:
+            if writes:
+                prepare_out_dir(out, resume=resume, overwrite=overwrite)
+        except RunError as e:
+            problem = e
+        if distributed.multi_process() or problem is not None:
+            distributed.stop_together("opening --out", problem)
         if resume:
             try:
                 recorded = json.loads((out / "config.json").read_text())

@@ -29,15 +29,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_processes(out: Path, *extra: str) -> None:
-    """Process 0 and 1 of one run, 2 CPU devices each (4 in the global mesh)."""
+def _two_processes(out: Path, *extra: str, check: bool = True) -> list[tuple[int, str]]:
+    """Process 0 and 1 of one run, 2 CPU devices each (4 in the global mesh): [(exit code, output)]
+    of process 1, then process 0."""
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "fedjax_sparse", *RUN, "--out", str(out), *extra,
                                "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
                               env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in (1, 0)]
     logs = [p.communicate(timeout=600)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-2000:] for log in logs)
+    if check:
+        assert all(p.returncode == 0 for p in procs), "\n".join(log[-2000:] for log in logs)
+    return [(p.returncode, log) for p, log in zip(procs, logs)]
 
 
 def _rows(out: Path) -> list[dict]:
@@ -82,6 +85,17 @@ def test_two_processes_resumed_match_one_process_on_the_same_four_devices(tmp_pa
     assert [r["accuracy"] for r in rows] == [r["accuracy"] for r in single[4]]
     # Only process 0 wrote files, and the lock is released.
     assert sorted(p.name for p in two.iterdir()) == ["checkpoints", "config.json", "metrics.jsonl", "summary.json"]
+
+
+def test_when_process_0_cannot_open_the_output_folder_every_process_stops_with_one_line(tmp_path):
+    """Process 0 alone checks --out; the others must not wait for it in a collective."""
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("{}\n")   # a previous run
+    (one, log_one), (zero, log_zero) = _two_processes(out, "--rounds", "1", check=False)
+    assert zero == 2 and "is not empty" in log_zero and "Traceback" not in log_zero
+    assert one == 2 and "process 0 stopped while opening --out" in log_one and "Traceback" not in log_one
+    assert (out / "metrics.jsonl").read_text() == "{}\n"
 
 
 def test_initialize_without_settings_is_one_process(monkeypatch):
