@@ -199,6 +199,7 @@ class Engine:
         replicated, clients by :attr:`population_sharding` (replicated when None). None in one process."""
         if jax.process_count() == 1:
             return None
+        # (distributed.replicated_sharding's value; not imported: config imports the engine)
         mesh = jax.sharding.Mesh(np.array(jax.devices()), ("clients",))
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         return EngineState(replicated, self.population_sharding or replicated, replicated, replicated)

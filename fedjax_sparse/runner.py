@@ -395,8 +395,7 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
                 prepare_out_dir(out, resume=resume, overwrite=overwrite)
         except RunError as e:
             problem = e
-        if distributed.multi_process() or problem is not None:
-            distributed.stop_together("opening --out", problem)
+        distributed.stop_together("opening --out", problem)
         if resume:
             try:
                 recorded = json.loads((out / "config.json").read_text())
@@ -411,7 +410,6 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
     build_seconds = time.perf_counter() - t_build
     if distributed.multi_process():
         _check_multi_process(config, engine)
-    if distributed.multi_process():
         # Built in place: the population's rows land in their processes' shards (no full copy anywhere).
         state = jax.jit(engine.init, out_shardings=engine.state_shardings)(jax.random.PRNGKey(config.seed))
         exp.data = distributed.to_global(exp.data)
