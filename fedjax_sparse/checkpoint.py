@@ -173,8 +173,10 @@ def _manager(out: Path):
     return ocp.CheckpointManager((out / CHECKPOINT_DIR).absolute(), options=options)
 
 
-def save_checkpoint(out: Path, state: EngineState, totals: dict) -> None:
-    """A new checkpoint generation for round ``totals["round"]`` (atomic; the previous one is kept)."""
+def save_checkpoint(out: Path, state: EngineState, totals: dict, population=None) -> None:
+    """A new checkpoint generation for round ``totals["round"]`` (atomic; the previous one is kept).
+    ``population``: a host population (:class:`fedjax_sparse.population.HostPopulation`), saved
+    in the same generation (its slot table and the rows of the clients trained so far)."""
     import orbax.checkpoint as ocp
     out = Path(out)
     if out.suffix == ".npz":  # the old call form save_checkpoint(OUT / "checkpoint.npz", ...)
@@ -185,19 +187,25 @@ def save_checkpoint(out: Path, state: EngineState, totals: dict) -> None:
         manager.delete(step)
     # Several processes: orbax writes the global arrays, each process its own shards.
     saved = state if jax.process_count() > 1 else jax.device_get(state)
-    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(saved),
-                                               totals=ocp.args.JsonSave(totals)))
+    items = dict(state=ocp.args.StandardSave(saved), totals=ocp.args.JsonSave(totals))
+    if population is not None:
+        items["population"] = ocp.args.StandardSave(population.state_dict())
+    manager.save(step, args=ocp.args.Composite(**items))
     manager.wait_until_finished()
     manager.close()
     # A legacy checkpoint is superseded by the new format (it would otherwise be resumed from).
     (out / LEGACY_CHECKPOINT).unlink(missing_ok=True)
 
 
-def load_checkpoint(out: Path, template: EngineState) -> tuple[EngineState, dict]:
+def load_checkpoint(out: Path, template: EngineState, population=None) -> tuple[EngineState, dict]:
     """The newest readable checkpoint of ``out`` (falling back to the previous generation, with
-    a notice, when the newest is damaged), or a legacy ``checkpoint.npz``."""
+    a notice, when the newest is damaged), or a legacy ``checkpoint.npz``. ``population``: the
+    host population to load the saved one into (checkpoints of --client-state host runs)."""
     import orbax.checkpoint as ocp
     out = Path(out)
+    if (out.suffix == ".npz" or not (out / CHECKPOINT_DIR).is_dir()) and population is not None:
+        raise RunError(f"{out} holds no checkpoint of a --client-state host run; resume it with --client-state "
+                       "device, or start a fresh run in a new --out")
     if out.suffix == ".npz":
         return _load_legacy(out, template)
     if not (out / CHECKPOINT_DIR).is_dir():
@@ -212,13 +220,20 @@ def load_checkpoint(out: Path, template: EngineState) -> tuple[EngineState, dict
         abstract = jax.tree_util.tree_map(np.asarray, jax.device_get(template))
     try:
         for step in steps:
+            items = dict(state=ocp.args.StandardRestore(abstract), totals=ocp.args.JsonRestore())
+            if population is not None:
+                items["population"] = ocp.args.StandardRestore()
             try:
-                restored = manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract), totals=ocp.args.JsonRestore()))
+                restored = manager.restore(step, args=ocp.args.Composite(**items))
             except Exception as e:  # orbax raises many types for damaged or foreign files
                 problems.append(f"round {step}: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}")
                 continue
             _check_structure(out, restored.state, template)
+            if population is not None:
+                try:
+                    population.load_state_dict(restored.population)
+                except (ValueError, KeyError, TypeError) as e:
+                    raise RunError(f"the checkpoint in {out}: {e}; use a new --out directory") from None
             if problems:
                 print(f"notice: checkpoint(s) {', '.join(problems)} unreadable; resuming from round {step}",
                       file=sys.stderr)

@@ -39,6 +39,13 @@ RUN_FLAGS = [
     ("--personal-eval", "personal_eval", str,
      "personalised evaluation: auto (default: loop on CPU, batched elsewhere) | batched (vmap over chunks "
      "of clients) | loop (one client after another)"),
+    ("--client-state", "client_state", str,
+     "where the clients' persistent state lives: device (default, all N rows) | host (host memory, "
+     "copy-on-write; only each chunk's cohort rows go to the device: populations of 10^5+ clients)"),
+    ("--client-storage", "client_storage", str,
+     "with --client-state host: float32 (default, exact) | bfloat16 (half the host memory, lossy)"),
+    ("--host-chunk-rounds", "host_chunk_rounds", int,
+     "with --client-state host: rounds per device program (default 25; the device holds this x K rows)"),
     ("--log", "log", str, "extra logs beside metrics.jsonl: csv, tensorboard (comma-separated)"),
     ("--aggregator", "aggregator", str, "robust aggregation around any algorithm: mean | trimmed_mean | multi_krum"),
     ("--trim-fraction", "trim_fraction", float, "fraction of the cohort trimmed per side / assumed malicious (0.1)"),

@@ -14,6 +14,8 @@ from fedjax_sparse.evaluation import PERSONAL_EVAL_MODES
 from fedjax_sparse.models import model_names
 
 ROUND_MODES = ("scan", "per_round")
+CLIENT_STATES = ("device", "host")
+CLIENT_STORAGE = ("float32", "bfloat16")
 
 
 class RunError(ValueError):
@@ -51,6 +53,11 @@ class RunConfig:
     client_parallelism: str = "auto"
     client_bucket_size: int = 0         # bucketed mode: clients per lockstep bucket (0: a quarter of K)
     round_mode: str = "scan"
+    # Where the clients' persistent state lives (fedjax_sparse.population): device (all N rows) | host
+    # (host memory, copy-on-write; only each chunk's cohort rows go to the device).
+    client_state: str = "device"
+    client_storage: str = "float32"     # host: float32 (exact) | bfloat16 (half the memory, lossy)
+    host_chunk_rounds: int = 25         # host: rounds per device program (device rows: this x K)
     eval_batch_size: int | None = None  # None: auto (see auto_eval_batch_size)
     personal_eval: str = "auto"         # auto (loop on CPU, batched elsewhere) | batched | loop
     log: str = ""                       # extra logs beside metrics.jsonl: csv, tensorboard (comma-separated)
@@ -162,6 +169,22 @@ def validate(config: RunConfig):
     parse_log(config.log)
     if config.round_mode not in ROUND_MODES:
         raise RunError(f"unknown --round-mode {config.round_mode!r}; valid: {', '.join(ROUND_MODES)}")
+    if config.client_state not in CLIENT_STATES:
+        raise RunError(f"unknown --client-state {config.client_state!r}; valid: {', '.join(CLIENT_STATES)}")
+    if config.client_storage not in CLIENT_STORAGE:
+        raise RunError(f"unknown --client-storage {config.client_storage!r}; valid: {', '.join(CLIENT_STORAGE)}")
+    if config.client_storage != "float32" and config.client_state != "host":
+        raise RunError(f"--client-storage {config.client_storage} stores the clients' rows on the host: add "
+                       "--client-state host")
+    if not isinstance(config.host_chunk_rounds, int) or isinstance(config.host_chunk_rounds, bool) \
+            or config.host_chunk_rounds < 1:
+        raise RunError(f"--host-chunk-rounds must be a positive integer, got {config.host_chunk_rounds!r}")
+    if config.client_state == "host":
+        if config.round_mode != "scan":
+            raise RunError("--client-state host runs its rounds in scanned chunks: drop --round-mode per_round")
+        if config.client_parallelism == "measure":
+            raise RunError("--client-parallelism measure times rounds on the all-resident state; with "
+                           "--client-state host choose auto, vmap, map or bucketed")
     try:
         return resolve_options(config.algorithm, config.options)
     except ValueError as e:

@@ -91,8 +91,34 @@ class HostPopulation:
         for buffer, leaf in zip(self.buffers, jax.tree_util.tree_leaves(rows)):
             buffer[slots] = np.asarray(leaf)[keep].astype(buffer.dtype, copy=False)
 
+    def state_dict(self) -> dict:
+        """The population as a pytree of host arrays, for a checkpoint: the slot table [N], the
+        number of stored rows, and the stored rows themselves (at least one: orbax cannot save
+        empty arrays; rows past ``used`` are unused)."""
+        kept = max(self.used, 1)
+        return {"slot": self.slot.copy(), "used": np.int64(self.used),
+                "rows": {str(i): buffer[:kept].copy() for i, buffer in enumerate(self.buffers)}}
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Replaces the stored rows by a :meth:`state_dict` (ValueError when it is another
+        configuration's: other client count, row shapes or storage type)."""
+        slot = np.asarray(saved["slot"])
+        used = int(saved["used"])
+        rows = [np.asarray(saved["rows"][str(i)]) for i in range(len(self.buffers))] \
+            if len(saved["rows"]) == len(self.buffers) else None
+        if (slot.shape != self.slot.shape or rows is None or used > len(rows[0]) or
+                any(r.shape[1:] != b.shape[1:] or r.dtype != b.dtype for r, b in zip(rows, self.buffers))):
+            raise ValueError("the saved client population is from another configuration (client count, model or "
+                             "--client-storage differ)")
+        self.slot = slot.astype(np.int64)
+        self.used = 0
+        self._grow(used)
+        for buffer, r in zip(self.buffers, rows):
+            buffer[:used] = r[:used]
+        self.used = used
+
     def _grow(self, needed: int) -> None:
-        if needed <= len(self.buffers[0]):
+        if not self.buffers or needed <= len(self.buffers[0]):  # no buffers: the algorithm keeps no client state
             return
         capacity = max(needed, 2 * len(self.buffers[0]))
         grown = []
@@ -172,6 +198,22 @@ def _put(rows: np.ndarray, values: np.ndarray, where: np.ndarray) -> np.ndarray:
     return rows
 
 
+_EVALUATORS: dict = {}
+
+
+def _chunk_evaluator(engine: Engine, size: int) -> Evaluator:
+    """One Evaluator (so one compiled program) per algorithm and chunk size, reused across calls."""
+    key = (id(engine.algorithm), size, engine.eval_batch_size, engine.personal_eval)
+    held = _EVALUATORS.get(key)
+    if held is None or held[0] is not engine.algorithm:
+        if len(_EVALUATORS) > 16:
+            _EVALUATORS.clear()
+        evaluator = Evaluator(engine.algorithm, size, eval_batch_size=engine.eval_batch_size,
+                              personal_eval=engine.personal_eval)
+        held = _EVALUATORS[key] = (engine.algorithm, evaluator)
+    return held[1]
+
+
 def evaluate_clients(engine: Engine, state: EngineState, population: HostPopulation, data: FederatedData,
                      client_ids: np.ndarray, chunk_clients: int = 256) -> dict:
     """Personalised accuracy of ``client_ids`` (each client's own model on its own test set;
@@ -179,8 +221,7 @@ def evaluate_clients(engine: Engine, state: EngineState, population: HostPopulat
     test_loss and the per-client accuracies, as :meth:`Evaluator.evaluate` reports them."""
     client_ids = np.asarray(client_ids)
     size = chunk_clients  # every chunk padded to it: one compiled program whatever the number of clients
-    evaluator = Evaluator(engine.algorithm, size, eval_batch_size=engine.eval_batch_size,
-                          personal_eval=engine.personal_eval)
+    evaluator = _chunk_evaluator(engine, size)
     correct, loss_sum, count = [], [], []
     for start in range(0, len(client_ids), size):
         ids = client_ids[start:start + size]
@@ -198,3 +239,54 @@ def evaluate_clients(engine: Engine, state: EngineState, population: HostPopulat
     return {"accuracy": float(acc.mean()), "accuracy_std": float(acc.std()), "accuracy_min": float(acc.min()),
             "accuracy_max": float(acc.max()), "test_loss": float(loss_all[has].sum() / count_all[has].sum()),
             "client_accuracies": acc, "clients_evaluated": int(has.sum())}
+
+
+def advance(engine: Engine, state: EngineState, population: HostPopulation, data: FederatedData,
+            num_rounds: int, chunk_rounds: int) -> tuple[EngineState, dict]:
+    """:func:`run_rounds` with the chunks' host metrics joined: one entry per round, as
+    :meth:`Engine.advance` returns them."""
+    state, chunks = run_rounds(engine, state, population, data, num_rounds, chunk_rounds)
+    return state, {key: np.concatenate([c[key] for c in chunks]) for key in chunks[0]}
+
+
+def evaluate(engine: Engine, state: EngineState, population: HostPopulation, data: FederatedData,
+             chunk_clients: int = 256) -> dict:
+    """What :meth:`Engine.evaluate` reports for the all-resident state, for a host population:
+    personalised accuracy over every client (``chunk_clients`` personal models on the device at a
+    time), global accuracy, and ``density_all_clients`` (the stored rows, plus the initial row
+    once for all clients never trained)."""
+    alg = engine.algorithm
+    evaluator = engine.evaluator
+    if alg.personal_predict is None:
+        # No personal models: one pass of the global model over the union of the test sets.
+        return evaluator.evaluate(state, data)
+    out = evaluate_clients(engine, state, population, data, np.arange(population.num_clients),
+                           chunk_clients=min(chunk_clients, population.num_clients))
+    out.pop("clients_evaluated")
+    out["global_accuracy"] = None
+    if alg.global_predict is not None:
+        g = jax.device_get(evaluator._global_fn(state, data))
+        out["global_accuracy"] = float(g.correct / max(int(g.count), 1))
+        out["global_test_loss"] = float(g.loss_sum / max(int(g.count), 1))
+    if alg.personal_density is not None:
+        density = _density_fn(alg.personal_density)
+        total = 0.0
+        untouched = population.num_clients - population.used
+        if untouched:
+            initial = population.gather(np.array([population.num_clients]))
+            total += untouched * float(density(state.server, jax.tree_util.tree_map(jnp.asarray, initial))[0])
+        stored = np.flatnonzero(population.slot >= 0)
+        for start in range(0, len(stored), chunk_clients):
+            ids = stored[start:start + chunk_clients]
+            padded = np.full(chunk_clients, population.num_clients)  # one compiled shape
+            padded[:len(ids)] = ids
+            rows = jax.tree_util.tree_map(jnp.asarray, population.gather(padded))
+            total += float(np.sum(np.asarray(density(state.server, rows), np.float64)[:len(ids)]))
+        out["density_all_clients"] = total / population.num_clients
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _density_fn(personal_density):
+    """jitted (server, rows [M, ...]) -> [M] densities of the models the rows hold."""
+    return jax.jit(lambda server, rows: jax.lax.map(lambda c: personal_density(server, c), rows))

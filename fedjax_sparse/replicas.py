@@ -116,6 +116,9 @@ def run_replicas(config: RunConfig, seeds: Sequence[int], *, parallelism: str = 
         raise RunError(f"--seeds lists a seed twice: {seeds}; each seed is one replica")
     if any(s < 0 for s in seeds):
         raise RunError(f"--seeds must be non-negative integers, got {seeds}")
+    if config.client_state == "host":
+        raise RunError("--seeds stacks every replica's clients on the device; run --client-state host one --seed "
+                       "at a time")
     mode = resolve_replica_parallelism(parallelism)
     out = Path(config.out) if config.out else None
     with contextlib.ExitStack() as stack:

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_sparse import distributed, pinning
+from fedjax_sparse import population as host_population
 from fedjax_sparse.algorithms import Task, compose, make_algorithm
 # The config and checkpoint modules' names stay importable from here (scripts use runner.RunConfig).
 from fedjax_sparse.checkpoint import (CHECKPOINT, OutputLock, clear_outputs, has_checkpoint,  # noqa: F401
@@ -271,11 +272,23 @@ def _jsonable(value):
     return value
 
 
-class RunResult(NamedTuple):
-    """What ``run`` returns: ``summary, state = run(config)``. Indexing it with a summary key
-    (``result["final_accuracy"]``) still reads the summary, as when ``run`` returned a dict."""
+class _SummaryAndState(NamedTuple):
     summary: dict
     state: EngineState
+
+
+class RunResult(_SummaryAndState):
+    """What ``run`` returns: ``summary, state = run(config)``. Indexing it with a summary key
+    (``result["final_accuracy"]``) still reads the summary, as when ``run`` returned a dict.
+    ``result.population``: with ``--client-state host``, the clients' rows
+    (:class:`fedjax_sparse.population.HostPopulation`; ``state.clients`` is then None), else None."""
+    population: "host_population.HostPopulation | None" = None
+
+    def __new__(cls, summary: dict, state: EngineState, population=None):
+        self = super().__new__(cls, summary, state)
+        if population is not None:
+            self.population = population
+        return self
 
     def __getitem__(self, key):  # type: ignore[override]
         if isinstance(key, str):
@@ -289,7 +302,8 @@ class RunResult(NamedTuple):
 # Fields a resumed run may change: they decide how long and how fast it runs and where it reads its
 # data (checksummed), not what it computes. Every other field is the experiment.
 RESUMABLE_CHANGES = ("rounds", "eval_every", "out", "data_dir", "download", "client_parallelism",
-                     "client_bucket_size", "round_mode", "eval_batch_size", "personal_eval", "log")
+                     "client_bucket_size", "round_mode", "eval_batch_size", "personal_eval", "log",
+                     "host_chunk_rounds")
 
 
 def _flag(name: str) -> str:
@@ -370,11 +384,15 @@ def _run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool, 
             t_chunk = time.perf_counter()
             if first_chunk:
                 bar.note(f"compiling and running rounds {opened.round + 1}-{opened.round + n} ...")
-            state, metrics = opened.exp.engine.advance(state, opened.exp.data, n, opened.config.round_mode)
+            if opened.population is not None:
+                state, metrics = host_population.advance(opened.exp.engine, state, opened.population,
+                                                         opened.exp.data, n, opened.config.host_chunk_rounds)
+            else:
+                state, metrics = opened.exp.engine.advance(state, opened.exp.data, n, opened.config.round_mode)
             opened.record(state, metrics, n, chunk_started=t_chunk if first_chunk else None)
             first_chunk = False
         bar.close()
-        return RunResult(opened.finish(), state)
+        return RunResult(opened.finish(), state, opened.population)
     finally:
         bar.close()
         opened.close()
@@ -408,11 +426,14 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
     exp = experiment or build(config)
     engine = exp.engine
     build_seconds = time.perf_counter() - t_build
+    population = None
     if distributed.multi_process():
         _check_multi_process(config, engine)
         # Built in place: the population's rows land in their processes' shards (no full copy anywhere).
         state = jax.jit(engine.init, out_shardings=engine.state_shardings)(jax.random.PRNGKey(config.seed))
         exp.data = distributed.to_global(exp.data)
+    elif config.client_state == "host":
+        state, population = _host_population(config, engine)
     else:
         state = engine.init(jax.random.PRNGKey(config.seed))
     # Costs are exact Python ints (float only for expectations such as FedDrop's FLOPs).
@@ -422,7 +443,7 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
     history: list = []
     if out is not None:
         if resume:
-            state, totals = load_checkpoint(out, state)
+            state, totals = load_checkpoint(out, state, population=population)
             totals.setdefault("client_steps", None)
             totals.setdefault("client_steps_executed", None)
             totals = {k: _exact_number(v) if k in COST_KEYS else v for k, v in totals.items()}
@@ -438,12 +459,12 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
                       "larger --rounds to extend it", file=sys.stderr)
                 summary_path = out / "summary.json"
                 if summary_path.exists():
-                    return RunResult(json.loads(summary_path.read_text()), state)
+                    return RunResult(json.loads(summary_path.read_text()), state, population)
                 # Killed between its last checkpoint and its summary: write the summary now.
                 summary = summarize(config, exp, rows, totals, build_seconds, 0.0)
                 if writes:
                     summary_path.write_text(json.dumps(_jsonable(summary), indent=2, allow_nan=False))
-                return RunResult(summary, state)
+                return RunResult(summary, state, population)
         elif overwrite and writes:
             clear_outputs(out)  # only now that the new run has built
     measured = None
@@ -473,14 +494,32 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
             "client_parallelism": engine.mode,
             **({"client_bucket_size": engine.clients_per_bucket} if engine.mode == "bucketed" else {}),
             **({"client_parallelism_measured": measured} if measured else {}),
+            # --client-state host: bytes of one client's stored row (clients never trained cost none).
+            **({"host_population": {"row_bytes": population.row_bytes, "storage": config.client_storage}}
+               if population is not None else {}),
             **({"resumed": history} if history else {})}, indent=2))
-    return OpenRun(config, exp, out, state, totals, rows, build_seconds)
+    return OpenRun(config, exp, out, state, totals, rows, build_seconds, population)
+
+
+def _host_population(config: RunConfig, engine: Engine) -> tuple[EngineState, "host_population.HostPopulation"]:
+    """``--client-state host``: the initial state with the clients' rows in host memory."""
+    if engine.algorithm.extra_clients is not None:
+        raise RunError(f"{config.algorithm} trains extra clients chosen inside each round, whose rows cannot be "
+                       "brought to the device ahead: use --client-state device")
+    storage = jnp.bfloat16 if config.client_storage == "bfloat16" else None
+    try:
+        return host_population.init(engine, jax.random.PRNGKey(config.seed), storage_dtype=storage)
+    except ValueError as e:
+        raise RunError(f"{e} (--client-state device)") from None
 
 
 def _check_multi_process(config: RunConfig, engine: Engine) -> None:
     """The settings a multi-process run needs: every process must run the same program, and the
     cohort must split evenly over all devices (otherwise no process would share the work)."""
     devices = jax.device_count()
+    if config.client_state == "host":
+        raise RunError("--client-state host keeps the population in one process's memory; a multi-process run "
+                       "shards it over the processes' devices: use --client-state device")
     if config.client_parallelism == "measure":
         raise RunError("--client-parallelism measure times each process on its own and could pick different "
                        "programs; a multi-process run uses vmap: drop the flag or pass --client-parallelism vmap")
@@ -502,12 +541,15 @@ class OpenRun:
     one compilation)."""
 
     def __init__(self, config: RunConfig, exp: Experiment, out: Path | None, state: EngineState, totals: dict,
-                 rows: list, build_seconds: float):
+                 rows: list, build_seconds: float, population: "host_population.HostPopulation | None" = None):
         self.config, self.exp, self.out, self.state = config, exp, out, state
+        self.population = population
         # Process 0 writes the files (every process checkpoints: orbax coordinates them).
         self.writes = out is not None and distributed.is_primary()
         self.totals, self.rows, self.build_seconds = totals, rows, build_seconds
         self.evaluate: Callable[[EngineState], dict] = lambda s: exp.engine.evaluate(s, exp.data)
+        if population is not None:
+            self.evaluate = lambda s: host_population.evaluate(exp.engine, s, population, exp.data)
         self.compile_seconds = 0.0
         self.bar: Progress | None = None
         self.sinks: MetricSinks | None = None
@@ -580,6 +622,10 @@ class OpenRun:
         for key, value in metrics.items():
             if key not in row and key != "num_examples":
                 row[key] = int(value[-1]) if key in STEP_METRICS else float(value[-1])
+        if self.population is not None:
+            # Clients trained at least once so far (the others still hold the initial row).
+            row["clients_touched"] = self.population.touched
+            row["host_population_bytes"] = self.population.nbytes
         row = {k: _jsonable(v) for k, v in row.items()}
         self.rows.append(row)
         if self.writes and out is not None:
@@ -593,7 +639,7 @@ class OpenRun:
             raise RunError(f"training diverged{self.label}: the loss is NaN/inf at round {bad[0]}; lower --lr "
                            f"(now {config.lr}) or check the data preprocessing (--preprocess)")
         if out is not None:
-            save_checkpoint(out, state, totals)
+            save_checkpoint(out, state, totals, population=self.population)
         if self.on_eval is not None:
             self.on_eval(row, state, self.exp)
         if self.bar is not None:
