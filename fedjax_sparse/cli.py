@@ -37,8 +37,9 @@ RUN_FLAGS = [
     ("--round-mode", "round_mode", str, "scan (rounds in one jitted lax.scan per chunk) | per_round"),
     ("--eval-batch-size", "eval_batch_size", int, "evaluation batch size (default: from the clients' test-set sizes)"),
     ("--personal-eval", "personal_eval", str,
-     "personalised evaluation: auto (default: loop on CPU, batched elsewhere) | batched (vmap over chunks "
-     "of clients) | loop (one client after another)"),
+     "personalised evaluation: auto (default: per_client on CPU, batched elsewhere) | batched (vmap over chunks "
+     "of clients) | per_client (one call per client, whole test set, native convolutions) | loop (lax.map over "
+     "clients, the reference)"),
     ("--client-state", "client_state", str,
      "where the clients' persistent state lives: device (default, all N rows) | host (host memory, "
      "copy-on-write; only each chunk's cohort rows go to the device: populations of 10^5+ clients)"),

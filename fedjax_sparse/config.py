@@ -59,7 +59,7 @@ class RunConfig:
     client_storage: str = "float32"     # host: float32 (exact) | bfloat16 (half the memory, lossy)
     host_chunk_rounds: int = 25         # host: rounds per device program (device rows: this x K)
     eval_batch_size: int | None = None  # None: auto (see auto_eval_batch_size)
-    personal_eval: str = "auto"         # auto (loop on CPU, batched elsewhere) | batched | loop
+    personal_eval: str = "auto"         # auto (per_client on CPU, batched elsewhere) | batched | per_client | loop
     log: str = ""                       # extra logs beside metrics.jsonl: csv, tensorboard (comma-separated)
     # Composition (fedjax_sparse.algorithms.compose): a robust aggregator and/or a model-poisoning attack
     # around the algorithm's server side.

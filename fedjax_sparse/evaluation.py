@@ -14,9 +14,12 @@ Three ways to compute the personalised numbers, all giving the same counts
   one batch. Clients are ordered by test-set size and cut into chunks of at
   most ``chunk_examples`` padded examples, each chunk padded to a power-of-two
   width, so padding stays small and few shapes are compiled.
+* ``per_client`` (``auto``'s choice on CPU): one jitted call per client, its whole test set in
+  one batch padded to a multiple of ``per_client_granularity`` examples (a handful of compiled
+  shapes), with XLA's native convolutions: outside any scan, where XLA:CPU runs them fastest
+  (``models.layers.outside_loops``). The calls are dispatched asynchronously and fetched once.
 * ``loop``: ``lax.map`` over clients, each looping over exactly
-  ``ceil(count / eval_batch_size)`` batches (the straightforward reference, and
-  ``auto``'s choice on CPU, where it measured 2.5x faster than ``batched``).
+  ``ceil(count / eval_batch_size)`` batches (the straightforward reference).
 """
 from __future__ import annotations
 
@@ -32,17 +35,17 @@ import optax
 
 from fedjax_sparse.algorithms.base import Algorithm
 from fedjax_sparse.data.federated import ClientData, FederatedData
+from fedjax_sparse.models import layers as L
 from fedjax_sparse.training import EvalStats, evaluate_client, predict_examples
 
-PERSONAL_EVAL_MODES = ("auto", "batched", "loop")
+PERSONAL_EVAL_MODES = ("auto", "batched", "per_client", "loop")
 
 
 def resolve_personal_eval(mode: str) -> str:
-    """``auto``: the per-client loop on CPU, where it measured 2.5x faster than the batched path
-    (experiments/results/perf/eval_spafl_fmnist_cpu.json); batched elsewhere (accelerators: the
-    path meant for them, not measured yet)."""
+    """``auto``: per_client on CPU, the fastest there (experiments/results/perf/eval_spafl_fmnist_cpu.json);
+    batched elsewhere (accelerators: the path meant for them, not measured yet)."""
     if mode == "auto":
-        return "loop" if jax.default_backend() == "cpu" else "batched"
+        return "per_client" if jax.default_backend() == "cpu" else "batched"
     return mode
 
 
@@ -83,6 +86,8 @@ class Evaluator:
     personal_eval: str = "auto"
     # Padded test examples per batched chunk (memory: about chunk_examples inputs and activations).
     chunk_examples: int = 2048
+    # per_client: test sets padded to a multiple of this (fewer shapes to compile vs less padding).
+    per_client_granularity: int = 32
 
     def __post_init__(self):
         if self.personal_eval not in PERSONAL_EVAL_MODES:
@@ -168,6 +173,26 @@ class Evaluator:
         return jax.jit(chunk, static_argnums=3)
 
     @functools.cached_property
+    def _per_client_fn(self):
+        """(state, data, cid, width) -> (hits, loss sum) of client ``cid`` on its test set, whose
+        rows are padded to ``width``; one compile per width."""
+        def one(state, data: FederatedData, cid, width: int):
+            client_state = jax.tree_util.tree_map(lambda x: x[cid], state.clients)
+            idx = data.test_idx
+            if idx.shape[1] < width:
+                idx = jnp.pad(idx, ((0, 0), (0, width - idx.shape[1])))
+            rows = jax.lax.dynamic_index_in_dim(idx, cid, 0, keepdims=False)[:width]
+            x = data.preprocess(data.test_x[rows])
+            y = data.test_y[rows]
+            with L.outside_loops():
+                logits = self._predict_for(state.server, client_state, cid)(x)
+            valid = (jnp.arange(width) < data.test_count[cid]).astype(jnp.float32)
+            losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+            hits = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
+            return (hits * valid).sum(), (losses * valid).sum()
+        return jax.jit(one, static_argnums=3)
+
+    @functools.cached_property
     def _density_fn(self):
         """jitted state -> [] mean over all N clients of the density of the model each holds."""
         personal_density = self.algorithm.personal_density
@@ -186,6 +211,18 @@ class Evaluator:
         if mode == "loop":
             return jax.device_get(self._loop_fn(state, data))
         counts = np.asarray(jax.device_get(data.test_count))
+        if mode == "per_client":
+            g = self.per_client_granularity
+            ids = np.flatnonzero(counts > 0)
+            # Dispatched one after another without waiting; fetched together.
+            pending = [self._per_client_fn(state, data, jnp.int32(c), int(-(-counts[c] // g) * g)) for c in ids]
+            correct = np.zeros(self.num_clients, np.float64)
+            loss_sum = np.zeros(self.num_clients, np.float64)
+            if pending:
+                fetched = jax.device_get(pending)
+                correct[ids] = [h for h, _ in fetched]
+                loss_sum[ids] = [s for _, s in fetched]
+            return EvalStats(jnp.asarray(correct), jnp.asarray(loss_sum), jnp.asarray(counts))
         correct = np.zeros(self.num_clients, np.float64)
         loss_sum = np.zeros(self.num_clients, np.float64)
         for ids, width in plan_chunks(counts, self.chunk_examples):

@@ -50,6 +50,12 @@ def test_batched_loop_and_shared_pass_agree(algorithm, options):
     np.testing.assert_array_equal(np.asarray(a.count), np.asarray(b.count))
     np.testing.assert_array_equal(np.asarray(a.correct), np.asarray(b.correct))
     np.testing.assert_allclose(np.asarray(a.loss_sum), np.asarray(b.loss_sum), rtol=2e-5, atol=1e-5)
+    # One call per client (granularity 16: test sets of 3..31 examples padded to 16 or 32).
+    per_client = dataclasses.replace(loop, personal_eval="per_client", per_client_granularity=16)
+    c = per_client.personal_stats(state, data)
+    np.testing.assert_array_equal(np.asarray(a.count), np.asarray(c.count))
+    np.testing.assert_array_equal(np.asarray(a.correct), np.asarray(c.correct))
+    np.testing.assert_allclose(np.asarray(a.loss_sum), np.asarray(c.loss_sum), rtol=2e-5, atol=1e-5)
     ev_loop, ev_batched = loop.evaluate(state, data), batched.evaluate(state, data)
     for key in ("accuracy", "accuracy_std", "accuracy_min", "accuracy_max", "global_accuracy"):
         assert ev_loop[key] == ev_batched[key], key

@@ -13,9 +13,14 @@ Convolutions have two implementations:
   than outside (measured: shared/notes/performance-facts.md) while matmuls do not suffer,
   so on CPU the round engine's scanned local steps use this form.
 
-``"auto"`` (default) picks im2col on CPU and xla elsewhere, at trace time.
+``"auto"`` (default) picks im2col on CPU and xla elsewhere, at trace time; inside
+``with outside_loops():`` (code traced outside any scan/while, e.g. the per-client
+evaluation) it picks xla everywhere, XLA:CPU's native convolution being the faster one there.
 """
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +29,26 @@ from jax import lax
 CONV_IMPLS = ("auto", "xla", "im2col")
 
 
+# Set while tracing code that runs outside scan/while loops (a trace-time choice of program, not state).
+_OUTSIDE_LOOPS = contextvars.ContextVar("fedjax_sparse_outside_loops", default=False)
+
+
+@contextlib.contextmanager
+def outside_loops():
+    """Functions traced in this block run outside scan/while loops: ``"auto"`` convolutions use
+    XLA's native convolution on every backend (same numbers to float rounding)."""
+    token = _OUTSIDE_LOOPS.set(True)
+    try:
+        yield
+    finally:
+        _OUTSIDE_LOOPS.reset(token)
+
+
 def resolve_conv_impl(impl: str) -> str:
     if impl not in CONV_IMPLS:
         raise ValueError(f"unknown conv implementation {impl!r}; valid: {CONV_IMPLS}")
     if impl == "auto":
-        return "im2col" if jax.default_backend() == "cpu" else "xla"
+        return "im2col" if jax.default_backend() == "cpu" and not _OUTSIDE_LOOPS.get() else "xla"
     return impl
 
 
