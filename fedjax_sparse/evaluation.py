@@ -8,7 +8,10 @@ Three ways to compute the personalised numbers, all giving the same counts
 
 * ``shared global pass`` (algorithms without a personal model): one pass of
   the global model over the union of the test sets; per-client hits and losses
-  are gathered from the per-example results.
+  are gathered from the per-example results. The pass is a host loop over
+  batches of ``global_eval_batch_size`` (512) examples, each one jitted call
+  outside any scan, so convolutions are XLA's native ones (the global accuracy
+  of algorithms with personal models uses the same pass).
 * ``batched`` (personal models on accelerators; ``auto`` picks it off CPU): the personal predict is
   ``vmap``ped over a chunk of clients, each client's whole padded test set in
   one batch. Clients are ordered by test-set size and cut into chunks of at
@@ -36,7 +39,7 @@ import optax
 from fedjax_sparse.algorithms.base import Algorithm
 from fedjax_sparse.data.federated import ClientData, FederatedData
 from fedjax_sparse.models import layers as L
-from fedjax_sparse.training import EvalStats, evaluate_client, predict_examples
+from fedjax_sparse.training import EvalStats, evaluate_client
 
 PERSONAL_EVAL_MODES = ("auto", "batched", "per_client", "loop")
 
@@ -74,6 +77,12 @@ def plan_chunks(counts: np.ndarray, chunk_examples: int) -> list[tuple[np.ndarra
     return chunks
 
 
+def _totals(hits: np.ndarray, losses: np.ndarray) -> EvalStats:
+    """Summed (in float64) per-example hits and losses as EvalStats."""
+    return EvalStats(jnp.asarray(hits.sum(dtype=np.float64)), jnp.asarray(losses.sum(dtype=np.float64)),
+                     jnp.asarray(len(hits)))
+
+
 @dataclasses.dataclass(frozen=True)
 class Evaluator:
     """Jitted evaluation of an algorithm's state on a FederatedData (see the module docstring)."""
@@ -86,6 +95,8 @@ class Evaluator:
     personal_eval: str = "auto"
     # Padded test examples per batched chunk (memory: about chunk_examples inputs and activations).
     chunk_examples: int = 2048
+    # Smallest batch of the global model's pass over the union of the test sets.
+    global_batch_size: int = 512
     # per_client: test sets padded to a multiple of this (fewer shapes to compile vs less padding).
     per_client_granularity: int = 32
 
@@ -97,7 +108,7 @@ class Evaluator:
     def global_eval_batch_size(self) -> int:
         """Batch of the passes over the union of the test sets: ``eval_batch_size`` is sized for one
         client's small test set, far too small for thousands of examples."""
-        return max(self.eval_batch_size, 128)
+        return max(self.eval_batch_size, self.global_batch_size)
 
     def _predict_for(self, server, client_state, cid) -> Callable[[jax.Array], jax.Array]:
         alg = self.algorithm
@@ -108,35 +119,58 @@ class Evaluator:
 
     # ---------------------------------------------------------------- jitted pieces
     @functools.cached_property
-    def _global_fn(self):
+    def _global_batch_fn(self):
+        """(server, data, start) -> ([B] hits, [B] losses) of the global model on rows
+        ``start .. start+B`` of the union of the test sets (zero past its end). Called once per
+        batch from the host, outside any loop, so convolutions are XLA's native ones (the faster
+        form there on CPU: ``models.layers.outside_loops``)."""
         alg = self.algorithm
+        size = self.global_eval_batch_size
 
-        def global_(state, data: FederatedData):
-            rows = data.global_test_idx
-            return evaluate_client(functools.partial(alg.global_predict, state.server),
-                                   ClientData(data.test_x, data.test_y, rows, jnp.int32(rows.shape[0])),
-                                   batch_size=self.global_eval_batch_size, preprocess=data.preprocess)
-        return jax.jit(global_)
+        def batch(server, data: FederatedData, start):
+            rows = jnp.pad(data.global_test_idx, (0, size))
+            rows = jax.lax.dynamic_slice_in_dim(rows, start, size)
+            x = data.preprocess(data.test_x[rows])
+            y = data.test_y[rows]
+            with L.outside_loops():
+                logits = alg.global_predict(server, x)
+            valid = ((start + jnp.arange(size)) < data.global_test_idx.shape[0]).astype(jnp.float32)
+            losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+            hits = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
+            return hits * valid, losses * valid
+        return jax.jit(batch)
 
-    @functools.cached_property
-    def _shared_pass_fn(self):
-        alg = self.algorithm
+    def global_examples(self, state, data: FederatedData) -> tuple[np.ndarray, np.ndarray]:
+        """Per-example ([M] hits, [M] losses) of the global model over the union of the test sets
+        (``data.global_test_idx``, M rows), float32 on the host."""
+        m = int(data.global_test_idx.shape[0])
+        size = self.global_eval_batch_size
+        pending = [self._global_batch_fn(state.server, data, jnp.int32(start)) for start in range(0, m, size)]
+        fetched = jax.device_get(pending)
+        hits = np.concatenate([h for h, _ in fetched])[:m]
+        losses = np.concatenate([loss for _, loss in fetched])[:m]
+        return hits, losses
 
-        def personal_and_global_in_one_pass(state, data: FederatedData):
-            rows = data.global_test_idx
-            hits, losses = predict_examples(
-                functools.partial(alg.global_predict, state.server),
-                ClientData(data.test_x, data.test_y, rows, jnp.int32(rows.shape[0])),
-                batch_size=self.global_eval_batch_size, preprocess=data.preprocess)
-            pool = data.test_y.shape[0]
-            hit_of_row = jnp.zeros((pool,), jnp.float32).at[rows].set(hits)
-            loss_of_row = jnp.zeros((pool,), jnp.float32).at[rows].set(losses)
-            valid = (jnp.arange(data.test_idx.shape[1]) < data.test_count[:, None]).astype(jnp.float32)
-            personal_stats = EvalStats((hit_of_row[data.test_idx] * valid).sum(1),
-                                       (loss_of_row[data.test_idx] * valid).sum(1), data.test_count)
-            global_stats = EvalStats(hits.sum(), losses.sum(), jnp.int32(rows.shape[0]))
-            return personal_stats, global_stats
-        return jax.jit(personal_and_global_in_one_pass)
+    def global_stats(self, state, data: FederatedData) -> EvalStats:
+        """The global model's EvalStats over the union of the test sets (host numbers)."""
+        hits, losses = self.global_examples(state, data)
+        return _totals(hits, losses)
+
+    def shared_pass(self, state, data: FederatedData) -> tuple[EvalStats, EvalStats]:
+        """Personal stats of a model shared by all clients, and the global stats, from one pass of the
+        global model over the union of the test sets: per-example hits and losses are scattered to
+        the pool rows and gathered per client (host numpy)."""
+        hits, losses = self.global_examples(state, data)
+        rows = np.asarray(data.global_test_idx)
+        pool = int(data.test_y.shape[0])
+        hit_of_row = np.zeros(pool, np.float64)
+        loss_of_row = np.zeros(pool, np.float64)
+        hit_of_row[rows], loss_of_row[rows] = hits, losses
+        test_idx, counts = np.asarray(data.test_idx), np.asarray(data.test_count)
+        valid = np.arange(test_idx.shape[1]) < counts[:, None]
+        personal = EvalStats(jnp.asarray((hit_of_row[test_idx] * valid).sum(1)),
+                             jnp.asarray((loss_of_row[test_idx] * valid).sum(1)), jnp.asarray(counts))
+        return personal, _totals(hits, losses)
 
     @functools.cached_property
     def _loop_fn(self):
@@ -237,11 +271,11 @@ class Evaluator:
         alg = self.algorithm
         g = None
         if alg.personal_predict is None and alg.global_predict is not None and self.eval_shared_global_pass:
-            stats, g = jax.device_get(self._shared_pass_fn(state, data))
+            stats, g = self.shared_pass(state, data)
         else:
             stats = self.personal_stats(state, data)
             if alg.global_predict is not None:
-                g = jax.device_get(self._global_fn(state, data))
+                g = self.global_stats(state, data)
         count = np.asarray(stats.count, np.float64)
         has = count > 0
         acc = np.asarray(stats.correct, np.float64)[has] / count[has]

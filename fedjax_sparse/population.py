@@ -265,7 +265,7 @@ def evaluate(engine: Engine, state: EngineState, population: HostPopulation, dat
     out.pop("clients_evaluated")
     out["global_accuracy"] = None
     if alg.global_predict is not None:
-        g = jax.device_get(evaluator._global_fn(state, data))
+        g = evaluator.global_stats(state, data)
         out["global_accuracy"] = float(g.correct / max(int(g.count), 1))
         out["global_test_loss"] = float(g.loss_sum / max(int(g.count), 1))
     if alg.personal_density is not None:

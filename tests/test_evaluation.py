@@ -65,3 +65,33 @@ def test_batched_loop_and_shared_pass_agree(algorithm, options):
     # Not a trivial agreement: some but not all test examples are right, and clients differ.
     assert 0 < float(np.sum(b.correct)) < float(np.sum(b.count))
     assert ev_batched["accuracy_max"] > ev_batched["accuracy_min"]
+
+
+def test_global_pass_in_batches_equals_one_direct_forward():
+    """The batched host loop of the global model (3 batches of 32 over 90 rows, the last one
+    partial) against one eager forward over all rows; per-client numbers of the shared pass
+    against a direct per-client count."""
+    data = _uneven_data()
+    model = make_model("cnn_small", data.input_shape, data.num_classes)
+    task = Task(model=model, num_clients=6, clients_per_round=3, local_epochs=1, batch_size=16, lr=0.05,
+                rounds=2, preprocess=data.preprocess, seed=0)
+    alg = make_algorithm("fedavg", task, {})
+    engine = Engine(alg, 6, 3, eval_batch_size=8)
+    state, _ = engine.run_rounds(engine.init(jax.random.PRNGKey(0)), data, 2)
+    evaluator = Evaluator(alg, 6, eval_batch_size=8, global_batch_size=32)
+    rows = np.asarray(data.global_test_idx)
+    assert len(rows) == 90 and len(rows) % 32
+    logits = np.asarray(alg.global_predict(state.server, data.preprocess(data.test_x[rows])))
+    y = np.asarray(data.test_y)[rows]
+    hits = (logits.argmax(-1) == y)
+    g = evaluator.global_stats(state, data)
+    assert g.count == 90 and g.correct == hits.sum()
+    assert 0 < hits.sum() < 90
+    losses = -jax.nn.log_softmax(logits)[np.arange(90), y]
+    assert g.loss_sum == pytest.approx(float(np.sum(losses)), rel=1e-5)
+    personal, _ = evaluator.shared_pass(state, data)
+    hit_of_row = dict(zip(rows.tolist(), hits.tolist()))
+    idx, counts = np.asarray(data.test_idx), np.asarray(data.test_count)
+    expected = [sum(hit_of_row[r] for r in idx[c, :counts[c]]) for c in range(6)]
+    np.testing.assert_array_equal(personal.correct, expected)
+    np.testing.assert_array_equal(personal.count, counts)
