@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from fedjax_sparse.data.federated import FederatedData
 from fedjax_sparse.engine import Engine, EngineState, metrics_to_host
@@ -214,15 +215,13 @@ def _chunk_evaluator(engine: Engine, size: int) -> Evaluator:
     return held[1]
 
 
-def evaluate_clients(engine: Engine, state: EngineState, population: HostPopulation, data: FederatedData,
-                     client_ids: np.ndarray, chunk_clients: int = 256) -> dict:
-    """Personalised accuracy of ``client_ids`` (each client's own model on its own test set;
-    clients without test data skipped), ``chunk_clients`` at a time (the last chunk padded): accuracy mean/std/min/max,
-    test_loss and the per-client accuracies, as :meth:`Evaluator.evaluate` reports them."""
-    client_ids = np.asarray(client_ids)
+def _client_stats(engine: Engine, state: EngineState, population: HostPopulation, data: FederatedData,
+                  client_ids: np.ndarray, chunk_clients: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-client (hits, loss sums, test counts) [len(client_ids)] of each client's own model on its
+    own test set, ``chunk_clients`` personal models on the device at a time (the last chunk padded)."""
     size = chunk_clients  # every chunk padded to it: one compiled program whatever the number of clients
     evaluator = _chunk_evaluator(engine, size)
-    correct, loss_sum, count = [], [], []
+    correct, loss_sum, count = [np.zeros(0)], [np.zeros(0)], [np.zeros(0)]
     for start in range(0, len(client_ids), size):
         ids = client_ids[start:start + size]
         padded = np.concatenate([ids, np.repeat(ids[-1:], size - len(ids))])  # one compiled shape
@@ -233,12 +232,72 @@ def evaluate_clients(engine: Engine, state: EngineState, population: HostPopulat
         correct.append(np.asarray(stats.correct, np.float64)[:len(ids)])
         loss_sum.append(np.asarray(stats.loss_sum, np.float64)[:len(ids)])
         count.append(np.asarray(stats.count, np.float64)[:len(ids)])
-    correct_all, loss_all, count_all = map(np.concatenate, (correct, loss_sum, count))
-    has = count_all > 0
-    acc = correct_all[has] / count_all[has]
+    return np.concatenate(correct), np.concatenate(loss_sum), np.concatenate(count)
+
+
+def _summary(correct: np.ndarray, loss_sum: np.ndarray, count: np.ndarray) -> dict:
+    has = count > 0
+    acc = correct[has] / count[has]
     return {"accuracy": float(acc.mean()), "accuracy_std": float(acc.std()), "accuracy_min": float(acc.min()),
-            "accuracy_max": float(acc.max()), "test_loss": float(loss_all[has].sum() / count_all[has].sum()),
+            "accuracy_max": float(acc.max()), "test_loss": float(loss_sum[has].sum() / count[has].sum()),
             "client_accuracies": acc, "clients_evaluated": int(has.sum())}
+
+
+def evaluate_clients(engine: Engine, state: EngineState, population: HostPopulation, data: FederatedData,
+                     client_ids: np.ndarray, chunk_clients: int = 256) -> dict:
+    """Personalised accuracy of ``client_ids`` (each client's own model on its own test set;
+    clients without test data skipped), ``chunk_clients`` at a time (the last chunk padded): accuracy mean/std/min/max,
+    test_loss and the per-client accuracies, as :meth:`Evaluator.evaluate` reports them."""
+    return _summary(*_client_stats(engine, state, population, data, np.asarray(client_ids), chunk_clients))
+
+
+def ignores_client_id(algorithm, server: Any, row: Any, x: jax.Array) -> bool:
+    """Whether ``algorithm.personal_predict(server, row, client_id, x)`` does not read its client id
+    (read off the traced program: the id's variable feeds no operation), so every client holding
+    ``row`` has the same model."""
+    closed = jax.make_jaxpr(lambda cid: algorithm.personal_predict(server, row, cid, x))(jnp.int32(0))
+    cid = closed.jaxpr.invars[0]
+    used = [v for eqn in closed.jaxpr.eqns for v in eqn.invars] + list(closed.jaxpr.outvars)
+    return not any(v is cid for v in used)
+
+
+def _initial_row_stats(engine: Engine, state: EngineState, population: HostPopulation, data: FederatedData,
+                       client_ids: np.ndarray, batch: int = 512) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_client_stats` for clients that all hold the initial row, when the personal model does not
+    depend on the client id: one model, so one pass over the union of their test sets in batches of
+    ``batch`` examples (per-example results summed back per client)."""
+    counts = np.asarray(data.test_count)[client_ids].astype(np.int64)
+    test_idx = np.asarray(data.test_idx)
+    rows = np.concatenate([test_idx[c, :n] for c, n in zip(client_ids, counts)] or [np.zeros(0, np.int32)])
+    initial = jax.tree_util.tree_map(lambda leaf: jnp.asarray(leaf[0]),
+                                     population.gather(np.array([population.num_clients])))
+    fn = _initial_batch_fn(engine.algorithm.personal_predict)
+    padded = np.zeros(-(-len(rows) // batch) * batch, np.int32)
+    padded[:len(rows)] = rows
+    fetched = jax.device_get([fn(state.server, initial, data, jnp.asarray(padded[s:s + batch]))
+                              for s in range(0, len(padded), batch)])
+    hits = np.concatenate([h for h, _ in fetched] or [np.zeros(0)])[:len(rows)].astype(np.float64)
+    losses = np.concatenate([v for _, v in fetched] or [np.zeros(0)])[:len(rows)].astype(np.float64)
+    owner = np.repeat(np.arange(len(client_ids)), counts)
+    correct = np.bincount(owner, weights=hits, minlength=len(client_ids))
+    loss_sum = np.bincount(owner, weights=losses, minlength=len(client_ids))
+    return correct, loss_sum, counts.astype(np.float64)
+
+
+@functools.lru_cache(maxsize=8)
+def _initial_batch_fn(personal_predict):
+    """jitted (server, row, data, rows [B]) -> ([B] hits, [B] losses) of the model ``row`` holds,
+    traced outside any loop (native convolutions)."""
+    from fedjax_sparse.models import layers
+
+    def batch(server, row, data: FederatedData, rows):
+        x = data.preprocess(data.test_x[rows])
+        y = data.test_y[rows]
+        with layers.outside_loops():
+            logits = personal_predict(server, row, jnp.int32(0), x)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        return (jnp.argmax(logits, -1) == y).astype(jnp.float32), losses
+    return jax.jit(batch)
 
 
 def advance(engine: Engine, state: EngineState, population: HostPopulation, data: FederatedData,
@@ -260,8 +319,20 @@ def evaluate(engine: Engine, state: EngineState, population: HostPopulation, dat
     if alg.personal_predict is None:
         # No personal models: one pass of the global model over the union of the test sets.
         return evaluator.evaluate(state, data)
-    out = evaluate_clients(engine, state, population, data, np.arange(population.num_clients),
-                           chunk_clients=min(chunk_clients, population.num_clients))
+    n = population.num_clients
+    trained = np.flatnonzero(population.slot >= 0)
+    never_trained = np.flatnonzero(population.slot < 0)
+    correct, loss_sum, count = (np.zeros(n) for _ in range(3))
+    initial = jax.tree_util.tree_map(lambda leaf: jnp.asarray(leaf[0]), population.gather(np.array([n])))
+    if len(never_trained) and ignores_client_id(alg, state.server, initial, data.preprocess(data.test_x[:1])):
+        # Every never-trained client holds the same model: one pass over their test sets.
+        shared = never_trained
+        correct[shared], loss_sum[shared], count[shared] = _initial_row_stats(engine, state, population, data, shared)
+    else:
+        trained = np.arange(n)
+    size = min(chunk_clients, n)
+    correct[trained], loss_sum[trained], count[trained] = _client_stats(engine, state, population, data, trained, size)
+    out = _summary(correct, loss_sum, count)
     out.pop("clients_evaluated")
     out["global_accuracy"] = None
     if alg.global_predict is not None:

@@ -88,3 +88,25 @@ def test_clients_with_different_initial_rows_are_refused(spafl):
     state, pop = population.init(exp.engine, jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match="extra clients"):
         population.run_rounds(extra, state, pop, exp.data, 1, 1)
+
+
+def test_never_trained_clients_are_evaluated_in_one_pass_with_the_same_numbers(spafl, monkeypatch):
+    exp, reference, _, _ = spafl
+    engine = exp.engine
+    state, pop = population.init(engine, jax.random.PRNGKey(0))
+    state, _ = population.run_rounds(engine, state, pop, exp.data, 2, chunk_rounds=2)
+    assert 0 < pop.touched < 12, "the test needs trained and never-trained clients"
+    x = exp.data.preprocess(exp.data.test_x[:1])
+    initial = jax.tree_util.tree_map(lambda leaf: jnp.asarray(leaf[0]), pop.gather(np.array([12])))
+    alg = engine.algorithm
+    assert population.ignores_client_id(alg, state.server, initial, x)
+    reads_id = dataclasses.replace(alg, personal_predict=lambda s, r, cid, x: alg.personal_predict(s, r, cid, x) + cid)
+    assert not population.ignores_client_id(reads_id, state.server, initial, x)
+    shared = population.evaluate(engine, state, pop, exp.data)
+    # The same evaluation with every client's model run on its own (as when the id is read).
+    monkeypatch.setattr(population, "ignores_client_id", lambda *args: False)
+    one_by_one = population.evaluate(engine, state, pop, exp.data)
+    np.testing.assert_array_equal(shared["client_accuracies"], one_by_one["client_accuracies"])
+    assert shared["test_loss"] == pytest.approx(one_by_one["test_loss"], rel=1e-6)
+    assert shared["density_all_clients"] == one_by_one["density_all_clients"]
+    assert 0 < shared["accuracy"] < 1 and shared["accuracy_max"] > shared["accuracy_min"]
