@@ -36,7 +36,9 @@ _OUTSIDE_LOOPS = contextvars.ContextVar("fedjax_sparse_outside_loops", default=F
 @contextlib.contextmanager
 def outside_loops():
     """Functions traced in this block run outside scan/while loops: ``"auto"`` convolutions use
-    XLA's native convolution on every backend (same numbers to float rounding)."""
+    XLA's native convolution on every backend (same numbers to float rounding). The choice is made
+    at trace time, so a ``jax.jit`` nested inside a model would keep whichever form it was first
+    traced with (the models here have none)."""
     token = _OUTSIDE_LOOPS.set(True)
     try:
         yield
