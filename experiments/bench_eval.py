@@ -66,24 +66,21 @@ def main(argv=None) -> int:
     first, times = time_call(lambda: loop.personal_stats(state, data), args.repeats)
     result["variants"].append({"mode": "loop", "eval_batch_size": loop.eval_batch_size, "first_seconds": first,
                                "seconds": times, "median_seconds": float(np.median(times))})
+    def measure(evaluator, **labels) -> dict:
+        """Times ``evaluator`` and compares its per-client numbers with the loop's."""
+        stats = evaluator.personal_stats(state, data)
+        first, times = time_call(lambda: evaluator.personal_stats(state, data), args.repeats)
+        return {**labels, "first_seconds": first, "seconds": times, "median_seconds": float(np.median(times)),
+                "same_counts_as_loop": bool(np.array_equal(np.asarray(stats.correct), np.asarray(reference.correct))),
+                "max_loss_difference_vs_loop": float(np.max(np.abs(
+                    np.asarray(stats.loss_sum) - np.asarray(reference.loss_sum))))}
+
     for chunk in args.chunk_examples:
-        batched = dataclasses.replace(loop, personal_eval="batched", chunk_examples=chunk)
-        stats = batched.personal_stats(state, data)
-        same = bool(np.array_equal(np.asarray(stats.correct), np.asarray(reference.correct)))
-        first, times = time_call(lambda b=batched: b.personal_stats(state, data), args.repeats)
-        result["variants"].append({"mode": "batched", "chunk_examples": chunk, "first_seconds": first,
-                                   "seconds": times, "median_seconds": float(np.median(times)),
-                                   "same_counts_as_loop": same})
+        result["variants"].append(measure(dataclasses.replace(loop, personal_eval="batched", chunk_examples=chunk),
+                                          mode="batched", chunk_examples=chunk))
     for granularity in args.granularity:
         one_by_one = dataclasses.replace(loop, personal_eval="per_client", per_client_granularity=granularity)
-        stats = one_by_one.personal_stats(state, data)
-        same = bool(np.array_equal(np.asarray(stats.correct), np.asarray(reference.correct)))
-        first, times = time_call(lambda e=one_by_one: e.personal_stats(state, data), args.repeats)
-        result["variants"].append({"mode": "per_client", "granularity": granularity, "first_seconds": first,
-                                   "seconds": times, "median_seconds": float(np.median(times)),
-                                   "same_counts_as_loop": same,
-                                   "max_loss_difference_vs_loop": float(np.max(np.abs(
-                                       np.asarray(stats.loss_sum) - np.asarray(reference.loss_sum))))})
+        result["variants"].append(measure(one_by_one, mode="per_client", granularity=granularity))
     loop_median = result["variants"][0]["median_seconds"]
     for v in result["variants"][1:]:
         v["speedup_vs_loop"] = loop_median / v["median_seconds"]

@@ -77,6 +77,12 @@ def plan_chunks(counts: np.ndarray, chunk_examples: int) -> list[tuple[np.ndarra
     return chunks
 
 
+def hits_and_losses(logits: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[B, C] logits, [B] labels -> ([B] float32 correctness, [B] cross-entropy)."""
+    return ((jnp.argmax(logits, -1) == y).astype(jnp.float32),
+            optax.softmax_cross_entropy_with_integer_labels(logits, y))
+
+
 def _totals(hits: np.ndarray, losses: np.ndarray) -> EvalStats:
     """Summed (in float64) per-example hits and losses as EvalStats."""
     return EvalStats(jnp.asarray(hits.sum(dtype=np.float64)), jnp.asarray(losses.sum(dtype=np.float64)),
@@ -135,8 +141,7 @@ class Evaluator:
             with L.outside_loops():
                 logits = alg.global_predict(server, x)
             valid = ((start + jnp.arange(size)) < data.global_test_idx.shape[0]).astype(jnp.float32)
-            losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-            hits = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
+            hits, losses = hits_and_losses(logits, y)
             return hits * valid, losses * valid
         return jax.jit(batch)
 
@@ -200,8 +205,7 @@ class Evaluator:
                 y = data.test_y[rows]
                 logits = self._predict_for(state.server, client_state, cid)(x)
                 valid = (jnp.arange(width) < count).astype(jnp.float32)
-                losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-                hits = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
+                hits, losses = hits_and_losses(logits, y)
                 return (hits * valid).sum(), (losses * valid).sum()
             return jax.vmap(one)(clients, rows, counts, ids)
         return jax.jit(chunk, static_argnums=3)
@@ -221,8 +225,7 @@ class Evaluator:
             with L.outside_loops():
                 logits = self._predict_for(state.server, client_state, cid)(x)
             valid = (jnp.arange(width) < data.test_count[cid]).astype(jnp.float32)
-            losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-            hits = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
+            hits, losses = hits_and_losses(logits, y)
             return (hits * valid).sum(), (losses * valid).sum()
         return jax.jit(one, static_argnums=3)
 

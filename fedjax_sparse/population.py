@@ -27,11 +27,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from fedjax_sparse.data.federated import FederatedData
 from fedjax_sparse.engine import Engine, EngineState, metrics_to_host
-from fedjax_sparse.evaluation import Evaluator
+from fedjax_sparse.evaluation import Evaluator, hits_and_losses
 
 
 class HostPopulation:
@@ -261,16 +260,14 @@ def ignores_client_id(algorithm, server: Any, row: Any, x: jax.Array) -> bool:
     return not any(v is cid for v in used)
 
 
-def _initial_row_stats(engine: Engine, state: EngineState, population: HostPopulation, data: FederatedData,
+def _initial_row_stats(engine: Engine, state: EngineState, initial: Any, data: FederatedData,
                        client_ids: np.ndarray, batch: int = 512) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`_client_stats` for clients that all hold the initial row, when the personal model does not
-    depend on the client id: one model, so one pass over the union of their test sets in batches of
-    ``batch`` examples (per-example results summed back per client)."""
+    """:func:`_client_stats` for clients that all hold the row ``initial`` (device arrays), when the
+    personal model does not depend on the client id: one model, so one pass over the union of their
+    test sets in batches of ``batch`` examples (per-example results summed back per client)."""
     counts = np.asarray(data.test_count)[client_ids].astype(np.int64)
     test_idx = np.asarray(data.test_idx)
     rows = np.concatenate([test_idx[c, :n] for c, n in zip(client_ids, counts)] or [np.zeros(0, np.int32)])
-    initial = jax.tree_util.tree_map(lambda leaf: jnp.asarray(leaf[0]),
-                                     population.gather(np.array([population.num_clients])))
     fn = _initial_batch_fn(engine.algorithm.personal_predict)
     padded = np.zeros(-(-len(rows) // batch) * batch, np.int32)
     padded[:len(rows)] = rows
@@ -295,8 +292,7 @@ def _initial_batch_fn(personal_predict):
         y = data.test_y[rows]
         with layers.outside_loops():
             logits = personal_predict(server, row, jnp.int32(0), x)
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-        return (jnp.argmax(logits, -1) == y).astype(jnp.float32), losses
+        return hits_and_losses(logits, y)
     return jax.jit(batch)
 
 
@@ -327,7 +323,7 @@ def evaluate(engine: Engine, state: EngineState, population: HostPopulation, dat
     if len(never_trained) and ignores_client_id(alg, state.server, initial, data.preprocess(data.test_x[:1])):
         # Every never-trained client holds the same model: one pass over their test sets.
         shared = never_trained
-        correct[shared], loss_sum[shared], count[shared] = _initial_row_stats(engine, state, population, data, shared)
+        correct[shared], loss_sum[shared], count[shared] = _initial_row_stats(engine, state, initial, data, shared)
     else:
         trained = np.arange(n)
     size = min(chunk_clients, n)
