@@ -83,6 +83,18 @@ def hits_and_losses(logits: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Arr
             optax.softmax_cross_entropy_with_integer_labels(logits, y))
 
 
+def personal_summary(correct, loss_sum, count) -> dict:
+    """Per-client hits, loss sums and test counts [N] -> accuracy mean / std / min / max over the
+    clients with test data, their pooled test loss and the per-client accuracies."""
+    count = np.asarray(count, np.float64)
+    has = count > 0
+    acc = np.asarray(correct, np.float64)[has] / count[has]
+    return {"accuracy": float(acc.mean()), "accuracy_std": float(acc.std()), "accuracy_min": float(acc.min()),
+            "accuracy_max": float(acc.max()),
+            "test_loss": float(np.asarray(loss_sum, np.float64)[has].sum() / count[has].sum()),
+            "client_accuracies": acc}
+
+
 def _totals(hits: np.ndarray, losses: np.ndarray) -> EvalStats:
     """Summed (in float64) per-example hits and losses as EvalStats."""
     return EvalStats(jnp.asarray(hits.sum(dtype=np.float64)), jnp.asarray(losses.sum(dtype=np.float64)),
@@ -279,18 +291,7 @@ class Evaluator:
             stats = self.personal_stats(state, data)
             if alg.global_predict is not None:
                 g = self.global_stats(state, data)
-        count = np.asarray(stats.count, np.float64)
-        has = count > 0
-        acc = np.asarray(stats.correct, np.float64)[has] / count[has]
-        out = {
-            "accuracy": float(acc.mean()),
-            "accuracy_std": float(acc.std()),
-            "accuracy_min": float(acc.min()),
-            "accuracy_max": float(acc.max()),
-            "test_loss": float(np.asarray(stats.loss_sum, np.float64)[has].sum() / count[has].sum()),
-            "client_accuracies": acc,
-            "global_accuracy": None,
-        }
+        out = {**personal_summary(stats.correct, stats.loss_sum, stats.count), "global_accuracy": None}
         if g is not None:
             out["global_accuracy"] = float(g.correct / max(int(g.count), 1))
             out["global_test_loss"] = float(g.loss_sum / max(int(g.count), 1))

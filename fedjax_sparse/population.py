@@ -30,7 +30,7 @@ import numpy as np
 
 from fedjax_sparse.data.federated import FederatedData
 from fedjax_sparse.engine import Engine, EngineState, metrics_to_host
-from fedjax_sparse.evaluation import Evaluator, hits_and_losses
+from fedjax_sparse.evaluation import Evaluator, hits_and_losses, personal_summary
 
 
 class HostPopulation:
@@ -235,11 +235,7 @@ def _client_stats(engine: Engine, state: EngineState, population: HostPopulation
 
 
 def _summary(correct: np.ndarray, loss_sum: np.ndarray, count: np.ndarray) -> dict:
-    has = count > 0
-    acc = correct[has] / count[has]
-    return {"accuracy": float(acc.mean()), "accuracy_std": float(acc.std()), "accuracy_min": float(acc.min()),
-            "accuracy_max": float(acc.max()), "test_loss": float(loss_sum[has].sum() / count[has].sum()),
-            "client_accuracies": acc, "clients_evaluated": int(has.sum())}
+    return {**personal_summary(correct, loss_sum, count), "clients_evaluated": int((count > 0).sum())}
 
 
 def evaluate_clients(engine: Engine, state: EngineState, population: HostPopulation, data: FederatedData,
@@ -340,8 +336,7 @@ def evaluate(engine: Engine, state: EngineState, population: HostPopulation, dat
         total = 0.0
         untouched = population.num_clients - population.used
         if untouched:
-            initial = population.gather(np.array([population.num_clients]))
-            total += untouched * float(density(state.server, jax.tree_util.tree_map(jnp.asarray, initial))[0])
+            total += untouched * float(density(state.server, jax.tree_util.tree_map(lambda x: x[None], initial))[0])
         stored = np.flatnonzero(population.slot >= 0)
         for start in range(0, len(stored), chunk_clients):
             ids = stored[start:start + chunk_clients]
