@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from fedjax_sparse import runner
+from fedjax_sparse import runner, timing
 
 
 def time_call(fn, repeats: int) -> tuple[float, list[float]]:
@@ -61,7 +61,8 @@ def main(argv=None) -> int:
               "max_client_test": int(np.asarray(data.test_count).max()),
               "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
               "cpu_count": os.cpu_count(), "load_average_at_start": os.getloadavg(),
-              "python": platform.python_version(), "jax": jax.__version__, "variants": []}
+              "python": platform.python_version(), "jax": jax.__version__,
+              "machine_facts": timing.machine_facts(), "variants": []}
     reference = loop.personal_stats(state, data)
     first, times = time_call(lambda: loop.personal_stats(state, data), args.repeats)
     result["variants"].append({"mode": "loop", "eval_batch_size": loop.eval_batch_size, "first_seconds": first,

@@ -23,7 +23,7 @@ import time
 import jax
 import numpy as np
 
-from fedjax_sparse import runner
+from fedjax_sparse import runner, timing
 
 CONFIGS = {
     # The SpaFL FMNIST setting (issue #2): 100 clients, Dirichlet 0.2 with per-client test mix,
@@ -116,6 +116,9 @@ def main(argv=None) -> int:
         "jax": jax.__version__, "cpu_count": os.cpu_count(), "machine": platform.machine(),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine_facts": timing.machine_facts(),
+        # The same process's 2048^2 float32 matmul: gflops_achieved / this = share of the ceiling.
+        "matmul_2048_gflops": timing.matmul_gflops(),
     }
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

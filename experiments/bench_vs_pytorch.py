@@ -260,6 +260,7 @@ def main(argv=None) -> int:
     jax_t = per_phase(jax_info["rounds"], args.warmup)
     torch_t = per_phase(torch_result["rounds"], args.warmup)
     ratios = {k: torch_t[k]["median"] / jax_t[k]["median"] for k in ("train", "eval", "round")}
+    from fedjax_sparse import timing
     loss_j, loss_t = jax_info["rounds"][0]["loss"], torch_result["rounds"][0]["loss"]
     logits_diff = float(np.max(np.abs(np.asarray(jax_info["init_logits"]) - np.asarray(torch_result["init_logits"]))))
     j0, t0 = jax_info["rounds"][0], torch_result["rounds"][0]
@@ -279,7 +280,8 @@ def main(argv=None) -> int:
         "machine": {"cpu_count": os.cpu_count(), "processor": platform.processor(), "machine": platform.machine(),
                     "platform": platform.platform(), "python": platform.python_version(),
                     "load_average_start": load_start, "load_average_after_jax": load_after_jax,
-                    "load_average_after_torch": load_after_torch, "load_average_end": os.getloadavg()},
+                    "load_average_after_torch": load_after_torch, "load_average_end": os.getloadavg(),
+                    **timing.machine_facts()},
         "versions": {"jax": jax_info["jax"], "torch": torch_result["torch"], "numpy": np.__version__,
                      "torch_numpy": torch_result["numpy"]},
         "threads": {"torch": torch_result["threads"], "torch_interop": torch_result["interop_threads"],

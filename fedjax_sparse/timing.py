@@ -21,3 +21,53 @@ def time_rounds(engine, state, data, rounds: int):
         jax.block_until_ready(state)
         times.append(time.perf_counter() - t0)
     return state, first, times, metrics
+
+
+def _cpuinfo(path: str = "/proc/cpuinfo") -> dict:
+    """Model name, family, model number and AVX-512 flags of the first CPU in ``path`` (Linux's
+    /proc/cpuinfo; {} where there is none)."""
+    fields = {"model name": "cpu_model", "cpu family": "cpu_family", "model": "cpu_model_number", "flags": "flags"}
+    found: dict = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in fields and fields[key] not in found:
+                    found[fields[key]] = value.strip()
+                if not line.strip() and found:
+                    break
+    except OSError:
+        return {}
+    flags = found.pop("flags", "").split()
+    found["avx512f"] = "avx512f" in flags
+    found["avx512_bf16"] = "avx512_bf16" in flags
+    return found
+
+
+def machine_facts() -> dict:
+    """What a timing depends on: CPU model and count, load, backend, devices, versions. Timings
+    from different CPUs are not comparable (this project's 2-core machine has changed host, and
+    the matmul ceiling doubled with it), so every benchmark JSON records this next to its
+    numbers."""
+    import os
+    import platform
+    return {"cpu_count": os.cpu_count(), **_cpuinfo(), "machine": platform.machine(),
+            "load_average": list(os.getloadavg()), "backend": jax.default_backend(),
+            "devices": [d.device_kind for d in jax.devices()], "jax": jax.__version__,
+            "python": platform.python_version()}
+
+
+def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """Best-of-``repeats`` GFLOP/s of one jitted float32 [n, n] @ [n, n] on the default device:
+    the practical ceiling that achieved GFLOP/s figures are read against."""
+    import jax.numpy as jnp
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+    f = jax.jit(lambda a: a @ a)
+    jax.block_until_ready(f(a))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(a))
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best / 1e9
