@@ -1,8 +1,10 @@
 """Tests written for the mutmut survivors of ``accounting.py`` (docs/testing.md)."""
 import jax
 import jax.numpy as jnp
+import pytest
 
-from fedjax_sparse.accounting import Cost, as_cost
+from fedjax_sparse.accounting import Cost, as_cost, cost_per_round, row_training_flops, weight_training_flops
+from fedjax_sparse.models.base import LayerInfo, Model
 
 
 def test_terms_count_per_unit_factors_exactly():
@@ -55,3 +57,49 @@ def test_as_cost_keeps_static_numbers_exact_and_traced_counts_traced():
     # inside jit a count is a tracer: it must become a traced factor, not a static unit
     factors = jax.jit(lambda n: as_cost(n).factors)(jnp.int32(5))
     assert factors.tolist() == [[5, 1]]
+
+
+def test_per_round_products_are_exact_beyond_float64():
+    """(2^31 - 1)^2 needs 62 bits: a float64 product (53-bit mantissa) would round it."""
+    big = 2 ** 31 - 1
+    cost = Cost(jnp.array([[[[big, big]], [[big, 3]]]], jnp.int32), (5,))    # [R=1, K=2, T=1, 2]
+    assert cost_per_round(cost) == [5 * (big * big + big * 3)]
+    assert float(big * big) != big * big                                     # float64 cannot hold it
+
+
+def test_per_round_without_a_round_axis():
+    """``leading_axes=0``: factors [K, T, 2] are one round."""
+    factors = jnp.array([[[2, 3]], [[4, 5]]], jnp.int32)                     # [K=2, T=1, 2]
+    assert cost_per_round(Cost(factors, (7,)), leading_axes=0) == [7 * (6 + 20)]
+
+
+def test_integral_float_units_count_exactly():
+    """A unit given as 6.0 is the integer 6: the total stays a Python int, exact beyond 2^53."""
+    big = 2 ** 31 - 1
+    total = Cost.terms([6.0], jnp.array([big]), jnp.array([big])).total()
+    assert type(total) is int and total == 6 * big * big
+
+
+def test_a_bool_unit_is_refused_by_name():
+    with pytest.raises(TypeError, match=r"^a cost unit must be a number, not a bool$"):
+        Cost.terms([True], jnp.array([1]))
+
+
+def _model(*layers):
+    return Model("toy", (1,), 2, tuple(layers), init_fn=lambda key: {}, apply_fn=lambda *a, **k: None)
+
+
+def test_per_row_and_per_weight_training_flops_are_ints():
+    # conv 3x3, 2 -> 4 channels on a 5x5 output: 25 positions x 18 fan-in x 4 rows MACs
+    conv = LayerInfo("c", "conv", (3, 3, 2, 4), 2, 4, 25 * 18 * 4)
+    rows, weights = row_training_flops(_model(conv)), weight_training_flops(_model(conv))
+    assert rows == (6 * 25 * 18,) and weights == (6 * 25,)
+    assert all(type(v) is int for v in rows + weights)
+
+
+def test_training_flops_refuse_macs_that_do_not_split_by_name():
+    odd = LayerInfo("odd", "dense", (3, 4), 3, 4, 13)
+    with pytest.raises(ValueError, match="odd: 13 MACs do not split into 4 rows"):
+        row_training_flops(_model(odd))
+    with pytest.raises(ValueError, match="odd: 13 MACs are not a multiple of its 12 weights"):
+        weight_training_flops(_model(odd))
