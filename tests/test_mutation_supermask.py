@@ -107,3 +107,60 @@ def test_argsort_off_the_cpu_is_the_same_stable_int32_argsort(monkeypatch):
         got = sm.argsort(a)
         assert got.dtype == jnp.int32
         np.testing.assert_array_equal(got, np.argsort(np.asarray(a), axis=-1, kind="stable"))
+
+
+# ---------------------------------------------------------------- frozen weights and initial scores
+@pytest.mark.parametrize("shape", [(3, 3, 16, 32), (256, 64)])
+def test_frozen_weight_inits_have_their_documented_scale(shape):
+    """signed_constant: exactly +-sqrt(2 / fan_in); kaiming_normal: N(0, 2 / fan_in); glorot_normal:
+    N(0, 2 / (fan_in + fan_out)) with fan_out = out x kh x kw. ~16k draws: std within 3 %."""
+    fan_in = int(np.prod(shape[:-1]))
+    fan_out = shape[-1] * int(np.prod(shape[:-2])) if len(shape) > 2 else shape[-1]
+    key = jax.random.PRNGKey(3)
+    signed = np.asarray(sm_impl.frozen_weights(key, shape))
+    assert signed.shape == shape and signed.dtype == np.float32
+    np.testing.assert_allclose(np.abs(signed), np.sqrt(2.0 / fan_in), rtol=1e-6)
+    assert 0.45 < (signed > 0).mean() < 0.55
+    for init, var in (("kaiming_normal", 2.0 / fan_in), ("glorot_normal", 2.0 / (fan_in + fan_out))):
+        w = np.asarray(sm_impl.frozen_weights(key, shape, init))
+        assert w.shape == shape and w.dtype == np.float32
+        assert abs(w.std() / np.sqrt(var) - 1) < 0.03, init
+        assert abs(w.mean()) < 0.05 * np.sqrt(var), init
+
+
+def test_unknown_frozen_weight_init_names_the_choices():
+    with pytest.raises(ValueError, match="unknown weight init 'xavier'; valid: .*glorot_normal"):
+        sm_impl.frozen_weights(jax.random.PRNGKey(0), (4, 4), "xavier")
+
+
+def test_initial_scores_are_uniform_over_plus_minus_one_over_sqrt_fan_in():
+    shape = (3, 3, 16, 32)
+    bound = 1.0 / np.sqrt(3 * 3 * 16)
+    s = np.asarray(sm_impl.initial_scores(jax.random.PRNGKey(1), shape))
+    assert s.shape == shape and s.dtype == np.float32
+    assert s.min() >= -bound and s.max() <= bound
+    assert s.min() < -0.99 * bound and s.max() > 0.99 * bound
+    assert abs(s.std() / (bound / np.sqrt(3)) - 1) < 0.03             # U(-b, b) has std b / sqrt(3)
+
+
+# ---------------------------------------------------------------- radix selection
+def test_order_keys_keep_the_order_of_tiny_and_one_ulp_apart_floats():
+    """Keys must order exactly as the floats do, however close: values far below float32's
+    spacing at 1 (no offset may be added before the bitcast), and positive floats one ulp
+    apart (the sign-bit flip may not touch the low bit)."""
+    one = np.float32(1.0)
+    x = np.array([-2.0, -1e-9, 0.0, 1e-9, 2e-9, one, np.nextafter(one, np.float32(2)), 3.0], np.float32)
+    keys = np.asarray(sm_impl.order_keys(jnp.asarray(x)))
+    assert (np.diff(keys.astype(np.int64)) > 0).all()
+    assert sm_impl.order_keys(jnp.float32(-0.0)) == sm_impl.order_keys(jnp.float32(0.0))
+
+
+def test_kth_largest_key_is_the_kth_largest_at_a_bin_boundary():
+    """Keys 0x10000 (high bin 1, alone) and 5 (bin 0): the largest key is 0x10000 itself. A
+    select that needs the suffix count to exceed ``kept`` would settle in bin 0 and return
+    0xFFFF, a value no key has."""
+    keys = jnp.array([0x10000, 5], jnp.uint32)
+    assert int(sm_impl.kth_largest_key(keys, 1)) == 0x10000
+    assert int(sm_impl.kth_largest_key(keys, 2)) == 5
+    keys = jnp.array([0x30002, 0x30002, 0x20007, 0x20001, 9], jnp.uint32)
+    assert [int(sm_impl.kth_largest_key(keys, k)) for k in range(1, 6)] == [0x30002, 0x30002, 0x20007, 0x20001, 9]
