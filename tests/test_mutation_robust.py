@@ -37,3 +37,14 @@ def test_krum_count_default_and_override():
     assert int(R.krum_count(10, 2, 20)) == 10
     assert int(R.krum_count(10, 2, 0)) == 4
     assert int(R.krum_count(10, 2, -1)) == 4
+
+
+def test_trimmed_mean_clips_the_trim_to_what_the_clients_allow():
+    """K = 4 values of one coordinate, 1 < 2 < 4 < 8: trim 1 keeps the middle two (mean 3); a trim
+    above (K - 1) // 2 = 1 is that trim, not an empty selection; a negative trim is no trim."""
+    x = jnp.array([[8.0], [1.0], [4.0], [2.0]])
+    assert float(R.trimmed_mean(x, 1)[0]) == 3.0
+    assert float(R.trimmed_mean(x, 2)[0]) == 3.0
+    assert float(R.trimmed_mean(x, jnp.int32(7))[0]) == 3.0
+    assert float(R.trimmed_mean(x, -1)[0]) == 15.0 / 4
+    assert float(R.trimmed_mean(x, 0)[0]) == 15.0 / 4
