@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 
 from fedjax_sparse.algorithms import robust as R
+from fedjax_sparse.mechanisms import attacks
+from fedjax_sparse.mechanisms import supermask as sm
 
 
 def test_malicious_fraction_is_in_zero_to_one_half_open():
@@ -53,3 +55,58 @@ def test_min_max_bound_is_the_largest_distance_between_known_updates():
     out, gamma = R.min_max_attack(x, is_mal, known, kind="std", steps=40)
     np.testing.assert_allclose(float(gamma), 1 / np.sqrt(2), rtol=1e-4)
     np.testing.assert_allclose(out[2], [0.25 - 0.25], atol=1e-4)
+
+
+def _tailored_trimmed_mean_reference(updates, is_mal, known, trim, gamma_init=10.0, steps=20):
+    """The DYN-OPT search written out: the benign rows plus ``copies`` copies of mean - gamma dev,
+    trimmed-mean by sorting; gamma moves up while |TrMean - mean| grows over the previous test
+    (strictly), by a step halving every time."""
+    mean = R.masked_mean(updates, known)
+    dev = R.deviation(updates, known, "std")
+    benign, copies = updates[~is_mal], int(is_mal.sum())
+    gamma, step, best, previous = gamma_init, gamma_init / 2, 0.0, -1.0
+    for _ in range(steps):
+        messages = jnp.concatenate([benign, jnp.repeat((mean - gamma * dev)[None], copies, 0)])
+        loss = float(jnp.linalg.norm(R.trimmed_mean(messages, trim) - mean))
+        accepted = loss > previous
+        best = gamma if accepted else best
+        gamma, step, previous = (gamma + step if accepted else gamma - step), step / 2, loss
+    return best
+
+
+@pytest.mark.parametrize("trim", [1, 2, 3])
+def test_tailored_trimmed_mean_attack_is_the_dyn_opt_search(trim):
+    """gamma equal to the written-out search: with 2 malicious clients among 10, trims of 1
+    (copies outnumber the trim), 2 (the copies are trimmed away once extreme: ties of the loss
+    stop the search) and 3; the malicious rows are mean - gamma dev, the benign ones untouched."""
+    rng = np.random.default_rng(7)
+    updates = jnp.asarray(rng.normal(0, 1, (10, 6)), jnp.float32)
+    is_mal = jnp.asarray(np.isin(np.arange(10), [2, 7]))
+    known = jnp.ones(10, bool)
+    out, gamma = R.tailored_trimmed_mean_attack(updates, is_mal, known, trim)
+    expected = _tailored_trimmed_mean_reference(updates, np.asarray(is_mal), known, trim)
+    assert float(gamma) == pytest.approx(expected, rel=1e-5)
+    mean, dev = R.masked_mean(updates, known), R.deviation(updates, known, "std")
+    np.testing.assert_allclose(out[2], mean - gamma * dev, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(out[~np.asarray(is_mal)], updates[~np.asarray(is_mal)])
+
+
+def test_reverse_attack_votes_only_over_what_the_attacker_knows():
+    """Client 0 is malicious and knows rankings 0 and 1 only (full and Sparse-FSL uploads); client 2's
+    ranking, the opposite of theirs, must not enter its vote. Given ``knowledge``, the vote is over
+    those rankings instead of the round's messages."""
+    a, b, c = [0, 1, 2, 3, 4, 5], [1, 0, 2, 3, 5, 4], [5, 4, 3, 2, 1, 0]
+    messages = {"layer": jnp.array([a, b, c], jnp.int32)}
+    is_mal = jnp.array([True, False, False])
+    known = jnp.array([True, True, False])
+    full = attacks.reverse_attack(messages, {"layer": 6}, is_mal, known, 1.0)["layer"]
+    np.testing.assert_array_equal(full[0], sm.reverse_ranking(sm.vote(jnp.array([a, b], jnp.int32))))
+    tops = {"layer": messages["layer"][:, 3:]}
+    sparse = attacks.reverse_attack(tops, {"layer": 6}, is_mal, known, 0.5)["layer"]
+    expected = sm.top_of_ranking(sm.reverse_ranking(sm.vote_sparse(tops["layer"][:2], 6)), 0.5)
+    np.testing.assert_array_equal(sparse[0], expected)
+    assert not np.array_equal(sparse[0], sm.top_of_ranking(sm.reverse_ranking(sm.vote_sparse(tops["layer"], 6)), 0.5))
+    knowledge = {"layer": jnp.array([c, c], jnp.int32)}
+    told = attacks.reverse_attack(messages, {"layer": 6}, is_mal, known, 1.0, knowledge)["layer"]
+    np.testing.assert_array_equal(told[0], c[::-1])
+    np.testing.assert_array_equal(told[1:], messages["layer"][1:])

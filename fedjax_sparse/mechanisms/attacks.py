@@ -101,14 +101,18 @@ def _trimmed_mean_with_copies(sorted_benign, prefix, benign_count, value, copies
     rows = jnp.arange(k)[:, None]
     below = ((sorted_benign < value[None, :]) & (rows < benign_count)).sum(0)   # [P]
 
-    def prefix_of_merged(j):   # sum of the j smallest of the merged list, per coordinate
+    def smallest_of_merged(j):   # the j smallest of the merged list: (benign sum, copies), per coordinate
         j = jnp.broadcast_to(j, below.shape)
         take_b = jnp.where(j <= below, j, jnp.where(j <= below + copies, below, j - copies))
-        n_val = jnp.clip(j - below, 0, copies)
-        return jnp.take_along_axis(prefix, take_b[None, :], axis=0)[0] + n_val * value
+        return jnp.take_along_axis(prefix, take_b[None, :], axis=0)[0], jnp.clip(j - below, 0, copies)
 
     total = benign_count + copies
-    kept = prefix_of_merged(total - trim) - prefix_of_merged(trim)
+    benign_high, copies_high = smallest_of_merged(total - trim)
+    benign_low, copies_low = smallest_of_merged(trim)
+    # The copies kept are counted, not summed and subtracted: once every copy is trimmed the
+    # result is the same float for every value, so the attack's strict loss comparison sees the
+    # exact tie the sorted trimmed mean gives (a subtraction of value's multiples would not).
+    kept = (benign_high - benign_low) + (copies_high - copies_low) * value
     return kept / jnp.maximum(total - 2 * trim, 1).astype(value.dtype)
 
 
