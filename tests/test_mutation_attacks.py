@@ -85,7 +85,7 @@ def test_tailored_trimmed_mean_attack_is_the_dyn_opt_search(trim):
     known = jnp.ones(10, bool)
     out, gamma = R.tailored_trimmed_mean_attack(updates, is_mal, known, trim)
     expected = _tailored_trimmed_mean_reference(updates, np.asarray(is_mal), known, trim)
-    assert float(gamma) == pytest.approx(expected, rel=1e-5)
+    assert float(gamma) == pytest.approx(expected, rel=0, abs=1e-6)   # one more halving moves it 1e-5
     mean, dev = R.masked_mean(updates, known), R.deviation(updates, known, "std")
     np.testing.assert_allclose(out[2], mean - gamma * dev, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(out[~np.asarray(is_mal)], updates[~np.asarray(is_mal)])
@@ -110,3 +110,34 @@ def test_reverse_attack_votes_only_over_what_the_attacker_knows():
     told = attacks.reverse_attack(messages, {"layer": 6}, is_mal, known, 1.0, knowledge)["layer"]
     np.testing.assert_array_equal(told[0], c[::-1])
     np.testing.assert_array_equal(told[1:], messages["layer"][1:])
+
+
+def _tailored_multi_krum_reference(updates, is_mal, known, f, num_select, gamma_init=10.0, steps=20):
+    """DYN-OPT against Multi-Krum written out: gamma moves up while Multi-Krum, run on the full
+    message matrix, selects every malicious row."""
+    mean = R.masked_mean(updates, known)
+    dev = R.deviation(updates, known, "std")
+    gamma, step, best = gamma_init, gamma_init / 2, 0.0
+    for _ in range(steps):
+        messages = jnp.where(is_mal[:, None], (mean - gamma * dev)[None], updates)
+        selected = R.multi_krum_select(R.pairwise_sq_distances(messages), f, num_select)
+        accepted = bool((selected & is_mal).sum() == is_mal.sum())
+        best = gamma if accepted else best
+        gamma, step = (gamma + step if accepted else gamma - step), step / 2
+    return best
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tailored_multi_krum_attack_is_the_dyn_opt_search(seed):
+    """gamma equal to the written-out search (distances to the malicious rows from a, b, c, not
+    recomputed), 3 malicious of 12, f = 3; the malicious rows are mean - gamma dev."""
+    rng = np.random.default_rng(seed)
+    updates = jnp.asarray(rng.normal(0, 1, (12, 5)) + rng.normal(0, 0.3, (1, 5)), jnp.float32)
+    is_mal = jnp.asarray(np.isin(np.arange(12), [0, 5, 9]))
+    known = jnp.ones(12, bool)
+    num_select = R.krum_count(12, 3)
+    out, gamma = R.tailored_multi_krum_attack(updates, is_mal, known, 3, num_select)
+    expected = _tailored_multi_krum_reference(updates, is_mal, known, 3, num_select)
+    assert float(gamma) == pytest.approx(expected, rel=0, abs=1e-6) and expected > 0
+    np.testing.assert_allclose(out[5], R.masked_mean(updates, known) - gamma * R.deviation(updates, known, "std"),
+                               rtol=1e-5, atol=1e-6)
