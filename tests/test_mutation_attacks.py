@@ -74,17 +74,21 @@ def _tailored_trimmed_mean_reference(updates, is_mal, known, trim, gamma_init=10
     return best
 
 
-@pytest.mark.parametrize("trim", [1, 2, 3])
-def test_tailored_trimmed_mean_attack_is_the_dyn_opt_search(trim):
+@pytest.mark.parametrize("trim, gamma_init, offset",
+                         [(1, 10.0, 0.0), (2, 10.0, 0.0), (3, 10.0, 0.0), (2, 1.0, 0.0), (3, 0.8, 0.0), (2, 1.0, 5.0)])
+def test_tailored_trimmed_mean_attack_is_the_dyn_opt_search(trim, gamma_init, offset):
     """gamma equal to the written-out search: with 2 malicious clients among 10, trims of 1
-    (copies outnumber the trim), 2 (the copies are trimmed away once extreme: ties of the loss
-    stop the search) and 3; the malicious rows are mean - gamma dev, the benign ones untouched."""
+    (copies outnumber the trim: the loss grows without end), 2 and 3 (the copies are trimmed away
+    once extreme: ties of the loss stop the search) from gamma 10, and from small gammas, where the
+    loss first grows and the search has to find where the copies leave the kept window; the
+    malicious rows are mean - gamma dev, the benign ones untouched. The offset moves the mean far
+    from 0 (the loss is the distance to the mean, not the norm of anything else)."""
     rng = np.random.default_rng(7)
-    updates = jnp.asarray(rng.normal(0, 1, (10, 6)), jnp.float32)
+    updates = jnp.asarray(rng.normal(0, 1, (10, 6)) + offset, jnp.float32)
     is_mal = jnp.asarray(np.isin(np.arange(10), [2, 7]))
     known = jnp.ones(10, bool)
-    out, gamma = R.tailored_trimmed_mean_attack(updates, is_mal, known, trim)
-    expected = _tailored_trimmed_mean_reference(updates, np.asarray(is_mal), known, trim)
+    out, gamma = R.tailored_trimmed_mean_attack(updates, is_mal, known, trim, gamma_init=gamma_init)
+    expected = _tailored_trimmed_mean_reference(updates, np.asarray(is_mal), known, trim, gamma_init)
     assert float(gamma) == pytest.approx(expected, rel=0, abs=1e-6)   # one more halving moves it 1e-5
     mean, dev = R.masked_mean(updates, known), R.deviation(updates, known, "std")
     np.testing.assert_allclose(out[2], mean - gamma * dev, rtol=1e-5, atol=1e-6)
@@ -127,12 +131,13 @@ def _tailored_multi_krum_reference(updates, is_mal, known, f, num_select, gamma_
     return best
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_tailored_multi_krum_attack_is_the_dyn_opt_search(seed):
+@pytest.mark.parametrize("seed, scale", [(0, 1.0), (1, 1.0), (2, 1.0), (0, 0.1)])
+def test_tailored_multi_krum_attack_is_the_dyn_opt_search(seed, scale):
     """gamma equal to the written-out search (distances to the malicious rows from a, b, c, not
-    recomputed), 3 malicious of 12, f = 3; the malicious rows are mean - gamma dev."""
+    recomputed), 3 malicious of 12, f = 3, and updates scaled down so that squared distances are
+    well below 1; the malicious rows are mean - gamma dev."""
     rng = np.random.default_rng(seed)
-    updates = jnp.asarray(rng.normal(0, 1, (12, 5)) + rng.normal(0, 0.3, (1, 5)), jnp.float32)
+    updates = jnp.asarray(scale * (rng.normal(0, 1, (12, 5)) + rng.normal(0, 0.3, (1, 5))), jnp.float32)
     is_mal = jnp.asarray(np.isin(np.arange(12), [0, 5, 9]))
     known = jnp.ones(12, bool)
     num_select = R.krum_count(12, 3)
