@@ -1,9 +1,13 @@
-"""Wall-clock timing of engine rounds (for benchmark scripts; tests never time)."""
+"""Wall-clock timing of engine rounds and the machine facts recorded beside it (for benchmark scripts;
+tests never time)."""
 from __future__ import annotations
 
+import os
+import platform
 import time
 
 import jax
+import jax.numpy as jnp
 
 
 def time_rounds(engine, state, data, rounds: int):
@@ -50,8 +54,6 @@ def machine_facts() -> dict:
     from different CPUs are not comparable (this project's 2-core machine has changed host, and
     the matmul ceiling doubled with it), so every benchmark JSON records this next to its
     numbers."""
-    import os
-    import platform
     return {"cpu_count": os.cpu_count(), **_cpuinfo(), "machine": platform.machine(),
             "load_average": list(os.getloadavg()), "backend": jax.default_backend(),
             "devices": [d.device_kind for d in jax.devices()], "jax": jax.__version__,
@@ -61,7 +63,6 @@ def machine_facts() -> dict:
 def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
     """Best-of-``repeats`` GFLOP/s of one jitted float32 [n, n] @ [n, n] on the default device:
     the practical ceiling that achieved GFLOP/s figures are read against."""
-    import jax.numpy as jnp
     a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
     f = jax.jit(lambda a: a @ a)
     jax.block_until_ready(f(a))
