@@ -79,3 +79,23 @@ def test_learns_on_digits(tmp_path):
                  "--lr", "0.1", "--partition", "iid", "--option", "momentum=0.9", "--quiet", "--out", str(out)])
     assert code == 0
     assert json.loads((out / "summary.json").read_text())["final_accuracy"] > 0.5   # chance 0.1; measured 0.75
+
+
+def test_sliced_p_max_sub_model_equals_the_masked_full_model():
+    # Same keys, so the same per-step widths: training the cut-out p_max sub-model with each step's
+    # narrower width zeroed inside it is the masked full model's computation, at a fraction of its cost.
+    _, data = tiny_federated()
+    task = make_task(data, lr=0.1)
+    results = {}
+    for sliced in (True, False):
+        engine = Engine(make_algorithm("fjord", task, {"sliced": sliced, "momentum": 0.5}), 6, 3)
+        results[sliced] = engine.run_rounds(engine.init(jax.random.PRNGKey(0)), data, 2)
+    (a, ma), (b, mb) = results[True], results[False]
+    for x, y in zip(jax.tree_util.tree_leaves(a.server), jax.tree_util.tree_leaves(b.server)):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(ma["loss"], mb["loss"], rtol=1e-4)
+    for key in ("flops", "uplink_bits", "downlink_bits"):
+        np.testing.assert_array_equal(np.asarray(ma[key]), np.asarray(mb[key]))
+    x = data.preprocess(jnp.asarray(data.test_x[:16]))
+    predict = {s: make_algorithm("fjord", task, {"sliced": s}).global_predict for s in (True, False)}
+    np.testing.assert_allclose(predict[True](a.server, x), predict[False](a.server, x), rtol=1e-4, atol=1e-4)

@@ -133,3 +133,47 @@ def test_residual_models_are_refused_in_one_line():
     model = make_model("resnet18_narrow", (32, 32, 3), 10)
     with pytest.raises(ValueError, match="needs a sequential model.*preact"):
         WidthLayout.from_model(model, model.init(jax.random.PRNGKey(0)))
+
+
+def test_slice_cuts_the_sub_model_out_and_unslice_writes_it_back():
+    model = make_model("lenet5_caffe", (28, 28, 1), 10)
+    variables = model.init(jax.random.PRNGKey(0))
+    layout = WidthLayout.from_model(model, variables)
+    counts = layout.static_counts(0.5)
+    sub = layout.slice(variables, counts)
+    shapes = {name: sub["params"][name]["kernel"].shape for name in layout.names}
+    # fc1 keeps the 16 positions x 25 kept conv2 channels; fc2 all 10 classes
+    assert shapes == {"conv1": (5, 5, 1, 10), "conv2": (5, 5, 10, 25), "fc1": (400, 250), "fc2": (250, 10)}
+    assert sum(int(x.size) for x in jax.tree_util.tree_leaves(sub)) == layout.num_values(counts) == 109_000
+    fc1 = np.asarray(variables["params"]["fc1"]["kernel"])
+    np.testing.assert_array_equal(sub["params"]["fc1"]["kernel"], fc1[np.arange(800) % 50 < 25, :250])
+    # the sliced network computes what the masked full network does
+    x = jax.random.uniform(jax.random.PRNGKey(3), (4, 28, 28, 1)) * 255
+    masked, _ = model.apply(variables, x, hooks=layout.hooks(jnp.asarray(counts)))
+    np.testing.assert_allclose(model.apply(sub, x)[0], masked, rtol=2e-5, atol=1e-4)
+    # writing back: held entries replaced, everything else untouched
+    bumped = jax.tree_util.tree_map(lambda v: v + 1.0, sub)
+    back = layout.unslice(variables, bumped, counts)
+    held = layout.held(variables, jnp.asarray(counts))
+    for new, old, h in zip(*(jax.tree_util.tree_leaves(t) for t in (back, variables, held))):
+        np.testing.assert_allclose(np.asarray(new) - np.asarray(old), np.asarray(h), atol=1e-5)
+
+
+@pytest.mark.parametrize("rates", ["0.5", "1,0.5"])
+def test_sliced_training_equals_the_masked_full_model(rates):
+    _, data = tiny_federated()
+    task = make_task(data, lr=0.1)
+    results = {}
+    for sliced in (True, False):
+        engine = Engine(make_algorithm("heterofl", task, {"rates": rates, "sliced": sliced}), 6, 3)
+        results[sliced] = engine.run_rounds(engine.init(jax.random.PRNGKey(0)), data, 2)
+    (a, ma), (b, mb) = results[True], results[False]
+    for x, y in zip(jax.tree_util.tree_leaves(a.server), jax.tree_util.tree_leaves(b.server)):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(ma["loss"], mb["loss"], rtol=1e-4)
+    for key in ("flops", "uplink_bits", "downlink_bits"):
+        np.testing.assert_array_equal(np.asarray(ma[key]), np.asarray(mb[key]))
+    x = data.preprocess(jnp.asarray(data.test_x[:16]))
+    algorithm = {s: make_algorithm("heterofl", task, {"rates": rates, "sliced": s}) for s in (True, False)}
+    np.testing.assert_allclose(algorithm[True].global_predict(a.server, x),
+                               algorithm[False].global_predict(a.server, x), rtol=1e-4, atol=1e-4)

@@ -15,7 +15,11 @@ Aggregation: as FjORD's Alg. 1 and HeteroFL, every entry is averaged over the
 sampled clients whose uploaded sub-model holds it (uniform, or data-size
 weighted); entries no client held keep their value.
 Evaluation: the global model cut to ``eval_rate`` (default p_max, the widest
-trained sub-model). Left out: FjORD's optional self-distillation (KD) and its
+trained sub-model).
+Realisation (``sliced=True``, default): the client trains the p_max sub-model
+cut out of the broadcast model (``WidthLayout.slice``, static shapes), with each
+step's narrower width applied by zeroing activations inside it; ``sliced=False``
+zeroes them in the full model (the same computation, tested, at dense cost). Left out: FjORD's optional self-distillation (KD) and its
 discrete width set / per-device tiers (SpaFL samples p continuously, all
 clients alike).
 
@@ -83,6 +87,7 @@ class FjORDOptions:
     eval_rate: float = 0.0      # width of the evaluated global model (0: p_max)
     momentum: float = 0.0       # the clients' SGD momentum
     weighted: bool = False      # data-size weighted per-entry mean (False: each holder counts once)
+    sliced: bool = True         # train the cut-out p_max sub-model (False: the full model, channels zeroed)
 
 
 class FjORDServerState(NamedTuple):
@@ -91,7 +96,7 @@ class FjORDServerState(NamedTuple):
 
 @register_algorithm("fjord", FjORDOptions)
 def fjord(task: Task, *, p_min: float, p_max: float, eval_rate: float, momentum: float,
-          weighted: bool) -> Algorithm:
+          weighted: bool, sliced: bool) -> Algorithm:
     if not 0.0 < p_min <= p_max <= 1.0:
         raise ValueError(f"fjord: need 0 < p_min <= p_max <= 1, got p_min={p_min}, p_max={p_max}")
     model = task.model
@@ -108,9 +113,12 @@ def fjord(task: Task, *, p_min: float, p_max: float, eval_rate: float, momentum:
         return server.variables
 
     def client_update(variables, client_state, data, ctx):
+        trained = layout.slice(variables, download) if sliced else variables
         new_vars, stats, widest, pair_examples = ordered_dropout_train(
-            model, layout, optimizer, variables, data, ctx.key, p_min=p_min, p_max=p_max,
+            model, layout, optimizer, trained, data, ctx.key, p_min=p_min, p_max=p_max,
             epochs=task.local_epochs, batch_size=task.batch_size, preprocess=task.preprocess)
+        if sliced:
+            new_vars = layout.unslice(variables, new_vars, download)
         # A client that ran no step (no data) uploads nothing and is held nowhere.
         metrics = client_metrics(
             loss=stats.loss, flops=accounting.Cost.terms(layout.flops_unit, pair_examples),
@@ -125,7 +133,9 @@ def fjord(task: Task, *, p_min: float, p_max: float, eval_rate: float, momentum:
         return FjORDServerState(new), {"mean_upload_fraction": jax.vmap(layout.fraction)(messages.counts).mean()}
 
     def global_predict(server: FjORDServerState, x):
+        if sliced:
+            return predict_fn(model, layout.slice(server.variables, eval_counts))(x)
         return predict_fn(model, server.variables, layout.hooks(jnp.asarray(eval_counts)))(x)
 
     return Algorithm("fjord", init, broadcast, client_update, server_update, global_predict=global_predict,
-                     hparams=dict(p_min=p_min, p_max=p_max, eval_rate=eval_rate or p_max))
+                     hparams=dict(p_min=p_min, p_max=p_max, eval_rate=eval_rate or p_max, sliced=sliced))

@@ -8,14 +8,21 @@ kept channels, so sub-models of smaller rates are prefixes of larger ones
 that hold it (uniform mean per entry, ``weighted=True``: data-size weighted);
 an entry no sampled client held keeps its value.
 
-Realisation: the sub-model is the full model with the dropped output channels'
+Realisation (``sliced=True``, the default): the client cuts its sub-model out
+of the broadcast model (:meth:`WidthLayout.slice`: static shapes, the kept
+input rows and output columns of every kernel), trains that smaller network
+(about p^2 of the dense FLOPs) and writes it back (:meth:`WidthLayout.unslice`).
+With several rates the level is picked by ``lax.switch`` (one branch per
+level: a real branch under ``lax.map``; ``vmap`` evaluates every branch).
+``sliced=False`` trains the full model with the dropped output channels'
 activations zeroed (``Hooks.activation`` after the nonlinearity, before
-pooling). That equals training the sliced sub-model: kept channels see zero
+pooling), which is the same computation (tested): kept channels see zero
 inputs from dropped ones, and a dropped channel's kernel slice, bias and
 BatchNorm parameters get exactly zero gradient (its output is multiplied by
-0). BatchNorm running statistics of dropped channels move locally but are not
-held, so the server never aggregates them. Flatten is NHWC, so dense input
-feature f belongs to channel ``f % C`` of the layer feeding it.
+0); it costs the dense FLOPs. BatchNorm running statistics of dropped channels
+move locally in that form but are not held, so the server never aggregates
+them. Flatten is NHWC, so dense input feature f belongs to channel ``f % C``
+of the layer feeding it.
 
 SpaFL's setting (appendix A.1.1): p = 0.5 for every client (``rates="0.5"``);
 ``rates="1,0.5,0.25"`` gives client c level ``c % 3`` (equal shares, by id).
@@ -38,12 +45,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fedjax_sparse import accounting
 from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import local_train, predict_fn, sgd
-from fedjax_sparse.models.base import Hooks, Model
+from fedjax_sparse.models.base import NO_HOOKS, Hooks, Model
 
 _PER_CHANNEL = ("bias", "bn_scale", "bn_bias")   # params holding one value per output channel
 
@@ -135,15 +143,55 @@ class WidthLayout:
                 for i, (n, c) in enumerate(zip(self.names, self.out_channels))}
 
     def hooks(self, counts) -> Hooks:
-        """Hooks zeroing the dropped output channels' activations (traced ``counts`` allowed)."""
+        """Hooks zeroing the dropped output channels' activations (traced ``counts`` allowed).
+
+        They also apply to a sliced model (:meth:`slice`) at least as wide as
+        ``counts``: its activations have a prefix of the channels."""
         masks = self.out_masks(counts)
         scalable = dict(zip(self.names, self.scalable))
 
         def activation(name, h):
             if scalable.get(name, False):
-                return h * masks[name].astype(h.dtype)
+                return h * masks[name][: h.shape[-1]].astype(h.dtype)
             return h
         return Hooks(activation=activation)
+
+    def kept_rows(self, index: int, counts: tuple[int, ...]):
+        """Layer ``index``'s kept kernel rows for static ``counts``: a slice when
+        they are a prefix, else an int array (a dense layer after a flatten:
+        row f belongs to channel ``f % C``)."""
+        s = self.source[index]
+        if s < 0:
+            return slice(None)
+        rows = np.flatnonzero(np.arange(self.in_units[index]) % self.out_channels[s] < counts[s])
+        if np.array_equal(rows, np.arange(rows.size)):
+            return slice(0, int(rows.size))
+        return rows
+
+    def slice(self, variables: dict, counts: tuple[int, ...]) -> dict:
+        """The sub-model itself (static ``counts``): kernels [..., kept rows,
+        kept outputs], per-channel vectors [kept outputs]; a model of these
+        shapes computes what the full model does under :meth:`hooks`."""
+        params, stats = {}, dict(variables.get("batch_stats", {}))
+        for i, name in enumerate(self.names):
+            k, rows = counts[i], self.kept_rows(i, counts)
+            params[name] = {key: (value[..., rows, :k] if key == "kernel" else value[..., :k])
+                            for key, value in variables["params"][name].items()}
+            if name in stats:
+                stats[name] = {key: value[..., :k] for key, value in stats[name].items()}
+        return {**variables, "params": params, "batch_stats": stats}
+
+    def unslice(self, variables: dict, sub: dict, counts: tuple[int, ...]) -> dict:
+        """``variables`` with the entries of the ``counts`` sub-model replaced by ``sub``'s."""
+        params, stats = {}, dict(variables.get("batch_stats", {}))
+        for i, name in enumerate(self.names):
+            k, rows = counts[i], self.kept_rows(i, counts)
+            params[name] = {key: (value.at[..., rows, :k] if key == "kernel" else value.at[..., :k]).set(
+                sub["params"][name][key]) for key, value in variables["params"][name].items()}
+            if name in stats:
+                stats[name] = {key: value.at[..., :k].set(sub["batch_stats"][name][key])
+                               for key, value in stats[name].items()}
+        return {**variables, "params": params, "batch_stats": stats}
 
     def held(self, variables: dict, counts) -> dict:
         """0/1 float masks shaped like ``variables``: the entries the sub-model holds."""
@@ -233,6 +281,7 @@ class HeteroFLOptions:
     eval_rate: float = 0.0      # width of the evaluated global model (0: the largest rate)
     momentum: float = 0.0       # the clients' SGD momentum
     weighted: bool = False      # data-size weighted per-entry mean (False: each holder counts once)
+    sliced: bool = True         # train the cut-out sub-model (False: the full model, dropped channels zeroed)
 
 
 class HeteroFLServerState(NamedTuple):
@@ -245,7 +294,8 @@ class HeteroFLMessage(NamedTuple):
 
 
 @register_algorithm("heterofl", HeteroFLOptions)
-def heterofl(task: Task, *, rates: str, eval_rate: float, momentum: float, weighted: bool) -> Algorithm:
+def heterofl(task: Task, *, rates: str, eval_rate: float, momentum: float, weighted: bool,
+             sliced: bool) -> Algorithm:
     model = task.model
     levels = parse_rates(rates)
     layout = WidthLayout.from_model(model, model.init(jax.random.PRNGKey(0)))
@@ -259,12 +309,30 @@ def heterofl(task: Task, *, rates: str, eval_rate: float, momentum: float, weigh
     def broadcast(server: HeteroFLServerState, round_index):
         return server.variables
 
+    def train(variables, data, key, hooks):
+        return local_train(model, optimizer, variables, optimizer.init(variables["params"]), data, key,
+                           epochs=task.local_epochs, batch_size=task.batch_size, preprocess=task.preprocess,
+                           hooks=hooks)
+
+    def train_level(level):
+        static = layout.static_counts(level)
+
+        def run(variables, data, key):
+            new_sub, _, stats = train(layout.slice(variables, static), data, key, NO_HOOKS)
+            return layout.unslice(variables, new_sub, static), stats
+        return run
+
+    branches = [train_level(level) for level in levels]
+
     def client_update(variables, client_state, data, ctx):
-        counts = table[ctx.client_id % len(levels)]
-        new_vars, _, stats = local_train(
-            model, optimizer, variables, optimizer.init(variables["params"]), data, ctx.key,
-            epochs=task.local_epochs, batch_size=task.batch_size, preprocess=task.preprocess,
-            hooks=layout.hooks(counts))
+        level = ctx.client_id % len(levels)
+        counts = table[level]
+        if not sliced:
+            new_vars, _, stats = train(variables, data, ctx.key, layout.hooks(counts))
+        elif len(levels) == 1:
+            new_vars, stats = branches[0](variables, data, ctx.key)
+        else:
+            new_vars, stats = jax.lax.switch(level, branches, variables, data, ctx.key)
         bits = layout.bits(counts)
         metrics = client_metrics(
             loss=stats.loss, flops=layout.training_flops(counts, stats.num_examples), uplink_bits=bits,
@@ -277,7 +345,9 @@ def heterofl(task: Task, *, rates: str, eval_rate: float, momentum: float, weigh
         return HeteroFLServerState(per_entry_mean(server.variables, messages.variables, held, weights)), {}
 
     def global_predict(server: HeteroFLServerState, x):
+        if sliced:
+            return predict_fn(model, layout.slice(server.variables, eval_counts))(x)
         return predict_fn(model, server.variables, layout.hooks(jnp.asarray(eval_counts)))(x)
 
     return Algorithm("heterofl", init, broadcast, client_update, server_update, global_predict=global_predict,
-                     hparams=dict(rates=levels, eval_rate=eval_rate or max(levels)))
+                     hparams=dict(rates=levels, eval_rate=eval_rate or max(levels), sliced=sliced))
