@@ -91,7 +91,8 @@ def build(results: Path) -> tuple[dict, dict]:
             best_acc=[float(s["best_acc"]) for s in stats], final_acc=[float(s["final_acc"]) for s in stats],
             gbit=[float(s["gbit"]) for s in stats],
             flops_paper_convention=[float(s["flops_paper_convention"]) for s in stats],
-            density_at_best=[float(s["density_at_best"]) for s in stats], source=source, paper=spafl_fmnist.FMNIST_PAPER[method])
+            density_at_best=[float(s["density_at_best"]) for s in stats], source=source,
+            paper=spafl_fmnist.FMNIST_PAPER[method])
     return table, curves
 
 

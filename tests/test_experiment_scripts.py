@@ -121,3 +121,34 @@ def test_spafl_table2_rows_come_from_the_recorded_runs(tmp_path):
     assert "| HeteroFL | 2 | 15 | 85.00 ± 5.00 | 80.00 ± 10.00 | 85.97 ± 0.20 | 12.00 ± 0.00 | 68.88 |" in text
     assert "| SpaFL | 1 | 500 | 90.00 | 89.00 |" in text
     assert (results / "fig2a_learning_curves.png").stat().st_size > 0
+
+
+@pytest.mark.slow   # about two minutes on 2 cores: one round of six methods on the 7-layer CNN
+def test_spafl_cifar10_column_runs_all_six_methods_with_exact_costs(tmp_path, shared_data):
+    # Table 2's CIFAR-10 configurations end to end on the CIFAR-10 sample (issue 13, item 5).
+    import jax
+    import spafl_cifar
+    from fedjax_sparse.algorithms.heterofl import WidthLayout
+    from fedjax_sparse.models import make_model
+    methods = ["spafl", "fedavg", "local", "fedpm", "heterofl", "fjord"]
+    assert spafl_cifar.main(["--study", "cifar10", "--dataset", "cifar10_sample", "--data-dir", str(shared_data),
+                             "--num-clients", "40", "--clients-per-round", "2", "--rounds", "1",
+                             "--local-epochs", "1", "--methods", *methods, "--seeds", "0", "--quiet",
+                             "--out", str(tmp_path)]) == 0
+    summary = {m: json.loads((tmp_path / m / "seed0" / "summary.json").read_text()) for m in methods}
+    model = make_model("cnn7", (32, 32, 3), 10)
+    variables = model.init(jax.random.PRNGKey(0))
+    layout = WidthLayout.from_model(model, variables)
+    kernels = sum(layer.num_weights for layer in model.layers)
+    values = layout.num_values(layout.out_channels)   # kernels + BatchNorm scale/bias + running stats
+    assert values == kernels + 4 * 640 and kernels == 804_800
+    both = lambda s: s["total_uplink_bits"] + s["total_downlink_bits"]  # noqa: E731
+    assert both(summary["fedavg"]) == 2 * 2 * 32 * values
+    assert both(summary["heterofl"]) == 2 * 2 * 32 * layout.num_values(layout.static_counts(0.5))
+    assert both(summary["spafl"]) == 2 * 2 * 32 * 650                         # thresholds only
+    stats = 32 * 2 * 640                                # BatchNorm running means and variances, float32
+    assert summary["fedpm"]["total_uplink_bits"] == 2 * (kernels + stats)      # one bit per weight
+    assert summary["fedpm"]["total_downlink_bits"] == 2 * (32 * kernels + stats)
+    assert 2 * 32 * layout.num_values(layout.static_counts(0.4)) <= summary["fjord"]["total_uplink_bits"] \
+        <= 2 * 32 * layout.num_values(layout.static_counts(0.6)) == summary["fjord"]["total_downlink_bits"]
+    assert both(summary["local"]) == 0

@@ -19,9 +19,9 @@ trained sub-model).
 Realisation (``sliced=True``, default): the client trains the p_max sub-model
 cut out of the broadcast model (``WidthLayout.slice``, static shapes), with each
 step's narrower width applied by zeroing activations inside it; ``sliced=False``
-zeroes them in the full model (the same computation, tested, at dense cost). Left out: FjORD's optional self-distillation (KD) and its
-discrete width set / per-device tiers (SpaFL samples p continuously, all
-clients alike).
+zeroes them in the full model (the same computation, tested, at dense cost).
+Left out: FjORD's optional self-distillation (KD) and its discrete width set /
+per-device tiers (SpaFL samples p continuously, all clients alike).
 
 FLOPs: exact, 6 x the MACs of each step's sub-model x the step's real examples
 (per layer ``sum_steps in_kept * out_kept * examples``, an int32 count: enough
