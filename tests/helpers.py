@@ -82,3 +82,31 @@ def make_task(data, model="cnn_small", **overrides):
                   local_epochs=1, batch_size=8, lr=0.05, rounds=3, preprocess=data.preprocess, seed=0)
     fields.update(overrides)
     return Task(**fields)
+
+
+def assert_sliced_equals_masked(name, options, rounds=2):
+    """Runs width algorithm ``name`` (heterofl / fjord) with ``sliced`` true and
+    false on the same keys: server models, losses, exact costs and the global
+    predictions must agree (the two forms are one computation)."""
+    import jax
+    import jax.numpy as jnp
+
+    from fedjax_sparse.algorithms import make_algorithm
+    from fedjax_sparse.engine import Engine
+
+    _, data = tiny_federated()
+    task = make_task(data, lr=0.1)
+    algorithms = {s: make_algorithm(name, task, {**options, "sliced": s}) for s in (True, False)}
+    results = {}
+    for sliced, algorithm in algorithms.items():
+        engine = Engine(algorithm, 6, 3)
+        results[sliced] = engine.run_rounds(engine.init(jax.random.PRNGKey(0)), data, rounds)
+    (a, ma), (b, mb) = results[True], results[False]
+    for x, y in zip(jax.tree_util.tree_leaves(a.server), jax.tree_util.tree_leaves(b.server)):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(ma["loss"], mb["loss"], rtol=1e-4)
+    for key in ("flops", "uplink_bits", "downlink_bits"):
+        np.testing.assert_array_equal(np.asarray(ma[key]), np.asarray(mb[key]))
+    x = data.preprocess(jnp.asarray(data.test_x[:16]))
+    np.testing.assert_allclose(algorithms[True].global_predict(a.server, x),
+                               algorithms[False].global_predict(a.server, x), rtol=1e-4, atol=1e-4)

@@ -12,7 +12,7 @@ from fedjax_sparse.algorithms.heterofl import WidthLayout
 from fedjax_sparse.cli import main
 from fedjax_sparse.engine import Engine
 from fedjax_sparse.training import masked_cross_entropy
-from helpers import make_task, tiny_federated
+from helpers import assert_sliced_equals_masked, make_task, tiny_federated
 
 
 def test_widths_nest_and_dropped_channels_get_zero_gradient():
@@ -84,18 +84,4 @@ def test_learns_on_digits(tmp_path):
 def test_sliced_p_max_sub_model_equals_the_masked_full_model():
     # Same keys, so the same per-step widths: training the cut-out p_max sub-model with each step's
     # narrower width zeroed inside it is the masked full model's computation, at a fraction of its cost.
-    _, data = tiny_federated()
-    task = make_task(data, lr=0.1)
-    results = {}
-    for sliced in (True, False):
-        engine = Engine(make_algorithm("fjord", task, {"sliced": sliced, "momentum": 0.5}), 6, 3)
-        results[sliced] = engine.run_rounds(engine.init(jax.random.PRNGKey(0)), data, 2)
-    (a, ma), (b, mb) = results[True], results[False]
-    for x, y in zip(jax.tree_util.tree_leaves(a.server), jax.tree_util.tree_leaves(b.server)):
-        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(ma["loss"], mb["loss"], rtol=1e-4)
-    for key in ("flops", "uplink_bits", "downlink_bits"):
-        np.testing.assert_array_equal(np.asarray(ma[key]), np.asarray(mb[key]))
-    x = data.preprocess(jnp.asarray(data.test_x[:16]))
-    predict = {s: make_algorithm("fjord", task, {"sliced": s}).global_predict for s in (True, False)}
-    np.testing.assert_allclose(predict[True](a.server, x), predict[False](a.server, x), rtol=1e-4, atol=1e-4)
+    assert_sliced_equals_masked("fjord", {"momentum": 0.5})

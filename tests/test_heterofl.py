@@ -13,7 +13,7 @@ from fedjax_sparse.algorithms.heterofl import WidthLayout, kept_channels, parse_
 from fedjax_sparse.cli import main
 from fedjax_sparse.engine import Engine
 from fedjax_sparse.models import make_model
-from helpers import make_task, tiny_federated
+from helpers import assert_sliced_equals_masked, make_task, tiny_federated
 
 
 def test_per_entry_mean_by_hand():
@@ -161,19 +161,4 @@ def test_slice_cuts_the_sub_model_out_and_unslice_writes_it_back():
 
 @pytest.mark.parametrize("rates", ["0.5", "1,0.5"])
 def test_sliced_training_equals_the_masked_full_model(rates):
-    _, data = tiny_federated()
-    task = make_task(data, lr=0.1)
-    results = {}
-    for sliced in (True, False):
-        engine = Engine(make_algorithm("heterofl", task, {"rates": rates, "sliced": sliced}), 6, 3)
-        results[sliced] = engine.run_rounds(engine.init(jax.random.PRNGKey(0)), data, 2)
-    (a, ma), (b, mb) = results[True], results[False]
-    for x, y in zip(jax.tree_util.tree_leaves(a.server), jax.tree_util.tree_leaves(b.server)):
-        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(ma["loss"], mb["loss"], rtol=1e-4)
-    for key in ("flops", "uplink_bits", "downlink_bits"):
-        np.testing.assert_array_equal(np.asarray(ma[key]), np.asarray(mb[key]))
-    x = data.preprocess(jnp.asarray(data.test_x[:16]))
-    algorithm = {s: make_algorithm("heterofl", task, {"rates": rates, "sliced": s}) for s in (True, False)}
-    np.testing.assert_allclose(algorithm[True].global_predict(a.server, x),
-                               algorithm[False].global_predict(a.server, x), rtol=1e-4, atol=1e-4)
+    assert_sliced_equals_masked("heterofl", {"rates": rates})
