@@ -40,7 +40,7 @@ from fedjax_sparse import accounting
 from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics
 from fedjax_sparse.algorithms.heterofl import HeteroFLMessage, WidthLayout, per_entry_mean
 from fedjax_sparse.algorithms.registry import register_algorithm
-from fedjax_sparse.algorithms.supervised import predict_fn, sgd
+from fedjax_sparse.algorithms.supervised import sgd
 from fedjax_sparse.models.base import Model
 from fedjax_sparse.training import masked_cross_entropy, run_local_epochs
 
@@ -133,9 +133,7 @@ def fjord(task: Task, *, p_min: float, p_max: float, eval_rate: float, momentum:
         return FjORDServerState(new), {"mean_upload_fraction": jax.vmap(layout.fraction)(messages.counts).mean()}
 
     def global_predict(server: FjORDServerState, x):
-        if sliced:
-            return predict_fn(model, layout.slice(server.variables, eval_counts))(x)
-        return predict_fn(model, server.variables, layout.hooks(jnp.asarray(eval_counts)))(x)
+        return layout.predict(model, server.variables, eval_counts, sliced)(x)
 
     return Algorithm("fjord", init, broadcast, client_update, server_update, global_predict=global_predict,
                      hparams=dict(p_min=p_min, p_max=p_max, eval_rate=eval_rate or p_max, sliced=sliced))

@@ -193,6 +193,13 @@ class WidthLayout:
                                for key, value in stats[name].items()}
         return {**variables, "params": params, "batch_stats": stats}
 
+    def predict(self, model: Model, variables: dict, counts: tuple[int, ...], sliced: bool):
+        """The ``counts`` sub-model's predict function: the cut-out network
+        (``sliced``) or the full one with the dropped channels zeroed."""
+        if sliced:
+            return predict_fn(model, self.slice(variables, counts))
+        return predict_fn(model, variables, self.hooks(jnp.asarray(counts)))
+
     def held(self, variables: dict, counts) -> dict:
         """0/1 float masks shaped like ``variables``: the entries the sub-model holds."""
         counts = jnp.asarray(counts)
@@ -345,9 +352,7 @@ def heterofl(task: Task, *, rates: str, eval_rate: float, momentum: float, weigh
         return HeteroFLServerState(per_entry_mean(server.variables, messages.variables, held, weights)), {}
 
     def global_predict(server: HeteroFLServerState, x):
-        if sliced:
-            return predict_fn(model, layout.slice(server.variables, eval_counts))(x)
-        return predict_fn(model, server.variables, layout.hooks(jnp.asarray(eval_counts)))(x)
+        return layout.predict(model, server.variables, eval_counts, sliced)(x)
 
     return Algorithm("heterofl", init, broadcast, client_update, server_update, global_predict=global_predict,
                      hparams=dict(rates=levels, eval_rate=eval_rate or max(levels), sliced=sliced))
