@@ -146,3 +146,46 @@ def test_tailored_multi_krum_attack_is_the_dyn_opt_search(seed, scale):
     assert float(gamma) == pytest.approx(expected, rel=0, abs=1e-6) and expected > 0
     np.testing.assert_allclose(out[5], R.masked_mean(updates, known) - gamma * R.deviation(updates, known, "std"),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_deviation_kinds_by_hand_over_the_known_rows_only():
+    """Three clients, two coordinates; the attacker knows rows 0 and 2 (row 1, far away, is
+    not known). Known mean [2, -1]; std (ddof 1) of {1, 3} and {-2, 0} = sqrt 2 each; unit
+    vector [2, -1] / sqrt 5; sign [1, -1]. An unknown kind is refused by name."""
+    updates = jnp.array([[1.0, -2.0], [100.0, 100.0], [3.0, 0.0]])
+    known = jnp.array([True, False, True])
+    np.testing.assert_allclose(attacks.deviation(updates, known, "std"), [np.sqrt(2), np.sqrt(2)], rtol=1e-6)
+    np.testing.assert_allclose(attacks.deviation(updates, known, "unit_vec"), np.array([2.0, -1.0]) / np.sqrt(5),
+                               rtol=1e-6)
+    np.testing.assert_array_equal(attacks.deviation(updates, known, "sign"), [1.0, -1.0])
+    # a mean shorter than 1 still becomes a unit vector (the floor only guards a zero mean)
+    np.testing.assert_allclose(attacks.deviation(updates / 100, known, "unit_vec"),
+                               np.array([2.0, -1.0]) / np.sqrt(5), rtol=1e-6)
+    # one known row: its std is 0 (the divisor is floored at 1, not 0); a zero mean has no direction
+    one = jnp.array([True, False, False])
+    np.testing.assert_array_equal(attacks.deviation(updates, one, "std"), [0.0, 0.0])
+    np.testing.assert_array_equal(attacks.deviation(jnp.zeros((2, 3)), jnp.ones(2, bool), "unit_vec"), [0, 0, 0])
+    with pytest.raises(ValueError, match="unknown deviation 'l2'"):
+        attacks.deviation(updates, known, "l2")
+
+
+def test_halving_search_by_hand():
+    """accept(g) = g <= 7 from gamma_init 10: tests 10 (no), 5 (yes), 7.5 (no), 6.25 (yes),
+    6.875 (yes), 7.1875 (no): the last accepted gamma after k tests is 0, 5, 5, 6.25, 6.875,
+    6.875. A carry goes through the tests; never accepted -> 0."""
+    def upto7(gamma, calls):
+        return gamma <= 7.0, calls + 1
+
+    for steps, best in [(1, 0.0), (2, 5.0), (3, 5.0), (4, 6.25), (5, 6.875), (6, 6.875)]:
+        assert float(attacks.halving_search(upto7, 10.0, steps, carry_init=jnp.int32(0))) == best, steps
+    assert float(attacks.halving_search(lambda g, c: (g < 0.0, c), 10.0, 8)) == 0.0
+
+
+def test_trimmed_mean_with_copies_ignores_rows_past_the_benign_count():
+    """Rows >= benign_count are unused whatever they hold: 3 benign values 1, 2, 3 then two
+    rows of -100 (not NaN, as the attack's own sort leaves them); with 2 copies of 2.5 and
+    trim 1 the merged list 1, 2, 2.5, 2.5, 3 keeps 2, 2.5, 2.5 -> 7 / 3."""
+    sorted_benign = jnp.array([[1.0], [2.0], [3.0], [-100.0], [-100.0]])
+    prefix = jnp.concatenate([jnp.zeros((1, 1)), jnp.cumsum(sorted_benign, 0)])
+    got = attacks._trimmed_mean_with_copies(sorted_benign, prefix, 3, jnp.array([2.5]), 2, 1)
+    np.testing.assert_allclose(got, [7.0 / 3.0], rtol=1e-6)
