@@ -226,3 +226,41 @@ def test_keep_mask_is_strict_so_p_zero_never_keeps():
     # d = 1[u < p] (eq. 3): a draw of exactly 0 must not keep a channel of keep probability 0.
     np.testing.assert_array_equal(keep_mask(jnp.array([0.0, 0.0, 0.5, 0.5]), jnp.array([0.0, 1.0, 0.5, 0.6])),
                                   [0.0, 1.0, 0.0, 1.0])
+
+
+def test_dropout_aware_init_defaults_to_the_papers_normal_and_names_bad_schemes():
+    """The default scheme is the paper's N(0, 2p/fan_in), told from the reference code's
+    uniform of the same variance by its tails: with ~20k entries a normal has values past the
+    uniform's bound sqrt(6p/fan_in) (P ~ 8 %) and kurtosis ~ 3 (uniform: 1.8)."""
+    model = make_model("feddrop_fmnist_cnn", (28, 28, 1), 10)
+    layout = ChannelLayout.from_model(model)
+    base = model.init(jax.random.PRNGKey(0))
+    default = dropout_aware_init(jax.random.PRNGKey(1), base, model, layout, 0.6)
+    layer = max((model.layer(n) for n in layout.names), key=lambda l: math.prod(l.kernel_shape))
+    kernel = np.asarray(default["params"][layer.name]["kernel"], np.float64).ravel()
+    assert kernel.size > 10000
+    z = kernel / math.sqrt(2 * 0.6 / layer.fan_in)
+    assert np.mean(z ** 4) == pytest.approx(3.0, abs=0.2)
+    assert np.abs(kernel).max() > math.sqrt(6 * 0.6 / layer.fan_in)
+    with pytest.raises(ValueError, match="unknown init scheme 'he'"):
+        dropout_aware_init(jax.random.PRNGKey(1), base, model, layout, 0.6, "he")
+
+
+def test_dropout_aware_init_reaches_targets_after_untouched_layers():
+    """Dropout on the dense layer only (a layout over kind 'dense'): the convs before it keep
+    their kernels and fc1 after them is re-initialised; an all-conv model (no dense layer) with
+    the reference scheme re-initialises only its layout's convs."""
+    model = sequential("q", (6, 6, 1), 2, [Conv("c1", 3, 3, padding="SAME"), Conv("c2", 5, 3), Flatten(),
+                                           Dense("fc1", 4), Dense("fc2", 2, relu=False)])
+    layout = ChannelLayout(("fc1",), (4,))
+    base = model.init(jax.random.PRNGKey(0))
+    out = dropout_aware_init(jax.random.PRNGKey(1), base, model, layout, 0.5)
+    for name in ("c1", "c2", "fc2"):
+        np.testing.assert_array_equal(out["params"][name]["kernel"], base["params"][name]["kernel"])
+    assert not np.array_equal(out["params"]["fc1"]["kernel"], base["params"]["fc1"]["kernel"])
+    convs = sequential("allconv", (6, 6, 1), 2, [Conv("c1", 3, 3), Conv("c2", 2, 4), Flatten()])
+    conv_layout = ChannelLayout(("c1",), (3,))
+    base = convs.init(jax.random.PRNGKey(0))
+    out = dropout_aware_init(jax.random.PRNGKey(1), base, convs, conv_layout, 0.5, "reference")
+    np.testing.assert_array_equal(out["params"]["c2"]["kernel"], base["params"]["c2"]["kernel"])
+    assert not np.array_equal(out["params"]["c1"]["kernel"], base["params"]["c1"]["kernel"])
