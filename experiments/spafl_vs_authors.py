@@ -110,6 +110,8 @@ def main(argv=None) -> int:
     ap.add_argument("--commands", type=Path, help="JSON with the commands and versions used")
     ap.add_argument("--rounds", type=int, default=50)
     ap.add_argument("--out", type=Path, default=Path("experiments/results/spafl_fmnist"))
+    ap.add_argument("--variant", default="SpaFL",
+                    help="what both sides ran, for the title and the 'what' text (e.g. 'SpaFL thresholds only')")
     args = ap.parse_args(argv)
 
     authors = [read_authors(p) for p in args.authors if (p / "curve.json").exists()]
@@ -118,7 +120,7 @@ def main(argv=None) -> int:
     ours = [o for o in ours if o["rows"]]
     R = args.rounds
     result = {
-        "what": "SpaFL, Fashion-MNIST (100 clients, Dirichlet 0.2, 10 per round, 5 local epochs, batch 64, "
+        "what": f"{args.variant}, Fashion-MNIST (100 clients, Dirichlet 0.2, 10 per round, 5 local epochs, batch 64, "
                 "LeNet-5-Caffe, lr 1e-3, momentum 0.9, alpha 0.002 with ramp, raw 0-255 inputs): the authors' "
                 "code vs this project over seeds. Accuracy in percent = unweighted mean over all 100 clients "
                 "of each client's accuracy on its own test split; density = mean over all clients of the mean "
@@ -155,14 +157,15 @@ def main(argv=None) -> int:
         for run in runs:
             (raw / f"{impl}_seed{run['seed']}.json").write_text(json.dumps(run, indent=1))
     if "identical_draw_pair" in result:
-        (raw / "pair_ours_pinned_seed1.json").write_text(json.dumps(read_ours(args.pair_ours), indent=1))
+        pair_seed = result["identical_draw_pair"]["authors"]["seed"]
+        (raw / f"pair_ours_pinned_seed{pair_seed}.json").write_text(json.dumps(read_ours(args.pair_ours), indent=1))
     (out / "vs_authors.json").write_text(json.dumps(result, indent=1))
-    plot(result, out / "vs_authors.png", R)
+    plot(result, out / "vs_authors.png", R, args.variant)
     print(f"wrote {out / 'vs_authors.json'}, {out / 'vs_authors.png'} and {raw}/")
     return 0
 
 
-def plot(result: dict, path: Path, R: int) -> None:
+def plot(result: dict, path: Path, R: int, variant: str = "SpaFL") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -194,7 +197,7 @@ def plot(result: dict, path: Path, R: int) -> None:
                       "density (mean over all clients)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7, loc="lower right")
-    fig.suptitle("SpaFL, Fashion-MNIST: authors' code vs fedjax_sparse")
+    fig.suptitle(f"{variant}, Fashion-MNIST: authors' code vs fedjax_sparse")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -152,3 +152,39 @@ def test_spafl_cifar10_column_runs_all_six_methods_with_exact_costs(tmp_path, sh
     assert 2 * 32 * layout.num_values(layout.static_counts(0.4)) <= summary["fjord"]["total_uplink_bits"] \
         <= 2 * 32 * layout.num_values(layout.static_counts(0.6)) == summary["fjord"]["total_downlink_bits"]
     assert both(summary["local"]) == 0
+
+
+def test_compare_run_groups_by_hand(tmp_path):
+    """Two project runs (accuracy as fractions, one evaluated every other round) and one
+    authors'-code run (percent): round 2 has 40 and 60 -> mean 50, std sqrt(200); round 1
+    only the first run (n 1, no std); the authors' group is read in percent as is."""
+    import compare_run_groups
+
+    def ours(name, seed, accs):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"config": {"seed": seed}}))
+        (folder / "metrics.jsonl").write_text("".join(
+            json.dumps({"round": r, "accuracy": a, "density": 0.5, "seconds": float(r)}) + "\n"
+            for r, a in accs))
+        return folder
+
+    a = ours("a", 1, [(1, 0.30), (2, 0.40)])
+    b = ours("b", 2, [(2, 0.60)])
+    auth = tmp_path / "auth"
+    auth.mkdir()
+    (auth / "curve.json").write_text(json.dumps({"seed": 1, "rounds": [
+        {"round": 1, "accuracy": 20.0, "density": 0.9}, {"round": 2, "accuracy": 25.0, "density": 0.8}]}))
+    out = tmp_path / "cmp" / "table"
+    compare_run_groups.main(["--group", "ours", str(a), str(b), "--group", "theirs", str(auth),
+                             "--rounds", "1", "2", "--out", str(out)])
+    result = json.loads(out.with_suffix(".json").read_text())
+    ours_stats, theirs = result["groups"][0]["accuracy"], result["groups"][1]["accuracy"]
+    assert ours_stats["1"] == {"n": 1, "mean": pytest.approx(30.0), "std": None}
+    assert ours_stats["2"]["n"] == 2 and ours_stats["2"]["mean"] == pytest.approx(50.0)
+    assert ours_stats["2"]["std"] == pytest.approx(200 ** 0.5)
+    assert theirs["2"] == {"n": 1, "mean": 25.0, "std": None}
+    table = out.with_suffix(".md").read_text()
+    assert "| ours | 30.0 (1) | 50.0 ± 14.1 (2) |" in table and "| theirs | 20.0 (1) | 25.0 (1) |" in table
+    with pytest.raises(FileNotFoundError, match="neither metrics.jsonl"):
+        compare_run_groups.main(["--group", "empty", str(tmp_path / "cmp"), "--out", str(out)])

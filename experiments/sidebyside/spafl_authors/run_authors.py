@@ -12,6 +12,8 @@ Differences from their train.py (the only ones):
     state by running their own Non_iid_split on index arrays), initial weights (their
     initial model's state dict), and the client-sampling sequence (recorded from
     Server.sample_clients).
+  * --thresholds-only (the paper's Table 1 ablation, not in their code): weights frozen
+    with requires_grad False and their own --th_update 0.
 Everything else (seeding order, partition, model, training, evaluation, logging) is theirs.
 """
 import argparse, gzip, json, os, sys, time, types, random, copy
@@ -25,6 +27,9 @@ ap.add_argument("--seed", type=int, required=True)
 ap.add_argument("--rounds", type=int, default=50)
 ap.add_argument("--out", required=True)
 ap.add_argument("--threads", type=int, default=1)
+ap.add_argument("--thresholds-only", action="store_true",
+                help="the paper's Table 1 ablation, which their code has no switch for: every layer's weight "
+                     "frozen (requires_grad False, so their SGD skips it) and their --th_update 0 (no eq. 13)")
 ap.add_argument("--export-only", action="store_true", help="write the draws (cohorts by replaying their np.random.choice calls) and stop")
 a = ap.parse_args()
 os.makedirs(a.out, exist_ok=True)
@@ -124,6 +129,10 @@ def main(args):
     local_te_data_loaders = [DataLoader(d, num_workers=0, batch_size=args.batch_size, shuffle=True)
                              for d in Non_iid_te_datasets]
     model = lenet.LeNet_5_Masked().to(device)
+    if a.thresholds_only:  # only the thresholds train; draws unchanged (no RNG is used here)
+        for layer in model.modules():
+            if hasattr(layer, "threshold"):
+                layer.weight.requires_grad_(False)
 
     # export the initial model: raw torch (OIHW, [out,in]) and the project's layout
     sd = {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
@@ -156,6 +165,7 @@ def main(args):
 if __name__ == '__main__':
     sys.argv = [sys.argv[0], "--learning_rate", "0.001", "--th_coeff", "0.002", "--local_epoch", "5",
                 "--seed", str(a.seed), "--comm_rounds", str(a.rounds),
+                "--th_update", "0" if a.thresholds_only else "1",
                 "--log_root", os.path.join(a.out, "log"), "--model_root", os.path.join(a.out, "checkpoint")]
     from train_argument import parser
     args = parser()
@@ -169,4 +179,5 @@ if __name__ == '__main__':
     with open(os.path.join(a.out, "curve.json"), "w") as f:
         json.dump({"seed": a.seed, "rounds": records, "total_seconds": time.time() - t0,
                    "torch": torch.__version__, "numpy": np.__version__, "threads": a.threads,
-                   "authors_commit": "d3639ab", "finished": True}, f)
+                   "authors_commit": "d3639ab", "finished": True,
+                   "thresholds_only": a.thresholds_only}, f)
