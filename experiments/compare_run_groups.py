@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spafl_vs_authors import at_round, read_authors, read_ours  # noqa: E402
+from spafl_vs_authors import at_round, read_authors, read_ours, summarise  # noqa: E402
 
 
 def read_run(folder: Path) -> dict:
@@ -32,15 +31,6 @@ def read_run(folder: Path) -> dict:
     if (folder / "metrics.jsonl").exists():
         return read_ours(folder)
     raise FileNotFoundError(f"{folder}: neither metrics.jsonl (a project run) nor curve.json (an authors' run)")
-
-
-def summarise(values: list[float]) -> dict:
-    n = len(values)
-    if n == 0:
-        return {"n": 0, "mean": None, "std": None}
-    mean = sum(values) / n
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else None
-    return {"n": n, "mean": mean, "std": std}
 
 
 def compare(groups: list[tuple[str, list[Path]]], rounds: list[int]) -> dict:

@@ -66,16 +66,24 @@ def read_ours(folder: Path) -> dict:
             else "density (sampled clients)", "rows": rows}
 
 
+def summarise(values: list[float]) -> dict:
+    """n, mean and sample std (ddof 1; None below two values) of ``values``."""
+    n = len(values)
+    if n == 0:
+        return {"n": 0, "mean": None, "std": None}
+    mean = sum(values) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else None
+    return {"n": n, "mean": mean, "std": std}
+
+
 def band(runs: list[dict], key: str, max_round: int) -> list[dict]:
     out = []
     for r in range(1, max_round + 1):
         vals = [row[key] for run in runs for row in run["rows"] if row["round"] == r]
         if not vals:
             continue
-        n = len(vals)
-        mean = sum(vals) / n
-        std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1)) if n > 1 else 0.0
-        out.append({"round": r, "mean": mean, "std": std, "n": n})
+        s = summarise(vals)
+        out.append({"round": r, "mean": s["mean"], "std": s["std"] if s["std"] is not None else 0.0, "n": s["n"]})
     return out
 
 
