@@ -247,7 +247,7 @@ def test_dropout_aware_init_defaults_to_the_papers_normal_and_names_bad_schemes(
 
 
 def test_dropout_aware_init_reaches_targets_after_untouched_layers():
-    """Dropout on the dense layer only (a layout over kind 'dense'): the convs before it keep
+    """Dropout on fc1 only (a layout naming just fc1, behind two convs): the convs before it keep
     their kernels and fc1 after them is re-initialised; an all-conv model (no dense layer) with
     the reference scheme re-initialises only its layout's convs."""
     model = sequential("q", (6, 6, 1), 2, [Conv("c1", 3, 3, padding="SAME"), Conv("c2", 5, 3), Flatten(),
