@@ -27,6 +27,11 @@ straight-through estimator; CIFAR-100 also gets the regulariser ramp.
 paper reports (4,800 thresholds, 11.16 M weights, 4.608 Gbit over 1500
 rounds); the default 32 is the reference code's (and Table 6's) network.
 
+Table 2's sparse baselines are methods ``fedpm``, ``heterofl`` and ``fjord`` of
+the cifar10 and cifar100 studies (not run by default; ``--methods``), with
+Table 5's learning rates; HeteroFL and FjORD slice the ResNet's residual
+stream like its layers (docs/baselines.md).
+
 Output, skipping/resuming and reports: see experiments/spafl_fmnist.py.
 Test on a slice: ``--study cifar10 --dataset cifar10_sample --data-dir
 ../shared/data --num-clients 4 --clients-per-round 2 --rounds 2``.
@@ -92,13 +97,15 @@ STUDIES = {
         paper={"spafl": dict(acc="69.78 ± 2.62", density=42.2), "fedavg": dict(acc="59.20 ± 0.4", density=100.0)}),
     "cifar100": dict(
         title="SpaFL on CIFAR-100 (ResNet-18)", base=CIFAR100_BASE, rounds=1500,
-        # No sparse baselines: HeteroFL / FjORD width slicing does not support the ResNet yet.
-        methods=methods(0.01, SPAFL_CIFAR100, 0.1, 0.01),
+        methods=methods(0.01, SPAFL_CIFAR100, 0.1, 0.01, baseline_lrs=(0.1, 0.01, 0.01)),
         default_methods=["spafl", "spafl_no_eq13", "fedavg", "local"],
         paper={"spafl": dict(acc="40.80 ± 0.54", gbit=4.6080, flops=1.2894e14, density=35.38),
                "spafl_no_eq13": dict(acc="38.96 ± 0.80"), "spafl_thresholds_only": dict(acc="24.80 ± 1.1"),
                "fedavg": dict(acc="35.51 ± 0.10", gbit=10712, flops=8.7289e14, density=100.0),
-               "local": dict(acc="33.77 ± 1.87", gbit=0.0, flops=1.5384e14, density=53.6)}),
+               "local": dict(acc="33.77 ± 1.87", gbit=0.0, flops=1.5384e14, density=53.6),
+               "fedpm": dict(acc="28.56 ± 0.15", gbit=5506.1, flops=5.423e14),
+               "heterofl": dict(acc="37.82 ± 0.15", gbit=5356.4, flops=4.3634e14),
+               "fjord": dict(acc="39.13 ± 0.22", gbit=5251.4, flops=4.1274e14)}),
 }
 
 
@@ -130,5 +137,9 @@ def adjust(study, args):
     return study
 
 
+def main(argv=None) -> int:
+    return study_main(argv, studies=STUDIES, default_study="cifar10", extra=extra_arguments, adjust=adjust)
+
+
 if __name__ == "__main__":
-    sys.exit(study_main(studies=STUDIES, default_study="cifar10", extra=extra_arguments, adjust=adjust))
+    sys.exit(main())

@@ -84,22 +84,24 @@ def make_task(data, model="cnn_small", **overrides):
     return Task(**fields)
 
 
-def assert_sliced_equals_masked(name, options, rounds=2):
+def assert_sliced_equals_masked(name, options, rounds=2, model="cnn_small", shape=(8, 8, 1),
+                                sizes=(10, 37, 64, 23, 50, 41), batch_size=8):
     """Runs width algorithm ``name`` (heterofl / fjord) with ``sliced`` true and
     false on the same keys: server models, losses, exact costs and the global
-    predictions must agree (the two forms are one computation)."""
+    predictions must agree (the two forms are one computation). ``model``: a
+    name or a Model over images of ``shape``."""
     import jax
     import jax.numpy as jnp
 
     from fedjax_sparse.algorithms import make_algorithm
     from fedjax_sparse.engine import Engine
 
-    _, data = tiny_federated()
-    task = make_task(data, lr=0.1)
+    _, data = tiny_federated(sizes, shape=shape)
+    task = make_task(data, model=model, lr=0.1, batch_size=batch_size)
     algorithms = {s: make_algorithm(name, task, {**options, "sliced": s}) for s in (True, False)}
     results = {}
     for sliced, algorithm in algorithms.items():
-        engine = Engine(algorithm, 6, 3)
+        engine = Engine(algorithm, len(sizes), 3)
         results[sliced] = engine.run_rounds(engine.init(jax.random.PRNGKey(0)), data, rounds)
     (a, ma), (b, mb) = results[True], results[False]
     for x, y in zip(jax.tree_util.tree_leaves(a.server), jax.tree_util.tree_leaves(b.server)):

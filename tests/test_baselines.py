@@ -231,3 +231,15 @@ def test_two_rounds_end_to_end(name, options):
     assert 0.0 <= evaluation["global_accuracy"] <= 1.0
     if name == "caldas":
         assert bool(jnp.all(metrics["density"] < 1.0))
+
+
+@pytest.mark.parametrize("name", ["caldas", "feddrop"])
+@pytest.mark.parametrize("model_name", ["resnet18_narrow", "vit_small"])
+def test_dropout_methods_refuse_residual_models_in_one_line(name, model_name):
+    # Both read a layer's kept inputs from its input_layer's dropout, which a residual stream does not follow.
+    from fedjax_sparse.models import make_model
+    model = make_model(model_name, (32, 32, 3), 10, **({"width": 4} if model_name == "resnet18_narrow" else {}))
+    task = Task(model=model, num_clients=4, clients_per_round=2, local_epochs=1, batch_size=8, lr=0.1, rounds=1,
+                preprocess=lambda x: x, seed=0)
+    with pytest.raises(ValueError, match=f"{model_name} is not sequential.*sequential --model"):
+        make_algorithm(name, task, {})

@@ -154,6 +154,36 @@ def test_spafl_cifar10_column_runs_all_six_methods_with_exact_costs(tmp_path, sh
     assert both(summary["local"]) == 0
 
 
+@pytest.mark.slow   # about 80 s on 2 cores: one round of the three baselines on a width-4 ResNet-18
+def test_spafl_cifar100_column_runs_the_sparse_baselines_on_the_resnet(tmp_path, shared_data):
+    # Table 2's CIFAR-100 baselines on the ResNet (residual width slicing) on the CIFAR-10 sample.
+    import jax
+    import spafl_cifar
+    from fedjax_sparse.algorithms.heterofl import WidthLayout
+    from fedjax_sparse.models import make_model
+    methods = ["fedpm", "heterofl", "fjord"]
+    assert spafl_cifar.main(["--study", "cifar100", "--dataset", "cifar10_sample", "--data-dir", str(shared_data),
+                             "--num-clients", "4", "--clients-per-round", "2", "--rounds", "1",
+                             "--local-epochs", "1", "--resnet-width", "4", "--methods", *methods, "--seeds", "0",
+                             "--quiet", "--out", str(tmp_path)]) == 0
+    summary = {m: json.loads((tmp_path / m / "seed0" / "summary.json").read_text()) for m in methods}
+    model = make_model("resnet18_narrow", (32, 32, 3), 10, width=4)
+    layout = WidthLayout.from_model(model, model.init(jax.random.PRNGKey(0)))
+    both = lambda s: s["total_uplink_bits"] + s["total_downlink_bits"]  # noqa: E731
+    # the p = 0.5 sub-model of the width-4 ResNet is the width-2 one (10 classes kept)
+    half = make_model("resnet18_narrow", (32, 32, 3), 10, width=2).init(jax.random.PRNGKey(0))
+    assert layout.num_values(layout.static_counts(0.5)) == sum(int(x.size) for x in jax.tree_util.tree_leaves(half))
+    assert both(summary["heterofl"]) == 2 * 2 * 32 * layout.num_values(layout.static_counts(0.5))
+    assert summary["fjord"]["total_downlink_bits"] == 2 * 32 * layout.num_values(layout.static_counts(0.6))
+    kernels = sum(layer.num_weights for layer in model.layers)
+    # running mean and variance of the stem's BN (4 channels), the 8 pre-activations (over the stream)
+    # and the 8 inner BNs, at 32 bits; one bit per kernel entry
+    stats = 32 * 2 * (4 + (4 + 4 + 4 + 8 + 8 + 16 + 16 + 32) + (4 + 4 + 8 + 8 + 16 + 16 + 32 + 32))
+    assert summary["fedpm"]["total_uplink_bits"] == 2 * (kernels + stats)
+    for m in methods:
+        assert 0.0 <= summary[m]["final_accuracy"] <= 1.0
+
+
 def test_compare_run_groups_by_hand(tmp_path):
     """Two project runs (accuracy as fractions, one evaluated every other round) and one
     authors'-code run (percent): round 2 has 40 and 60 -> mean 50, std sqrt(200); round 1

@@ -122,17 +122,83 @@ def test_table2_gbit_check():
     assert table["heterofl"][2] == pytest.approx(68.88)          # paper: p x dense, to the digit
     assert table["fedpm"][0] == pytest.approx(71.0325)           # 33 bits x 430,500 x 5,000
     assert table["fjord"][0] == pytest.approx(50.016)
+    # CIFAR-10 (cnn7): FedAvg's and FedPM's column agree to 0.01 % (804,800 kernel entries + 2 x 1,280 BN
+    # values; FedPM 1 + 32 bits per kernel entry, running stats at 32 bits both ways)
+    cifar10 = baseline_costs.costs("cifar10")
+    assert cifar10["fedavg"][0] == pytest.approx(64 * 807_360 * 5000 / 1e9) == pytest.approx(258.36, rel=1e-4)
+    assert cifar10["fedpm"][0] == pytest.approx((33 * 804_800 + 64 * 1_280) * 5000 / 1e9)
+    assert cifar10["fedpm"][0] == pytest.approx(133.19, rel=2e-4)
+    # CIFAR-100 (ResNet-18, width 64): the p = 0.5 sub-model is the width-32 ResNet with 100 classes:
+    # 2,790,240 conv weights (the reference code's network, test_spafl_models), a 256 x 100 + 100
+    # classifier and 4 BN values per channel of the stem (32), the pre-activations (736) and the blocks'
+    # inner BNs (960).
+    cifar100 = baseline_costs.costs("cifar100")
+    half = 2_790_240 + 256 * 100 + 100 + 4 * (32 + 736 + 960)
+    assert cifar100["heterofl"][0] == pytest.approx(64 * half * 15_000 / 1e9)
+    full = 11_159_232 + 512 * 100 + 100 + 4 * (64 + 2 * 736 + 2 * 960)
+    assert cifar100["fedavg"][0] == pytest.approx(64 * full * 15_000 / 1e9) == pytest.approx(10712, rel=0.01)
 
 
-def test_residual_models_are_refused_in_one_line():
-    import jax
-    import pytest
-
-    from fedjax_sparse.algorithms.heterofl import WidthLayout
-    from fedjax_sparse.models import make_model
-    model = make_model("resnet18_narrow", (32, 32, 3), 10)
-    with pytest.raises(ValueError, match="needs a sequential model.*preact"):
+def test_models_with_undeclared_parameters_are_refused_in_one_line():
+    # the ViT's embeddings and LayerNorms follow no layer's output channels
+    model = make_model("vit_small", (32, 32, 3), 10, depth=1)
+    with pytest.raises(ValueError, match="needs every parameter to belong to a weight layer.*embedding"):
         WidthLayout.from_model(model, model.init(jax.random.PRNGKey(0)))
+
+
+def _resnet_with_random_batch_norm():
+    """A narrow ResNet whose BN scales/biases are far from 1/0, so a pre-activation of a
+    zeroed stream channel is relu(bn_bias) != 0 unless it is masked."""
+    model = make_model("resnet18_narrow", (32, 32, 3), 7, width=4, conv_impl="xla")
+    variables = model.init(jax.random.PRNGKey(0))
+    leaves, tree = jax.tree_util.tree_flatten(variables)
+    keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
+    leaves = [x + 0.3 * jax.random.normal(k, x.shape) if x.ndim == 1 else x for x, k in zip(leaves, keys)]
+    return model, jax.tree_util.tree_unflatten(tree, leaves)
+
+
+def test_resnet_half_width_sub_model_is_the_masked_full_model():
+    model, variables = _resnet_with_random_batch_norm()
+    layout = WidthLayout.from_model(model, variables)
+    counts = layout.static_counts(0.5)
+    stage = {"conv1": 2, "layer1": 2, "layer2": 4, "layer3": 8, "layer4": 16}
+    assert counts == tuple(stage[n.split("_")[0]] for n in layout.names[:-1]) + (7,)
+    sub = layout.slice(variables, counts)
+    # the pre-activation BN of block layer2_0 runs over the stream = layer1_1_conv2's kept channels
+    assert sub["params"]["layer2_0_preact"]["bn_scale"].shape == (2,)
+    assert sub["batch_stats"]["layer2_0_preact"]["var"].shape == (2,)
+    assert sub["params"]["layer2_0_shortcut"]["kernel"].shape == (1, 1, 2, 4)
+    # exact size: every value of the cut-out model, pre-activations included, and nothing else
+    size = sum(int(x.size) for x in jax.tree_util.tree_leaves(sub))
+    assert layout.num_values(counts) == size
+    held = layout.held(variables, jnp.asarray(counts))
+    assert sum(int(x.sum()) for x in jax.tree_util.tree_leaves(held)) == size
+    assert layout.num_values(layout.out_channels) == sum(int(x.size) for x in jax.tree_util.tree_leaves(variables))
+    x = jax.random.normal(jax.random.PRNGKey(2), (3, 32, 32, 3))
+    y = jnp.array([0, 3, 6])
+
+    def loss(v, hooks):
+        logits, stats = model.apply(v, x, train=True, hooks=hooks)
+        return -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1).mean(), (logits, stats)
+
+    @jax.jit
+    def both(variables, sub):
+        grad = jax.grad(lambda p, v, h: loss({**v, "params": p}, h), has_aux=True)
+        g_sub, (logits_sub, stats_sub) = grad(sub["params"], sub, layout.hooks(jnp.asarray(counts)))
+        g_full, (logits_full, stats_full) = grad(variables["params"], variables, layout.hooks(jnp.asarray(counts)))
+        return g_sub, logits_sub, stats_sub, g_full, logits_full, stats_full
+
+    g_sub, logits_sub, stats_sub, g_full, logits_full, stats_full = both(variables, sub)
+    np.testing.assert_allclose(logits_sub, logits_full, rtol=1e-5, atol=1e-5)
+    # training the masked full model moves exactly the sub-model's entries, as the sliced one does
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, variables)
+    zero_stats = layout.slice(zeros, counts)["batch_stats"]
+    g_back = layout.unslice(zeros, {"params": g_sub, "batch_stats": zero_stats}, counts)["params"]
+    for a, b in zip(jax.tree_util.tree_leaves(g_back), jax.tree_util.tree_leaves(g_full)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    stats_back = layout.slice({"params": variables["params"], "batch_stats": stats_full}, counts)["batch_stats"]
+    for a, b in zip(jax.tree_util.tree_leaves(stats_sub), jax.tree_util.tree_leaves(stats_back)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_slice_cuts_the_sub_model_out_and_unslice_writes_it_back():

@@ -231,6 +231,10 @@ def caldas(task: Task, *, keep, drop_dense, per_client, rescale, weighted) -> Al
     if not 0.0 < keep <= 1.0:
         raise ValueError(f"caldas: keep must be in (0, 1], got {keep}")
     model = task.model
+    if not model.sequential:
+        # weight_inclusion reads a layer's kept inputs from its input_layer, which a residual stream breaks
+        raise ValueError(f"caldas: model {model.name} is not sequential (residual or attention); federated "
+                         "dropout needs a sequential --model such as cnn7 or lenet5_caffe")
     layers = droppable_layers(model, drop_dense)
     optimizer = sgd(task.lr)
 

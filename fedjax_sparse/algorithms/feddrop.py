@@ -290,6 +290,11 @@ def _dropout_fedavg(task: Task, name: str, *, budget, mu, synchronized, rescale,
     if not 0.0 < min_keep <= 1.0:
         raise ValueError(f"{name}: min_keep must be in (0, 1], got {min_keep}")
     model = task.model
+    if not model.sequential:
+        # eq. (10) takes a layer's input sparsity from its input_layer's dropout, which a residual
+        # stream (identity + dropped branch) does not follow
+        raise ValueError(f"{name}: model {model.name} is not sequential (residual or attention); FedDrop's "
+                         "channel dropout and FLOPs model need a sequential --model such as cnn7 or lenet5_caffe")
     layout = ChannelLayout.from_model(model)
     if not layout.names:
         raise ValueError(f"{name}: model {model.name} has no conv layers to drop channels of")

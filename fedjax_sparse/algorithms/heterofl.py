@@ -68,12 +68,19 @@ def kept_channels(rate, channels: int):
 
 @dataclasses.dataclass(frozen=True)
 class WidthLayout:
-    """The channel structure of a sequential model, layer after layer.
+    """The channel structure of a model, layer after layer.
 
     ``counts`` ([L] int32: kept output channels of each layer) describes a
     sub-model. Layer l's inputs are the output channels of layer
     ``source[l]`` (-1: the model input, always whole), each repeated
     ``in_per_channel[l]`` times (spatial positions after a flatten).
+    ``attached`` lists the model's ``channel_entries`` (a ResNet's
+    pre-activation BatchNorms) with the index of the layer whose channels they
+    follow; their values are counted in that layer's ``vectors``.
+
+    Residual models work because the kept count depends only on the rate and a
+    layer's width: layers whose outputs are summed (a block's second conv, its
+    shortcut, the stream) have equal widths, so equal kept prefixes.
     """
     names: tuple[str, ...]
     out_channels: tuple[int, ...]
@@ -84,17 +91,26 @@ class WidthLayout:
     kernel_unit: tuple[int, ...]      # kernel entries per (kept input channel, kept output channel)
     flops_unit: tuple[int, ...]       # training FLOPs per example per (input channel, output channel)
     vectors: tuple[int, ...]          # per-output-channel values (bias, BN params, running stats)
+    attached: tuple[tuple[str, int], ...] = ()   # (entry name, layer index)
 
     @classmethod
     def from_model(cls, model: Model, variables: dict) -> "WidthLayout":
         index = {layer.name: i for i, layer in enumerate(model.layers)}
-        extra = sorted(set(variables["params"]) - set(index))
+        attached = tuple((entry, index[layer]) for entry, layer in model.channel_entries if layer in index)
+        extra = sorted(set(variables["params"]) - set(index) - {entry for entry, _ in attached})
         if extra:
-            # e.g. a ResNet's pre-activation BatchNorms, which belong to no weight layer
-            raise ValueError(f"width scaling (heterofl, fjord) needs a sequential model whose every parameter "
-                             f"belongs to a weight layer; {model.name} also has {', '.join(extra[:3])}"
-                             f"{' ...' if len(extra) > 3 else ''} (residual models are not supported yet): "
-                             "choose a sequential --model such as cnn7 or lenet5_caffe")
+            # e.g. a ViT's embeddings and LayerNorms, which follow no layer's output channels
+            raise ValueError(f"width scaling (heterofl, fjord) needs every parameter to belong to a weight layer "
+                             f"or to be a per-channel entry the model declares (Model.channel_entries); "
+                             f"{model.name} also has {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}: "
+                             "choose a --model such as cnn7, lenet5_caffe or resnet18_narrow")
+        attached_values = [0] * len(model.layers)
+        for entry, i in attached:
+            for key, value in {**variables["params"][entry], **variables.get("batch_stats", {}).get(entry, {})}.items():
+                if value.shape != (model.layers[i].out_units,):
+                    raise ValueError(f"{model.name}: {entry}/{key} has shape {value.shape}, not one value per "
+                                     f"output channel of {model.layers[i].name} ({model.layers[i].out_units})")
+                attached_values[i] += 1
         names, outs, scal, src, ins, per, ku, fu, vec = [], [], [], [], [], [], [], [], []
         for i, layer in enumerate(model.layers):
             s = index[layer.input_layer] if layer.input_layer is not None else -1
@@ -117,9 +133,9 @@ class WidthLayout:
             per.append(p)
             ku.append(spatial * p)
             fu.append(6 * (layer.macs // groups))
-            vec.append(sum(k in params for k in _PER_CHANNEL) + len(stats))
+            vec.append(sum(k in params for k in _PER_CHANNEL) + len(stats) + attached_values[i])
         return cls(tuple(names), tuple(outs), tuple(scal), tuple(src), tuple(ins), tuple(per), tuple(ku),
-                   tuple(fu), tuple(vec))
+                   tuple(fu), tuple(vec), attached)
 
     # ---- sub-models
     def counts(self, rate) -> jax.Array:
@@ -149,6 +165,9 @@ class WidthLayout:
         ``counts``: its activations have a prefix of the channels."""
         masks = self.out_masks(counts)
         scalable = dict(zip(self.names, self.scalable))
+        # an attached entry's output (a pre-activation) carries its layer's channels
+        for entry, i in self.attached:
+            masks[entry], scalable[entry] = masks[self.names[i]], self.scalable[i]
 
         def activation(name, h):
             if scalable.get(name, False):
@@ -179,6 +198,11 @@ class WidthLayout:
                             for key, value in variables["params"][name].items()}
             if name in stats:
                 stats[name] = {key: value[..., :k] for key, value in stats[name].items()}
+        for entry, i in self.attached:
+            k = counts[i]
+            params[entry] = {key: value[..., :k] for key, value in variables["params"][entry].items()}
+            if entry in stats:
+                stats[entry] = {key: value[..., :k] for key, value in stats[entry].items()}
         return {**variables, "params": params, "batch_stats": stats}
 
     def unslice(self, variables: dict, sub: dict, counts: tuple[int, ...]) -> dict:
@@ -191,6 +215,13 @@ class WidthLayout:
             if name in stats:
                 stats[name] = {key: value.at[..., :k].set(sub["batch_stats"][name][key])
                                for key, value in stats[name].items()}
+        for entry, i in self.attached:
+            k = counts[i]
+            params[entry] = {key: value.at[..., :k].set(sub["params"][entry][key])
+                             for key, value in variables["params"][entry].items()}
+            if entry in stats:
+                stats[entry] = {key: value.at[..., :k].set(sub["batch_stats"][entry][key])
+                                for key, value in stats[entry].items()}
         return {**variables, "params": params, "batch_stats": stats}
 
     def predict(self, model: Model, variables: dict, counts: tuple[int, ...], sliced: bool):
@@ -222,6 +253,11 @@ class WidthLayout:
             params[name] = layer
             if name in variables.get("batch_stats", {}):
                 stats[name] = {k: jnp.broadcast_to(out, v.shape) for k, v in variables["batch_stats"][name].items()}
+        for entry, i in self.attached:
+            out = outs[self.names[i]]
+            params[entry] = {k: jnp.broadcast_to(out, v.shape) for k, v in variables["params"][entry].items()}
+            if entry in variables.get("batch_stats", {}):
+                stats[entry] = {k: jnp.broadcast_to(out, v.shape) for k, v in variables["batch_stats"][entry].items()}
         return {**variables, "params": params, "batch_stats": stats}
 
     # ---- exact costs

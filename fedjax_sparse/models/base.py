@@ -11,7 +11,9 @@ A :class:`Model` is data plus two pure functions:
 Algorithms change a model without touching it through :class:`Hooks`:
 ``hooks.kernel(name, kernel)`` returns the kernel actually used (SpaFL's
 threshold mask, FSL's supermask) and ``hooks.activation(name, h)`` transforms
-the block output after its nonlinearity (FedDrop's SyncDrop). Hooks are plain
+the block output after its nonlinearity (FedDrop's SyncDrop; a residual model
+calls it where a layer's output leaves the layer, see its docstring, and on a
+``channel_entries`` entry's output under that entry's name). Hooks are plain
 callables closed over traced arrays, so they compose with jit/vmap/grad.
 
 ``layers`` lists every weight layer with its analytic cost, which the cost
@@ -77,6 +79,14 @@ class Model:
     layers: tuple[LayerInfo, ...]
     init_fn: Callable[[jax.Array], Variables] = dataclasses.field(repr=False)
     apply_fn: Callable[..., tuple[jax.Array, dict]] = dataclasses.field(repr=False)
+    # False for residual / attention models: a layer's input is not just its
+    # ``input_layer``'s output, so mechanisms that infer input sparsity from
+    # that chain (FedDrop's eq. 10 FLOPs, Caldas' dropout) refuse them.
+    sequential: bool = True
+    # Entries of ``params``/``batch_stats`` that belong to no weight layer but
+    # hold one value per output channel of one (a ResNet's pre-activation
+    # BatchNorm over the residual stream): (entry name, that layer's name).
+    channel_entries: tuple[tuple[str, str], ...] = ()
 
     def init(self, key: jax.Array) -> Variables:
         return self.init_fn(key)

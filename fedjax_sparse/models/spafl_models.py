@@ -24,8 +24,14 @@ whose kernel passes through ``hooks.kernel(name, kernel)`` is one an algorithm
 may mask (SpaFL puts its thresholds exactly on those); BatchNorm after a
 weight layer lives in that layer's entry (``bn_scale``/``bn_bias``,
 ``batch_stats[name]``); ResNet's pre-activation BatchNorms have entries of
-their own (``"<block>_preact"``). The ResNet and ViT do not call
-``hooks.activation``.
+their own (``"<block>_preact"``, declared in ``Model.channel_entries`` as
+per-channel values over the residual stream, i.e. the output channels of the
+block's ``input_layer``). The ResNet calls ``hooks.activation`` where each
+layer's output leaves it: after BN + ReLU (stem and each block's first conv),
+before the residual add (second convs and shortcut convs), and on each
+pre-activation under ``"<block>_preact"``; width scaling (HeteroFL, FjORD)
+zeroes dropped channels there. Both are ``sequential=False``. The ViT does not
+call ``hooks.activation``.
 """
 from __future__ import annotations
 
@@ -90,6 +96,7 @@ def resnet18_narrow(input_shape, num_classes, *, width: int = 32, init: str = "t
     infos.append(LayerInfo("conv1", "conv", (3, 3, c_in, width), c_in, width, h * w * 9 * c_in * width, None))
     blocks = []  # (prefix, in_planes, out_planes, stride)
     in_planes, size, previous = width, (h, w), "conv1"
+    preacts = []  # (entry, weight layer whose output channels the stream carries)
     for stage, planes in enumerate(widths, start=1):
         for b in range(2):
             stride = 2 if (stage > 1 and b == 0) else 1
@@ -103,6 +110,7 @@ def resnet18_narrow(input_shape, num_classes, *, width: int = 32, init: str = "t
                 infos.append(LayerInfo(f"{prefix}_shortcut", "conv", (1, 1, in_planes, planes), in_planes,
                                        planes, ho * wo * in_planes * planes, previous))
             blocks.append((prefix, in_planes, planes, stride))
+            preacts.append((f"{prefix}_preact", previous))
             in_planes, size, previous = planes, (ho, wo), f"{prefix}_conv2"
     if size[0] < 4 or size[1] < 4:
         raise ValueError(f"resnet18_narrow needs inputs of at least 32x32 (got {h}x{w})")
@@ -138,20 +146,27 @@ def resnet18_narrow(input_shape, num_classes, *, width: int = 32, init: str = "t
         def conv(name, h, stride):
             return _conv_pt(h, hooks.kernel(name, params[name]["kernel"]), stride, conv_impl)
 
-        out = bn_relu("conv1", conv("conv1", x, 1))
+        out = hooks.activation("conv1", bn_relu("conv1", conv("conv1", x, 1)))
         for prefix, cin, planes, stride in blocks:
             # WideResNet BasicBlock: with a channel change the shortcut also sees the
             # pre-activated input; otherwise it is the identity on the raw input.
-            act = bn_relu(f"{prefix}_preact", out)
+            # The pre-activation needs its own hook: BN + ReLU of a zeroed channel is
+            # relu(bn_bias), not 0.
+            act = hooks.activation(f"{prefix}_preact", bn_relu(f"{prefix}_preact", out))
             h = bn_relu(f"{prefix}_conv1", conv(f"{prefix}_conv1", act, stride))
-            h = conv(f"{prefix}_conv2", h, 1)
-            shortcut = conv(f"{prefix}_shortcut", act, stride) if cin != planes else out
+            h = hooks.activation(f"{prefix}_conv1", h)
+            h = hooks.activation(f"{prefix}_conv2", conv(f"{prefix}_conv2", h, 1))
+            if cin != planes:
+                shortcut = hooks.activation(f"{prefix}_shortcut", conv(f"{prefix}_shortcut", act, stride))
+            else:
+                shortcut = out
             out = shortcut + h
         out = L.avg_pool(out, 4).reshape(out.shape[0], -1)
         logits = L.dense(out, params["linear"]["kernel"]) + params["linear"]["bias"]
         return logits, new_stats
 
-    return Model("resnet18_narrow", (h, w, c_in), int(num_classes), tuple(infos), init_fn, apply_fn)
+    return Model("resnet18_narrow", (h, w, c_in), int(num_classes), tuple(infos), init_fn, apply_fn,
+                 sequential=False, channel_entries=tuple(preacts))
 
 
 # ---------------------------------------------------------------------------- ViT
@@ -235,5 +250,5 @@ def vit_small(input_shape, num_classes, *, patch: int = 4, dim: int = 128, depth
         logits = L.dense(pooled, params["head"]["kernel"]) + params["head"]["bias"]
         return logits, {}
 
-    return Model("vit_small", (h, w, c), int(num_classes), tuple(infos), init_fn, apply_fn)
+    return Model("vit_small", (h, w, c), int(num_classes), tuple(infos), init_fn, apply_fn, sequential=False)
 
