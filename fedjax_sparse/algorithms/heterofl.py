@@ -22,7 +22,9 @@ BatchNorm parameters get exactly zero gradient (its output is multiplied by
 0); it costs the dense FLOPs. BatchNorm running statistics of dropped channels
 move locally in that form but are not held, so the server never aggregates
 them. Flatten is NHWC, so dense input feature f belongs to channel ``f % C``
-of the layer feeding it.
+of the layer feeding it. Residual models (the ResNet-18) are sliced the same
+way, their pre-activation BatchNorms with the layer whose channels the
+residual stream carries (:class:`WidthLayout`, docs/baselines.md).
 
 SpaFL's setting (appendix A.1.1): p = 0.5 for every client (``rates="0.5"``);
 ``rates="1,0.5,0.25"`` gives client c level ``c % 3`` (equal shares, by id).
