@@ -21,7 +21,10 @@ rates (0.15, 0.001, 0.01).
 Each (method, seed) is one ``fedjax_sparse.runner.run`` into
 ``OUT/<method>/seed<k>/`` (config.json, metrics.jsonl, summary.json); runs
 with a summary.json are skipped, interrupted ones resume from their
-checkpoint. ``--replicas sequential|vmap|auto`` runs each method's seeds as
+checkpoint; a run whose loss turns NaN/inf gets ``diverged.json``, the study
+goes on, reruns skip it and the report counts it apart ("2 (+1 diverged)")
+and out of the means (``--replicas`` runs stop at the first divergence, as
+before). ``--replicas sequential|vmap|auto`` runs each method's seeds as
 replicas in one process (``fedjax_sparse.replicas``: the same files and
 numbers, one compiled program for all seeds). For the SpaFL family a callback records, after every
 evaluation, every client's conv1 row mask and density (``spafl_masks.npz``):
@@ -166,17 +169,35 @@ def run_method_replicas(study: dict, method: str, args, out: Path) -> None:
                           if spafl else None)
 
 
-def run_one(study: dict, method: str, seed: int, args, out: Path) -> dict:
+DIVERGED = "diverged.json"   # written into a run folder whose training diverged (NaN/inf loss)
+
+
+def run_one(study: dict, method: str, seed: int, args, out: Path) -> dict | None:
+    """Runs (or skips, or resumes) one seed. A run that diverges is a result, not a crash: its
+    folder gets ``diverged.json`` (the error), the study goes on with the next run, the report
+    counts it apart, and reruns skip it (delete the folder to try again). Returns the summary,
+    or None for a diverged run."""
     from fedjax_sparse import runner
+    from fedjax_sparse.config import RunError
     spec = study["methods"][method]
     config = method_config(study, method, seed, args, out)
     if (out / "summary.json").exists():
         print(f"[skip] {out} is complete", flush=True)
         return json.loads((out / "summary.json").read_text())
+    if (out / DIVERGED).exists():
+        print(f"[skip] {out} diverged ({DIVERGED}); delete the folder to run it again", flush=True)
+        return None
     resume = runner.has_checkpoint(out)
     recorder = MaskRecorder(out / "spafl_masks.npz") if is_spafl(spec["algorithm"]) else None
     print(f"[run] {method} seed {seed} -> {out}" + (" (resuming)" if resume else ""), flush=True)
-    summary, _ = runner.run(config, resume=resume, progress=not args.quiet, on_eval=recorder)
+    try:
+        summary, _ = runner.run(config, resume=resume, progress=not args.quiet, on_eval=recorder)
+    except RunError as error:
+        if not str(error).startswith("training diverged"):
+            raise
+        (out / DIVERGED).write_text(json.dumps({"method": method, "seed": seed, "error": str(error)}, indent=2))
+        print(f"[diverged] {method} seed {seed}: {error}", flush=True)
+        return None
     return summary
 
 
@@ -188,6 +209,7 @@ def load_run(path: Path) -> dict | None:
         return None
     run = {"rows": rows, "summary": json.loads((path / "summary.json").read_text())
            if (path / "summary.json").exists() else None,
+           "diverged": json.loads((path / DIVERGED).read_text())["error"] if (path / DIVERGED).exists() else None,
            "config": json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else None}
     if (path / "spafl_masks.npz").exists():
         with np.load(path / "spafl_masks.npz") as f:
@@ -222,18 +244,26 @@ def mean_std(values, scale=1.0, fmt="{:.2f}"):
     return (fmt + " ± " + fmt).format(np.nanmean(v), np.nanstd(v)) if len(v) > 1 else fmt.format(v[0])
 
 
-def collect(out: Path, methods: list[str], seeds: list[int]) -> dict:
-    runs = {}
+def collect(out: Path, methods: list[str], seeds: list[int]) -> tuple[dict, dict]:
+    """({method: {seed: run}} of the runs that did not diverge, {method: [diverged seeds]})."""
+    runs, diverged = {}, {}
     for method in methods:
         for seed in seeds:
             run = load_run(out / method / f"seed{seed}")
-            if run is not None:
+            if run is not None and run["diverged"]:
+                diverged.setdefault(method, []).append(seed)
+            elif run is not None:
                 runs.setdefault(method, {})[seed] = run
-    return runs
+    return runs, diverged
+
+
+def seeds_cell(num_runs: int, num_diverged: int) -> str:
+    """The seeds column: runs in the means, and those that diverged (left out of them)."""
+    return f"{num_runs} (+{num_diverged} diverged)" if num_diverged else str(num_runs)
 
 
 def write_report(study: dict, out: Path, methods: list[str], seeds: list[int]) -> dict:
-    runs = collect(out, methods, seeds)
+    runs, diverged = collect(out, methods, seeds)
     table = {}
     for method, by_seed in runs.items():
         stats = [run_stats(r) for r in by_seed.values()]
@@ -243,10 +273,12 @@ def write_report(study: dict, out: Path, methods: list[str], seeds: list[int]) -
             final_acc=[s["final_acc"] for s in stats], density_at_best=[s["density_at_best"] for s in stats],
             final_density=[s["final_density"] for s in stats], gbit=[s["gbit"] for s in stats],
             flops=[s["flops"] for s in stats], flops_paper_convention=[s["flops_paper_convention"] for s in stats],
-            paper=study["paper"].get(method, {}))
+            paper=study["paper"].get(method, {}), diverged_seeds=diverged.get(method, []))
     lines = [f"# {study['title']}", "",
              "Accuracy: personalised (each client on its own test set, unweighted mean over clients), "
-             "mean ± std over seeds of the best round and of the final round. Density: mean over all "
+             "mean ± std over seeds of the best round and of the final round; runs whose training "
+             "diverged (NaN/inf loss) are counted apart in the seeds column and left out of the means. "
+             "Density: mean over all "
              "clients of the mean per-layer kept fraction (SpaFL family), at the best round. "
              "FLOPs: ours = 2 x MACs summed over all sampled clients; paper convention = MACs per "
              "client (ours / 2N).", "",
@@ -255,10 +287,13 @@ def write_report(study: dict, out: Path, methods: list[str], seeds: list[int]) -
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for method in methods:
         if method not in table:
+            if method in diverged:
+                lines.append(f"| {method} | {seeds_cell(0, len(diverged[method]))} |" + " – |" * 11)
             continue
         t, p = table[method], table[method]["paper"]
         lines.append("| " + " | ".join([
-            method, str(len(t["seeds"])), str(max(t["rounds"])), mean_std(t["best_acc"], 100),
+            method, seeds_cell(len(t["seeds"]), len(t["diverged_seeds"])), str(max(t["rounds"])),
+            mean_std(t["best_acc"], 100),
             mean_std(t["final_acc"], 100), p.get("acc", "–"), mean_std(t["density_at_best"], 100, "{:.1f}"),
             str(p.get("density", "–")), mean_std(t["gbit"], 1, "{:.4g}"), str(p.get("gbit", "–")),
             mean_std(t["flops"], 1, "{:.4g}"), mean_std(t["flops_paper_convention"], 1, "{:.4g}"),

@@ -39,14 +39,17 @@ ROWS = (  # (method, label, where its runs are, relative to --results)
 )
 
 
-def seed_runs(folder: Path) -> dict[int, dict]:
+def seed_runs(folder: Path) -> tuple[dict[int, dict], list[int]]:
+    """({seed: run} of the runs that did not diverge, [seeds whose training diverged])."""
     import spafl_fmnist
-    runs = {}
+    runs, diverged = {}, []
     for path in sorted(folder.glob("seed*")):
         run = spafl_fmnist.load_run(path)
-        if run is not None and run["rows"]:
+        if run is not None and run["diverged"]:
+            diverged.append(int(path.name[4:]))
+        elif run is not None and run["rows"]:
             runs[int(path.name[4:])] = run
-    return runs
+    return runs, diverged
 
 
 def _fmt(values, scale=1.0, digits=2):
@@ -72,14 +75,14 @@ def build(results: Path) -> tuple[dict, dict]:
                      for b, f, r, g, p, d in zip(recorded["best_acc"], recorded["final_acc"], recorded["rounds"],
                                                  recorded["gbit"], recorded["flops_paper_convention"],
                                                  recorded["density_at_best"])]
-            seeds, source = recorded["seeds"], "results_spafl_variants.json (H100)"
+            seeds, source, diverged = recorded["seeds"], "results_spafl_variants.json (H100)", []
             curves[method] = []
             for path in sorted((results / "vs_authors").glob("ours_seed*.json")):
                 rows = json.loads(path.read_text())["rows"]
                 curves[method].append((np.array([r["round"] for r in rows]),
                                        np.array([r["accuracy"] for r in rows], np.float64)))   # already %
         else:
-            runs = seed_runs(results / where / method)
+            runs, diverged = seed_runs(results / where / method)
             if not runs:
                 continue
             stats = [spafl_fmnist.run_stats(run) for run in runs.values()]
@@ -91,15 +94,17 @@ def build(results: Path) -> tuple[dict, dict]:
             best_acc=[float(s["best_acc"]) for s in stats], final_acc=[float(s["final_acc"]) for s in stats],
             gbit=[float(s["gbit"]) for s in stats],
             flops_paper_convention=[float(s["flops_paper_convention"]) for s in stats],
-            density_at_best=[float(s["density_at_best"]) for s in stats], source=source,
+            density_at_best=[float(s["density_at_best"]) for s in stats], source=source, diverged_seeds=diverged,
             paper=spafl_fmnist.FMNIST_PAPER[method])
     return table, curves
 
 
 def markdown(table: dict) -> str:
+    import spafl_fmnist
     lines = ["# SpaFL Table 2, FMNIST column: all six methods", "",
              "Personalised accuracy (each client on its own test set, unweighted mean over the 100 clients), "
-             "best evaluated round and final round; Gbit = uplink + downlink over the run (exact counts); "
+             "best evaluated round and final round (runs whose training diverged are counted apart in the "
+             "seeds column and left out of the means); Gbit = uplink + downlink over the run (exact counts); "
              "FLOPs in the paper's convention (ours / (2 x 100)). Built by "
              "`python experiments/spafl_table2.py --results experiments/results/spafl_fmnist`.", "",
              "| method | seeds | rounds | best acc % | final acc % | paper acc % | Gbit | paper Gbit | "
@@ -110,7 +115,8 @@ def markdown(table: dict) -> str:
             continue
         t, p = table[method], table[method]["paper"]
         lines.append("| " + " | ".join([
-            t["label"], str(len(t["seeds"])), str(min(t["rounds"])), _fmt(t["best_acc"], 100),
+            t["label"], spafl_fmnist.seeds_cell(len(t["seeds"]), len(t["diverged_seeds"])), str(min(t["rounds"])),
+            _fmt(t["best_acc"], 100),
             _fmt(t["final_acc"], 100), p["acc"], _fmt(t["gbit"], 1, 2), f"{p['gbit']:g}",
             _fmt(t["flops_paper_convention"], 1e-11, 4), f"{p['flops'] / 1e11:.4f}" if "flops" in p else "–",
             t["source"]]) + " |")

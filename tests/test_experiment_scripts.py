@@ -109,18 +109,48 @@ def test_spafl_table2_rows_come_from_the_recorded_runs(tmp_path):
         run.mkdir(parents=True)
         (run / "config.json").write_text(json.dumps({"config": {"num_clients": 100}}))
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # a diverged seed (spafl_fmnist.run_one's marker) is counted apart, not averaged in
+    run = results / "baselines_cpu" / "heterofl" / "seed2"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"config": {"num_clients": 100}}))
+    (run / "metrics.jsonl").write_text(json.dumps(_metrics_row(5, 0.1, 10**9, 3 * 10**9, 4e12)) + "\n")
+    (run / "diverged.json").write_text(json.dumps({"error": "training diverged: the loss is NaN/inf at round 1"}))
     assert spafl_table2.main(["--results", str(results)]) == 0
     table = json.loads((results / "table2.json").read_text())
     assert set(table) == {"spafl", "heterofl"}
     het = table["heterofl"]
-    assert het["seeds"] == [0, 1] and het["rounds"] == [15, 15]
+    assert het["seeds"] == [0, 1] and het["rounds"] == [15, 15] and het["diverged_seeds"] == [2]
     assert het["best_acc"] == [0.8, 0.9] and het["final_acc"] == [0.7, 0.9]
     assert het["gbit"] == [12.0, 12.0]                       # (3 + 9) * 10^9 bits
     assert het["flops_paper_convention"] == [6e10, 6e10]     # 12e12 / (2 x 100 clients)
     text = (results / "table2.md").read_text()
-    assert "| HeteroFL | 2 | 15 | 85.00 ± 5.00 | 80.00 ± 10.00 | 85.97 ± 0.20 | 12.00 ± 0.00 | 68.88 |" in text
+    assert "| HeteroFL | 2 (+1 diverged) | 15 | 85.00 ± 5.00 | 80.00 ± 10.00 | 85.97 ± 0.20 | 12.00 ± 0.00 | 68.88 |" \
+        in text
     assert "| SpaFL | 1 | 500 | 90.00 | 89.00 |" in text
     assert (results / "fig2a_learning_curves.png").stat().st_size > 0
+
+
+def test_a_diverging_run_is_recorded_and_the_study_goes_on(tmp_path, capsys):
+    # FjORD's seed 1 at Table 7's lr diverged at round 1 and the script used to die with a traceback,
+    # taking the runs after it along. Now: diverged.json, the next method runs, the report counts it.
+    import spafl_fmnist
+    base = dict(dataset="digits", model="mlp", num_clients=6, clients_per_round=3, local_epochs=1, batch_size=32,
+                partition="iid", eval_every=1, min_client_samples=1)
+    study = dict(title="divergence", base=base, rounds=2, default_methods=["blowup", "fine"], paper={},
+                 methods={"blowup": dict(algorithm="fedavg", lr=1e9), "fine": dict(algorithm="fedavg", lr=0.1)})
+    argv = ["--out", str(tmp_path), "--seeds", "0", "--quiet"]
+    assert spafl_fmnist.main(argv, studies={"s": study}, default_study="s") == 0
+    printed = capsys.readouterr().out
+    assert "[diverged] blowup seed 0: training diverged" in printed
+    marker = json.loads((tmp_path / "blowup" / "seed0" / "diverged.json").read_text())
+    assert marker["error"].startswith("training diverged") and marker["seed"] == 0
+    assert (tmp_path / "fine" / "seed0" / "summary.json").exists()
+    table = json.loads((tmp_path / "results.json").read_text())
+    assert "blowup" not in table and table["fine"]["diverged_seeds"] == []
+    assert "| blowup | 0 (+1 diverged) |" in (tmp_path / "results.md").read_text()
+    # a rerun skips it instead of diverging again
+    assert spafl_fmnist.main(argv, studies={"s": study}, default_study="s") == 0
+    assert "blowup/seed0 diverged (diverged.json); delete the folder" in capsys.readouterr().out
 
 
 @pytest.mark.slow   # about two minutes on 2 cores: one round of six methods on the 7-layer CNN
