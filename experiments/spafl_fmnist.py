@@ -68,6 +68,10 @@ FMNIST_METHODS = {
     "heterofl": dict(algorithm="heterofl", lr=0.001, options=dict(rates="0.5", momentum=0.9)),
     # plain SGD: lr 0.01 with momentum 0.9 diverges on the raw 0-255 inputs (loss 7e4 in round 1)
     "fjord": dict(algorithm="fjord", lr=0.01, options=dict(p_min=0.4, p_max=0.6)),
+    # diagnostic, not a Table 2 row: FjORD as above but on unit-scaled inputs, to see whether raw
+    # pixels cause its divergence (seed 1) and spikes (seed 0); docs/baselines.md
+    "fjord_unit": dict(algorithm="fjord", lr=0.01, options=dict(p_min=0.4, p_max=0.6),
+                       base=dict(preprocess="unit")),
 }
 
 # Paper (Kim et al. 2024): Tables 1-3 and Sec. 5.3; accuracy %, Gbit over all
@@ -81,6 +85,7 @@ FMNIST_PAPER = {
     "fedpm": dict(acc="63.27 ± 1.65", gbit=66.554, flops=5.8901e11),
     "heterofl": dict(acc="85.97 ± 0.20", gbit=68.88, flops=5.1621e11),
     "fjord": dict(acc="89.08 ± 0.17", gbit=64.21, flops=5.1311e11),
+    "fjord_unit": dict(acc="89.08 ± 0.17", gbit=64.21, flops=5.1311e11),
 }
 
 STUDIES = {

@@ -6,9 +6,11 @@ No training: it reads what ``experiments/spafl_fmnist.py`` recorded and writes
 ``table2.{md,json}`` and ``fig2a_learning_curves.png`` into ``--results``.
 Where each row comes from (each produced by the command in its README):
 
-* SpaFL: ``results_spafl_variants.json`` (500 rounds, seed 0, H100; its
-  per-round metrics were lost, so its curve is the rounds 1-50 of the five
-  seeds in ``vs_authors/ours_seed*.json``, drawn as a band and marked so);
+* SpaFL: ``spafl_cpu/spafl/seed*`` (500 rounds, CPU, with every evaluated
+  round) where present; else ``results_spafl_variants.json`` (500 rounds,
+  seed 0, H100; its per-round metrics were lost, so its curve is then the
+  rounds 1-50 of the five seeds in ``vs_authors/ours_seed*.json``, drawn as a
+  band and marked so);
 * FedAvg, Local: ``fedavg/seed*``, ``local/seed*`` (500 rounds, H100);
 * FedPM, HeteroFL, FjORD: ``baselines_cpu/<method>/seed*`` (500 rounds, CPU).
 
@@ -30,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ROWS = (  # (method, label, where its runs are, relative to --results)
-    ("spafl", "SpaFL", None),
+    ("spafl", "SpaFL", "spafl_cpu"),   # falls back to the H100 record (see the docstring)
     ("fedavg", "FedAvg", "."),
     ("fedpm", "FedPM", "baselines_cpu"),
     ("heterofl", "HeteroFL", "baselines_cpu"),
@@ -69,7 +71,8 @@ def build(results: Path) -> tuple[dict, dict]:
     import spafl_fmnist
     table, curves = {}, {}
     for method, label, where in ROWS:
-        if where is None:
+        runs, diverged = seed_runs(results / where / method)
+        if not runs and method == "spafl":
             recorded = json.loads((results / "results_spafl_variants.json").read_text())[method]
             stats = [dict(best_acc=b, final_acc=f, rounds=r, gbit=g, flops_paper_convention=p, density_at_best=d)
                      for b, f, r, g, p, d in zip(recorded["best_acc"], recorded["final_acc"], recorded["rounds"],
@@ -81,10 +84,9 @@ def build(results: Path) -> tuple[dict, dict]:
                 rows = json.loads(path.read_text())["rows"]
                 curves[method].append((np.array([r["round"] for r in rows]),
                                        np.array([r["accuracy"] for r in rows], np.float64)))   # already %
+        elif not runs:
+            continue
         else:
-            runs, diverged = seed_runs(results / where / method)
-            if not runs:
-                continue
             stats = [spafl_fmnist.run_stats(run) for run in runs.values()]
             seeds, source = sorted(runs), f"{where}/{method}/seed*"
             curves[method] = [(np.array([r["round"] for r in run["rows"]]),
@@ -135,7 +137,7 @@ def plot(table: dict, curves: dict, path: Path) -> None:
         x = curves[method][0][0][:n]
         acc = np.stack([a[:n] for _, a in curves[method]])
         name = f"{label} ({len(acc)} seed{'s' if len(acc) > 1 else ''})"
-        if method == "spafl":
+        if table[method]["source"].startswith("results_spafl_variants"):
             name = f"SpaFL (rounds 1-{int(x[-1])} only, {len(acc)} seeds)"
         line, = ax.plot(x, acc.mean(0), label=name)
         if len(acc) > 1:

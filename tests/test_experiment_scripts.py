@@ -130,6 +130,28 @@ def test_spafl_table2_rows_come_from_the_recorded_runs(tmp_path):
     assert (results / "fig2a_learning_curves.png").stat().st_size > 0
 
 
+def test_spafl_table2_prefers_spafl_runs_with_whole_curves(tmp_path):
+    # The H100 SpaFL record has no per-round metrics (its curve is the 50-round band); a CPU run
+    # under spafl_cpu/ has every evaluated round, so it gives the SpaFL row and its whole curve.
+    import spafl_table2
+    results = tmp_path / "results"
+    results.mkdir()
+    recorded = dict(seeds=[0], rounds=[500], best_acc=[0.9], final_acc=[0.89], gbit=[0.1856],
+                    flops_paper_convention=[2.5e11], density_at_best=[0.38])
+    (results / "results_spafl_variants.json").write_text(json.dumps({"spafl": recorded}))
+    run = results / "spafl_cpu" / "spafl" / "seed0"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"config": {"num_clients": 100}}))
+    rows = [_metrics_row(5, 0.5, 10**6, 10**6, 2e12), _metrics_row(10, 0.75, 2 * 10**6, 2 * 10**6, 4e12)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table, curves = spafl_table2.build(results)
+    spafl = table["spafl"]
+    assert spafl["source"] == "spafl_cpu/spafl/seed*" and spafl["seeds"] == [0] and spafl["rounds"] == [10]
+    assert spafl["best_acc"] == [0.75] and spafl["gbit"] == [0.004] and spafl["flops_paper_convention"] == [2e10]
+    (rounds, acc), = curves["spafl"]
+    assert rounds.tolist() == [5, 10] and acc.tolist() == [50.0, 75.0]
+
+
 def test_a_diverging_run_is_recorded_and_the_study_goes_on(tmp_path, capsys):
     # FjORD's seed 1 at Table 7's lr diverged at round 1 and the script used to die with a traceback,
     # taking the runs after it along. Now: diverged.json, the next method runs, the report counts it.
