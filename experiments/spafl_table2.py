@@ -44,14 +44,9 @@ ROWS = (  # (method, label, where its runs are, relative to --results)
 def seed_runs(folder: Path) -> tuple[dict[int, dict], list[int]]:
     """({seed: run} of the runs that did not diverge, [seeds whose training diverged])."""
     import spafl_fmnist
-    runs, diverged = {}, []
-    for path in sorted(folder.glob("seed*")):
-        run = spafl_fmnist.load_run(path)
-        if run is not None and run["diverged"]:
-            diverged.append(int(path.name[4:]))
-        elif run is not None and run["rows"]:
-            runs[int(path.name[4:])] = run
-    return runs, diverged
+    seeds = sorted(int(path.name[4:]) for path in folder.glob("seed*"))
+    runs, diverged = spafl_fmnist.collect(folder.parent, [folder.name], seeds)
+    return runs.get(folder.name, {}), diverged.get(folder.name, [])
 
 
 def _fmt(values, scale=1.0, digits=2):
