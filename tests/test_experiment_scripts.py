@@ -270,3 +270,30 @@ def test_compare_run_groups_by_hand(tmp_path):
     assert "| ours | 30.0 (1) | 50.0 ± 14.1 (2) |" in table and "| theirs | 20.0 (1) | 25.0 (1) |" in table
     with pytest.raises(FileNotFoundError, match="neither metrics.jsonl"):
         compare_run_groups.main(["--group", "empty", str(tmp_path / "cmp"), "--out", str(out)])
+
+
+def test_run_throughput_leaves_out_the_first_row_and_sums_concurrent_runs(tmp_path):
+    import run_throughput
+
+    def fake_run(name, rows):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "metrics.jsonl").write_text(
+            "".join(json.dumps(dict(round=r, seconds=s, total_client_steps=n)) + "\n" for r, s, n in rows))
+        return folder
+
+    # The first row carries the compile time (30 s for 100 steps); after it: 600 steps in 6 s.
+    alone = fake_run("alone", [(5, 30.0, 100), (10, 33.0, 400), (15, 36.0, 700)])
+    pinned_a = fake_run("a", [(5, 60.0, 100), (10, 70.0, 600)])     # 500 steps in 10 s
+    pinned_b = fake_run("b", [(5, 50.0, 0), (10, 58.0, 400)])       # 400 steps in 8 s
+    out = tmp_path / "t.json"
+    assert run_throughput.main(["--sequential", "alone", str(alone), "--concurrent", "pinned", str(pinned_a),
+                                str(pinned_b), "--out", str(out)]) == 0
+    groups = json.loads(out.read_text())["groups"]
+    assert groups[0]["client_steps_per_second"] == pytest.approx(100.0)
+    assert groups[1]["client_steps_per_second"] == pytest.approx(50.0 + 50.0)
+    assert groups[1]["vs_first_group"] == pytest.approx(1.0)
+    # Two runs one after another: the mean rate, not the sum.
+    assert run_throughput.group_throughput(groups[1]["runs"], concurrent=False) == pytest.approx(50.0)
+    with pytest.raises(ValueError, match="a rate needs two"):
+        run_throughput.run_rate(fake_run("short", [(5, 30.0, 100)]))
