@@ -345,7 +345,8 @@ def plot_learning_curves(study, runs, methods, path: Path) -> None:
     ax_den.set(xlabel="round", ylabel="density (%) over all clients", title="model density")
     for ax in (ax_acc, ax_den):
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:   # a panel with no curve (diverged runs, no density) gets none
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
