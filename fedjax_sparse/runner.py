@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse import distributed, pinning
+from fedjax_sparse import distributed, pinning, timing
 from fedjax_sparse import population as host_population
 from fedjax_sparse.algorithms import Task, compose, make_algorithm
 # The config and checkpoint modules' names stay importable from here (scripts use runner.RunConfig).
@@ -681,6 +681,8 @@ def summarize(config, exp, rows, totals, build_seconds, compile_seconds) -> dict
         "first_chunk_seconds_incl_compile": compile_seconds,
         "rounds_per_second_after_first_chunk": (steady_rounds / steady) if steady_rounds else None,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        # The accelerator's allocator peak (null on CPU, which keeps no such statistics).
+        "peak_device_memory_mib": timing.device_peak_memory_mib(),
         "backend": jax.default_backend(), "client_parallelism": exp.engine.mode,
     }
 

@@ -60,6 +60,18 @@ def machine_facts() -> dict:
             "python": platform.python_version()}
 
 
+def device_peak_memory_mib(devices=None) -> float | None:
+    """The largest ``peak_bytes_in_use`` over ``devices`` (default: this process's local devices),
+    in MiB; None where the backend keeps no allocator statistics (XLA:CPU's ``memory_stats()`` is
+    None). The peak is the process's since it started: read it once per process for one figure."""
+    peaks = []
+    for device in jax.local_devices() if devices is None else devices:
+        stats = device.memory_stats()
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) / 2 ** 20 if peaks else None
+
+
 def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
     """Best-of-``repeats`` GFLOP/s of one jitted float32 [n, n] @ [n, n] on the default device:
     the practical ceiling that achieved GFLOP/s figures are read against."""

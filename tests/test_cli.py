@@ -36,6 +36,7 @@ def test_run_writes_the_documented_outputs(tmp_path, capsys):
     assert config["config"]["algorithm"] == "fedavg" and config["num_params"] > 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rounds"] == 4 and summary["final_accuracy"] == rows[-1]["accuracy"]
+    assert summary["peak_rss_mib"] > 0 and "peak_device_memory_mib" in summary
 
 
 def test_interrupted_run_resumes_to_identical_results(tmp_path):

@@ -297,3 +297,60 @@ def test_run_throughput_leaves_out_the_first_row_and_sums_concurrent_runs(tmp_pa
     assert run_throughput.group_throughput(groups[1]["runs"], concurrent=False) == pytest.approx(50.0)
     with pytest.raises(ValueError, match="a rate needs two"):
         run_throughput.run_rate(fake_run("short", [(5, 30.0, 100)]))
+
+
+def test_gpu_targets_verdicts_follow_the_issue_targets():
+    import gpu_targets
+
+    def verdict(part, result, backend="gpu", smoke=False):
+        return [t["met"] for t in gpu_targets.verdicts(part, result, backend, smoke)]
+
+    assert verdict("eval_fmnist_100", {"personal_eval_seconds": 0.019}) == [True]
+    assert verdict("eval_fmnist_100", {"personal_eval_seconds": 0.021}) == [False]
+    assert verdict("eval_fmnist_100", {"personal_eval_seconds": 0.4}, backend="cpu") == [True]
+    assert verdict("eval_mnist_1000", {"evaluate_seconds": 0.4}, backend="cpu") == []  # no CPU target
+    # FSL: >= 10 rounds/s at 25 clients and time growing slower than the cohort (250 / 25 = 10x).
+    fsl = {"rounds_per_second_at_smallest_cohort": 12.0, "time_ratio_largest_to_smallest_cohort": 9.9,
+           "cohort_ratio": 10.0}
+    assert verdict("fsl_cohort", fsl) == [True, True]
+    assert verdict("fsl_cohort", dict(fsl, rounds_per_second_at_smallest_cohort=9.0,
+                                      time_ratio_largest_to_smallest_cohort=10.0)) == [False, False]
+    assert verdict("feddrop_100", {"seconds_per_round": 0.31}) == [False]
+    # Fewer rounds than the issue's 500, or a smoke run: measured, but no verdict.
+    assert verdict("spafl_eval_every_1", {"total_seconds": 50.0, "whole_setting": True}) == [True]
+    assert verdict("spafl_eval_every_25", {"total_seconds": 20.0, "whole_setting": False}) == [None]
+    assert verdict("feddrop_100", {"seconds_per_round": 0.1}, smoke=True) == [None]
+
+
+def test_gpu_targets_keeps_measured_parts_unless_told(tmp_path, monkeypatch):
+    import gpu_targets
+    calls = []
+
+    def fake_measure(part, args):
+        calls.append(part)
+        return {"result": {"n": len(calls)}, "targets": [], "backend": "cpu"}
+
+    monkeypatch.setattr(gpu_targets, "measure", fake_measure)
+    out = tmp_path / "targets.json"
+    base = ["--in-process", "--out", str(out), "--parts"]
+    assert gpu_targets.main(base + ["feddrop_100"]) == 0
+    assert gpu_targets.main(base + ["feddrop_100", "fsl_cohort"]) == 0
+    parts = json.loads(out.read_text())["parts"]
+    assert calls == ["feddrop_100", "fsl_cohort"] and parts["feddrop_100"]["result"] == {"n": 1}
+    assert gpu_targets.main(base + ["feddrop_100", "--overwrite"]) == 0
+    assert json.loads(out.read_text())["parts"]["feddrop_100"]["result"] == {"n": 3}
+
+
+def test_gpu_targets_smoke_measures_on_the_real_settings(tmp_path, shared_data):
+    import gpu_targets
+    out = tmp_path / "targets.json"
+    assert gpu_targets.main(["--data-dir", str(shared_data), "--smoke", "--in-process", "--repeats", "1",
+                             "--rounds-timed", "1", "--out", str(out),
+                             "--parts", "eval_fmnist_100", "fsl_cohort", "spafl_eval_every_25"]) == 0
+    parts = json.loads(out.read_text())["parts"]
+    evaluation = parts["eval_fmnist_100"]
+    assert evaluation["result"]["clients"] == 100 and evaluation["result"]["test_examples"] == 10_000
+    assert [r["clients_per_round"] for r in parts["fsl_cohort"]["result"]["cohorts"]] == [2, 4]
+    spafl = parts["spafl_eval_every_25"]["result"]
+    assert spafl["run_rounds"] == 3 and spafl["whole_setting"] is False and 0 < spafl["run_final_accuracy"] <= 1
+    assert all(t["met"] is None for p in parts.values() for t in p["targets"])  # smoke: no verdicts

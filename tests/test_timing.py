@@ -20,3 +20,24 @@ def test_cpuinfo_without_the_file_is_empty(tmp_path):
 def test_machine_facts_name_backend_and_cpu_count():
     facts = timing.machine_facts()
     assert facts["backend"] == jax.default_backend() and facts["cpu_count"] >= 1 and len(facts["load_average"]) == 3
+
+
+class _Device:
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_device_peak_memory_is_the_largest_allocator_peak_in_mib():
+    devices = [_Device({"peak_bytes_in_use": 3 * 2 ** 20, "bytes_in_use": 2 ** 20}),
+               _Device({"peak_bytes_in_use": 5 * 2 ** 19})]
+    assert timing.device_peak_memory_mib(devices) == 3.0
+    assert timing.device_peak_memory_mib([_Device({"peak_bytes_in_use": 2 ** 19})]) == 0.5
+
+
+def test_device_peak_memory_is_none_where_the_backend_keeps_no_statistics():
+    assert timing.device_peak_memory_mib([_Device(None), _Device({"bytes_in_use": 1})]) is None
+    if jax.default_backend() == "cpu":
+        assert timing.device_peak_memory_mib() is None
