@@ -13,25 +13,12 @@ import dataclasses
 import json
 import os
 import platform
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
 from fedjax_sparse import runner, timing
-
-
-def time_call(fn, repeats: int) -> tuple[float, list[float]]:
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return first, times
 
 
 def main(argv=None) -> int:
@@ -64,13 +51,13 @@ def main(argv=None) -> int:
               "python": platform.python_version(), "jax": jax.__version__,
               "machine_facts": timing.machine_facts(), "variants": []}
     reference = loop.personal_stats(state, data)
-    first, times = time_call(lambda: loop.personal_stats(state, data), args.repeats)
+    first, times = timing.time_calls(lambda: loop.personal_stats(state, data), args.repeats)
     result["variants"].append({"mode": "loop", "eval_batch_size": loop.eval_batch_size, "first_seconds": first,
                                "seconds": times, "median_seconds": float(np.median(times))})
     def measure(evaluator, **labels) -> dict:
         """Times ``evaluator`` and compares its per-client numbers with the loop's."""
         stats = evaluator.personal_stats(state, data)
-        first, times = time_call(lambda: evaluator.personal_stats(state, data), args.repeats)
+        first, times = timing.time_calls(lambda: evaluator.personal_stats(state, data), args.repeats)
         return {**labels, "first_seconds": first, "seconds": times, "median_seconds": float(np.median(times)),
                 "same_counts_as_loop": bool(np.array_equal(np.asarray(stats.correct), np.asarray(reference.correct))),
                 "max_loss_difference_vs_loop": float(np.max(np.abs(

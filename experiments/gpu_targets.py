@@ -38,6 +38,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import jax
+import numpy as np
+
+from fedjax_sparse import runner, timing
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import feddrop_fmnist  # noqa: E402
@@ -59,7 +64,6 @@ PARTS = tuple(TARGETS)
 
 # ---------------------------------------------------------------------------- settings
 def spafl_config(args, **fields):
-    from fedjax_sparse import runner
     method = spafl_fmnist.FMNIST_METHODS["spafl"]
     base = dict(spafl_fmnist.FMNIST_BASE, **method.get("base", {}))
     if args.smoke:
@@ -69,7 +73,6 @@ def spafl_config(args, **fields):
 
 
 def fsl_config(args, clients_per_round: int):
-    from fedjax_sparse import runner
     method = fsl_mnist.METHODS["fsl"]
     base = dict(fsl_mnist.BASE)
     if args.smoke:
@@ -79,7 +82,6 @@ def fsl_config(args, clients_per_round: int):
 
 
 def feddrop_config(args):
-    from fedjax_sparse import runner
     clients = dict(feddrop_fmnist.PARTICIPATION["full"])
     if args.smoke:
         clients = dict(num_clients=100, clients_per_round=4)
@@ -87,38 +89,20 @@ def feddrop_config(args):
                             options={"budget": 0.5}, data_dir=args.data_dir, seed=args.seed)
 
 
-# ---------------------------------------------------------------------------- timing helpers
-def median_seconds(fn, repeats: int) -> tuple[float, list[float]]:
-    """(seconds of the first call, which compiles; the following ``repeats`` calls' seconds)."""
-    import jax
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return first, times
-
-
+# ---------------------------------------------------------------------------- parts
 def trained_state(config, rounds: int = 1):
     """(experiment, state after ``rounds`` training rounds) so evaluation sees trained personal models."""
-    import jax
-    from fedjax_sparse import runner
     exp = runner.build(config)
     state = exp.engine.init(jax.random.PRNGKey(config.seed))
     state, _ = exp.engine.run_rounds(state, exp.data, rounds)
     return exp, state
 
 
-# ---------------------------------------------------------------------------- parts
 def part_eval_fmnist_100(args) -> dict:
-    import numpy as np
     exp, state = trained_state(spafl_config(args, rounds=1))
     evaluator = exp.engine.evaluator
-    first, times = median_seconds(lambda: evaluator.personal_stats(state, exp.data), args.repeats)
-    whole_first, whole = median_seconds(lambda: exp.engine.evaluate(state, exp.data), args.repeats)
+    first, times = timing.time_calls(lambda: evaluator.personal_stats(state, exp.data), args.repeats)
+    whole_first, whole = timing.time_calls(lambda: exp.engine.evaluate(state, exp.data), args.repeats)
     return {"clients": exp.engine.num_clients, "personal_eval": evaluator.personal_eval,
             "test_examples": int(np.asarray(exp.data.test_count).sum()),
             "personal_eval_seconds": float(np.median(times)), "personal_eval_seconds_all": times,
@@ -127,18 +111,14 @@ def part_eval_fmnist_100(args) -> dict:
 
 
 def part_eval_mnist_1000(args) -> dict:
-    import numpy as np
     exp, state = trained_state(fsl_config(args, 2 if args.smoke else 25))
-    first, times = median_seconds(lambda: exp.engine.evaluate(state, exp.data), args.repeats)
+    first, times = timing.time_calls(lambda: exp.engine.evaluate(state, exp.data), args.repeats)
     return {"clients": exp.engine.num_clients, "test_examples": int(np.asarray(exp.data.test_count).sum()),
             "evaluate_seconds": float(np.median(times)), "evaluate_seconds_all": times,
             "evaluate_first_seconds_incl_compile": first}
 
 
 def part_fsl_cohort(args) -> dict:
-    import jax
-    import numpy as np
-    from fedjax_sparse import runner, timing
     rows = []
     for k in ([2, 4] if args.smoke else [25, 100, 250]):
         exp = runner.build(fsl_config(args, k))
@@ -155,9 +135,6 @@ def part_fsl_cohort(args) -> dict:
 
 
 def part_feddrop_100(args) -> dict:
-    import jax
-    import numpy as np
-    from fedjax_sparse import runner, timing
     exp = runner.build(feddrop_config(args))
     state = exp.engine.init(jax.random.PRNGKey(args.seed))
     state, first, times, _ = timing.time_rounds(exp.engine, state, exp.data, args.rounds_timed)
@@ -167,7 +144,6 @@ def part_feddrop_100(args) -> dict:
 
 
 def spafl_run(args, eval_every: int) -> dict:
-    from fedjax_sparse import runner
     rounds = args.spafl_rounds or (3 if args.smoke else 500)
     with tempfile.TemporaryDirectory() as tmp:
         config = spafl_config(args, rounds=rounds, eval_every=min(eval_every, rounds), out=str(Path(tmp) / "run"))
@@ -208,8 +184,6 @@ def verdicts(part: str, result: dict, backend: str, smoke: bool) -> list[dict]:
 
 def measure(part: str, args) -> dict:
     """Runs one part in this process; returns its record."""
-    import jax
-    from fedjax_sparse import timing
     result = globals()[f"part_{part}"](args)
     backend = jax.default_backend()
     return {"result": result, "targets": verdicts(part, result, backend, args.smoke), "smoke": args.smoke,
@@ -254,7 +228,6 @@ def main(argv=None) -> int:
     if args.part_worker:
         Path(args.part_out).write_text(json.dumps(measure(args.part_worker, args)))
         return 0
-    from fedjax_sparse import timing
     out = Path(args.out)
     report = json.loads(out.read_text()) if out.exists() else {"parts": {}}
     todo = [p for p in args.parts if args.overwrite or p not in report["parts"]]

@@ -27,6 +27,20 @@ def time_rounds(engine, state, data, rounds: int):
     return state, first, times, metrics
 
 
+def time_calls(fn, repeats: int) -> tuple[float, list[float]]:
+    """Calls ``fn()`` once (it compiles), then ``repeats`` more times, each synchronised. Returns
+    (seconds of the first call, [repeats] seconds of the others)."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return first, times
+
+
 def _cpuinfo(path: str = "/proc/cpuinfo") -> dict:
     """Model name, family, model number and AVX-512 flags of the first CPU in ``path`` (Linux's
     /proc/cpuinfo; {} where there is none)."""

@@ -41,3 +41,9 @@ def test_device_peak_memory_is_none_where_the_backend_keeps_no_statistics():
     assert timing.device_peak_memory_mib([_Device(None), _Device({"bytes_in_use": 1})]) is None
     if jax.default_backend() == "cpu":
         assert timing.device_peak_memory_mib() is None
+
+
+def test_time_calls_times_every_call_after_the_first():
+    calls = []
+    first, times = timing.time_calls(lambda: calls.append(1) or jax.numpy.zeros(()), 3)
+    assert len(calls) == 4 and len(times) == 3 and first >= 0 and min(times) >= 0
