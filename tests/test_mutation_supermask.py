@@ -1,5 +1,7 @@
 """Tests written for the mutmut survivors of ``mechanisms/supermask.py`` (docs/testing.md)."""
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -164,3 +166,18 @@ def test_kth_largest_key_is_the_kth_largest_at_a_bin_boundary():
     assert int(sm_impl.kth_largest_key(keys, 2)) == 5
     keys = jnp.array([0x30002, 0x30002, 0x20007, 0x20001, 9], jnp.uint32)
     assert [int(sm_impl.kth_largest_key(keys, k)) for k in range(1, 6)] == [0x30002, 0x30002, 0x20007, 0x20001, 9]
+
+
+@pytest.mark.parametrize("byteorder", ["little", "big"])
+def test_numpy_argsort_packs_key_and_index_into_a_stable_order(monkeypatch, byteorder):
+    """Both packings (uint32 halves on little-endian hosts, shifts elsewhere) give numpy's stable
+    argsort, ties by index, over the int32 and float32 extremes and rows of a 2-D input."""
+    monkeypatch.setattr(sys, "byteorder", byteorder)
+    rng = np.random.default_rng(0)
+    ints = np.concatenate([rng.integers(-3, 3, 500), [np.iinfo(np.int32).min, np.iinfo(np.int32).max, -1, 0]])
+    floats = np.concatenate([rng.standard_normal(500).round(1), [-np.inf, np.inf, -0.0, 0.0, 1e-40, -1e-40]])
+    for x in (ints.astype(np.int32), floats.astype(np.float32)):
+        want = np.argsort(np.where(x == 0, 0, x), kind="stable")   # -0.0 and 0.0 tie
+        np.testing.assert_array_equal(sm_impl._numpy_argsort(x), want)
+        np.testing.assert_array_equal(sm_impl._numpy_argsort(np.stack([x, x[::-1]]))[1],
+                                      np.argsort(np.where(x[::-1] == 0, 0, x[::-1]), kind="stable"))

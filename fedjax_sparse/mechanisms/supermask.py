@@ -26,8 +26,9 @@ an algorithm maps it over layers (``jax.tree_util.tree_map``) and clients
   the i-th smallest initial score.
 
 Speed: XLA:CPU sorts float arrays (and argsorts anything) with a comparator
-callback, several times slower than two stable 16-bit radix passes in numpy
-on the 1.6M-edge LeNet layer (measured in the FSL benchmarks). ``argsort``
+callback, several times slower than numpy on the 1.6M-edge LeNet layer
+(measured in the FSL benchmarks); numpy sorts each key packed with its index
+into one uint64 (distinct values, so the order is the stable one). ``argsort``
 therefore calls numpy through ``jax.pure_callback`` when the backend is the
 CPU (chosen at trace time, like the im2col convolutions) and ``jnp.argsort``
 elsewhere; both are stable and order floats totally (-0.0 before +0.0), so
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from typing import Sequence
 
 import jax
@@ -109,21 +111,35 @@ def _numpy_order_keys(x: np.ndarray) -> np.ndarray:
     """uint32 keys ordered like ``x`` (float32 as in ``order_keys``; int32 with the sign bit flipped)."""
     if x.dtype == np.float32:
         bits = (x + np.float32(0.0)).view(np.uint32)   # -0.0 + 0.0 = +0.0: the two zeros tie
-        return np.where(bits >> 31 == 1, ~bits, bits | np.uint32(0x80000000))
+        # Negative floats (sign bit set) get every bit flipped, the others only the sign bit:
+        # the arithmetic shift turns the sign bit into an all-ones or all-zeros word.
+        return bits ^ ((bits.view(np.int32) >> 31).view(np.uint32) | np.uint32(0x80000000))
     if x.dtype == np.int32:
         return x.view(np.uint32) ^ np.uint32(0x80000000)
     raise TypeError(f"argsort supports float32 and int32, got {x.dtype}")
 
 
 def _numpy_argsort(x: np.ndarray) -> np.ndarray:
-    """Stable argsort along the last axis as two stable 16-bit radix passes
-    (numpy radix-sorts 16-bit keys): faster than its float argsort."""
+    """Stable argsort along the last axis: each key and its index packed into one uint64
+    (key in the high word, index in the low word) and sorted. The packed values are distinct, so
+    any sort gives the stable order, and numpy sorts uint64 with its SIMD sort (x86-simd-sort):
+    3.6x faster than two stable 16-bit radix passes on the 1.6M-edge layer (15.5 vs 56.6 ms)."""
     keys = _numpy_order_keys(np.ascontiguousarray(x)).reshape(-1, x.shape[-1])
+    n = keys.shape[-1]
     out = np.empty(keys.shape, np.int32)
-    for i, row in enumerate(keys):
-        by_low = np.argsort((row & 0xFFFF).astype(np.uint16), kind="stable")
-        by_high = np.argsort((row[by_low] >> 16).astype(np.uint16), kind="stable")
-        out[i] = by_low[by_high]
+    index = np.arange(n, dtype=np.uint32)
+    if sys.byteorder == "little":
+        pairs = np.empty((n, 2), np.uint32)       # as uint64: low word [:, 0], high word [:, 1]
+        packed = pairs.view(np.uint64).reshape(n)
+        for i, row in enumerate(keys):
+            pairs[:, 0], pairs[:, 1] = index, row
+            packed.sort()
+            out[i] = pairs[:, 0]
+    else:
+        for i, row in enumerate(keys):
+            packed = (row.astype(np.uint64) << np.uint64(32)) | index
+            packed.sort()
+            out[i] = (packed & np.uint64(0xFFFFFFFF)).astype(np.int32)
     return out.reshape(x.shape)
 
 
