@@ -157,15 +157,34 @@ def test_order_keys_keep_the_order_of_tiny_and_one_ulp_apart_floats():
     assert sm_impl.order_keys(jnp.float32(-0.0)) == sm_impl.order_keys(jnp.float32(0.0))
 
 
-def test_kth_largest_key_is_the_kth_largest_at_a_bin_boundary():
+@pytest.mark.parametrize("method", ["radix", "bisect"])
+def test_kth_largest_key_is_the_kth_largest_at_a_bin_boundary(method):
     """Keys 0x10000 (high bin 1, alone) and 5 (bin 0): the largest key is 0x10000 itself. A
     select that needs the suffix count to exceed ``kept`` would settle in bin 0 and return
     0xFFFF, a value no key has."""
     keys = jnp.array([0x10000, 5], jnp.uint32)
-    assert int(sm_impl.kth_largest_key(keys, 1)) == 0x10000
-    assert int(sm_impl.kth_largest_key(keys, 2)) == 5
+    assert int(sm_impl.kth_largest_key(keys, 1, method)) == 0x10000
+    assert int(sm_impl.kth_largest_key(keys, 2, method)) == 5
     keys = jnp.array([0x30002, 0x30002, 0x20007, 0x20001, 9], jnp.uint32)
-    assert [int(sm_impl.kth_largest_key(keys, k)) for k in range(1, 6)] == [0x30002, 0x30002, 0x20007, 0x20001, 9]
+    assert [int(sm_impl.kth_largest_key(keys, k, method)) for k in range(1, 6)] == [
+        0x30002, 0x30002, 0x20007, 0x20001, 9]
+    extremes = jnp.array([0xFFFFFFFF, 0, 0x80000000, 0xFFFFFFFF], jnp.uint32)
+    assert [int(sm_impl.kth_largest_key(extremes, k, method)) for k in range(1, 5)] == [
+        0xFFFFFFFF, 0xFFFFFFFF, 0x80000000, 0]
+
+
+def test_kth_largest_key_methods_agree_with_a_sort_on_both_sides_of_the_switch():
+    """``auto`` bisects up to BISECT_MAX_KEYS keys and radix-selects above; every method returns
+    the key a descending sort puts at position kept - 1, with ties (keys from rounded normals)."""
+    for n in (7, sm_impl.BISECT_MAX_KEYS, sm_impl.BISECT_MAX_KEYS + 1):
+        values = jax.random.normal(jax.random.PRNGKey(n), (n,)).round(2)
+        keys = sm_impl.order_keys(values)
+        descending = np.sort(np.asarray(keys))[::-1]
+        for kept in (1, n // 3 + 1, n):
+            got = {m: int(sm_impl.kth_largest_key(keys, kept, m)) for m in ("auto", "radix", "bisect")}
+            assert set(got.values()) == {int(descending[kept - 1])}, (n, kept, got)
+    with pytest.raises(ValueError, match="valid: auto, radix, bisect"):
+        sm_impl.kth_largest_key(keys, 1, "sort")
 
 
 @pytest.mark.parametrize("byteorder", ["little", "big"])

@@ -33,10 +33,10 @@ therefore calls numpy through ``jax.pure_callback`` when the backend is the
 CPU (chosen at trace time, like the im2col convolutions) and ``jnp.argsort``
 elsewhere; both are stable and order floats totally (-0.0 before +0.0), so
 results are identical. Top-k masks never sort: ``topk_mask`` finds
-the k-th largest value by a radix select over the values' order-preserving
-integer keys (two 65536-bin histograms, a few ms for 1.6M values) and breaks
-ties by index, so it keeps exactly ``n - int((1 - k) n)`` edges like
-edge-popup.
+the k-th largest value over the values' order-preserving integer keys by a
+radix select (two 65536-bin histograms, a few ms for 1.6M values) or, on
+small layers, a 32-step bisection of the key, and breaks ties by index, so
+it keeps exactly ``n - int((1 - k) n)`` edges like edge-popup.
 """
 from __future__ import annotations
 
@@ -240,11 +240,28 @@ def _suffix_counts(hist: jax.Array) -> jax.Array:
     return jnp.cumsum(hist[::-1])[::-1]
 
 
-def kth_largest_key(keys: jax.Array, kept: int) -> jax.Array:
-    """The largest uint32 ``t`` with ``count(keys >= t) >= kept``, i.e. the
-    ``kept``-th largest key, by a two-pass radix select: a 65536-bin histogram
-    of the high 16 bits picks the bin, a histogram of the low 16 bits inside
-    that bin picks the value (two scatter-adds instead of a sort)."""
+# Up to this many keys, 32 compare-and-count passes beat building two 65536-bin histograms (whose
+# fixed cost dominates on small layers): on the CPU, 0.09 vs 0.29 ms at 18,432 keys, 0.01 vs 0.29 ms
+# at 288; at 1.6M keys the radix select wins, 2.5 vs 5.6 ms.
+BISECT_MAX_KEYS = 1 << 16
+
+
+def kth_largest_key(keys: jax.Array, kept: int, method: str = "auto") -> jax.Array:
+    """The largest uint32 ``t`` with ``count(keys >= t) >= kept``, i.e. the ``kept``-th largest
+    key. ``radix``: a two-pass radix select (a 65536-bin histogram of the high 16 bits picks the
+    bin, a histogram of the low 16 bits inside that bin picks the value; two scatter-adds instead
+    of a sort). ``bisect``: the answer's 32 bits set from the top, each kept when enough keys reach
+    it (32 compare-and-count passes). ``auto``: bisect up to ``BISECT_MAX_KEYS`` keys, else radix.
+    Both give the same key."""
+    if method == "auto":
+        method = "bisect" if keys.shape[-1] <= BISECT_MAX_KEYS else "radix"
+    if method == "bisect":
+        def set_bit(i, t):
+            candidate = t | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
+            return jnp.where((keys >= candidate).sum() >= kept, candidate, t)
+        return jax.lax.fori_loop(0, 32, set_bit, jnp.uint32(0))
+    if method != "radix":
+        raise ValueError(f"unknown k-th key method {method!r}; valid: auto, radix, bisect")
     high = (keys >> 16).astype(jnp.int32)
     low = (keys & jnp.uint32(0xFFFF)).astype(jnp.int32)
     hist_high = jnp.zeros((1 << 16,), jnp.int32).at[high].add(1)
