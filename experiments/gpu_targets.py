@@ -238,9 +238,9 @@ def main(argv=None) -> int:
     for part in todo:
         print(f"[{part}] ...", flush=True)
         record = measure(part, args) if args.in_process else measure_in_child(part, child_argv)
+        record["command"] = "python experiments/gpu_targets.py " + " ".join(argv)   # each part its own
         report["parts"][part] = record
         report["machine_facts"] = timing.machine_facts()
-        report["command"] = "python experiments/gpu_targets.py " + " ".join(argv)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(report, indent=2))
