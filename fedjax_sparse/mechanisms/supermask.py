@@ -355,7 +355,8 @@ def mebibytes(bits: float) -> float:
     return bits / MIB_BITS
 
 
-__all__ = ["MASK_BY", "MIB_BITS", "WEIGHT_INITS", "argsort", "frozen_weights", "initial_scores", "kept_count",
-           "kth_largest_key", "mask_from_ranking", "mebibytes", "order_keys", "rank_bits", "ranking", "ranking_bits",
-           "reorder_scores", "reputations", "reverse_ranking", "sparse_reputations", "straight_through_topk",
-           "supermask", "supernet_from_seed", "top_of_ranking", "topk_mask", "vote", "vote_sparse"]
+__all__ = ["BISECT_MAX_KEYS", "MASK_BY", "MIB_BITS", "WEIGHT_INITS", "argsort", "frozen_weights", "initial_scores",
+           "kept_count", "kth_largest_key", "mask_from_ranking", "mebibytes", "order_keys", "rank_bits", "ranking",
+           "ranking_bits", "reorder_scores", "reputations", "reverse_ranking", "sparse_reputations",
+           "straight_through_topk", "supermask", "supernet_from_seed", "top_of_ranking", "topk_mask", "vote",
+           "vote_sparse"]
