@@ -11,7 +11,8 @@ Where each row comes from (each produced by the command in its README):
   seed 0, H100; its per-round metrics were lost, so its curve is then the
   rounds 1-50 of the five seeds in ``vs_authors/ours_seed*.json``, drawn as a
   band and marked so);
-* FedAvg, Local: ``fedavg/seed*``, ``local/seed*`` (500 rounds, H100);
+* FedAvg, Local: ``fedavg/seed*``, ``local/seed*`` (500 rounds; seed 0 on an
+  H100, further seeds on the CPU);
 * FedPM, HeteroFL, FjORD: ``baselines_cpu/<method>/seed*`` (500 rounds, CPU).
 
 Accuracy is the personalised one of the paper (every client on its own test
