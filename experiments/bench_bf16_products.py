@@ -32,20 +32,6 @@ from fedjax_sparse.models import layers  # noqa: E402
 FLOAT32_CONV, FLOAT32_DENSE = layers.conv2d, layers.dense
 
 
-def product_rate(m: int, k: int, n: int, dtype, repeats: int = 20) -> float:
-    """Best GFLOP/s of a jitted [m, k] @ [k, n] with ``dtype`` operands and float32 results."""
-    a = jax.random.normal(jax.random.PRNGKey(0), (m, k)).astype(dtype)
-    b = jax.random.normal(jax.random.PRNGKey(1), (k, n)).astype(dtype)
-    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-    jax.block_until_ready(f(a, b))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(a, b))
-        best = min(best, time.perf_counter() - t0)
-    return 2 * m * k * n / best / 1e9
-
-
 def use(variant: str) -> None:
     """Points the layer functions at ``variant``'s products (takes effect at the next trace)."""
     if variant == "float32":
@@ -75,8 +61,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     # conv2's forward product at batch 64 (4096 positions x 500 patch values x 50 filters) and a square one.
     shapes = {"square_2048": (2048, 2048, 2048), "lenet_conv2_forward": (4096, 500, 50)}
-    products = {name: {"float32_gflops": product_rate(*s, jnp.float32),
-                       "bfloat16_gflops": product_rate(*s, jnp.bfloat16)} for name, s in shapes.items()}
+    products = {name: {"float32_gflops": timing.product_gflops(*s, jnp.float32, repeats=20),
+                       "bfloat16_gflops": timing.product_gflops(*s, jnp.bfloat16, repeats=20)}
+                for name, s in shapes.items()}
     print(json.dumps(products), flush=True)
     config = runner.RunConfig(**bench_rounds.CONFIGS["fedavg_fmnist"], data_dir=args.data_dir, rounds=1)
     rounds = []

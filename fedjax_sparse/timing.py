@@ -86,15 +86,22 @@ def device_peak_memory_mib(devices=None) -> float | None:
     return max(peaks) / 2 ** 20 if peaks else None
 
 
-def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
-    """Best-of-``repeats`` GFLOP/s of one jitted float32 [n, n] @ [n, n] on the default device:
-    the practical ceiling that achieved GFLOP/s figures are read against."""
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
-    f = jax.jit(lambda a: a @ a)
-    jax.block_until_ready(f(a))
+def product_gflops(m: int, k: int, n: int, dtype=jnp.float32, repeats: int = 5) -> float:
+    """Best-of-``repeats`` GFLOP/s of one jitted [m, k] @ [k, n] with ``dtype`` operands and
+    float32 results on the default device."""
+    a = jax.random.normal(jax.random.PRNGKey(0), (m, k)).astype(dtype)
+    b = jax.random.normal(jax.random.PRNGKey(1), (k, n)).astype(dtype)
+    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+    jax.block_until_ready(f(a, b))
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(f(a))
+        jax.block_until_ready(f(a, b))
         best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best / 1e9
+    return 2 * m * k * n / best / 1e9
+
+
+def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """GFLOP/s of a float32 [n, n] @ [n, n] (``product_gflops``): the practical ceiling that
+    achieved GFLOP/s figures are read against."""
+    return product_gflops(n, n, n, jnp.float32, repeats)
