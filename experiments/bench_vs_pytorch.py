@@ -146,7 +146,8 @@ def fixed_batch_check(exp, params0, client_rows, steps: int) -> list[float]:
     import jax.numpy as jnp
     import optax
 
-    from fedjax_sparse.algorithms import spafl
+    import importlib
+    spafl = importlib.import_module("fedjax_sparse.algorithms.spafl")
     from fedjax_sparse.training import Batch
     data, bs = exp.data, exp.config.batch_size
     options = {**spafl.SPAFL_OPTIONS, **exp.config.options}

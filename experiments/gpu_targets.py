@@ -148,7 +148,7 @@ def spafl_run(args, eval_every: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         config = spafl_config(args, rounds=rounds, eval_every=min(eval_every, rounds), out=str(Path(tmp) / "run"))
         t0 = time.perf_counter()
-        summary, _ = runner.run(config, progress=False)
+        summary = runner.run(config, progress=False).summary
         total = time.perf_counter() - t0
     keys = ("rounds", "final_accuracy", "best_accuracy", "seconds", "build_seconds",
             "first_chunk_seconds_incl_compile", "rounds_per_second_after_first_chunk", "client_parallelism",

@@ -117,7 +117,8 @@ class MaskRecorder:
 
     def _build(self, exp):
         import jax
-        from fedjax_sparse.algorithms import spafl
+        import importlib
+        spafl = importlib.import_module("fedjax_sparse.algorithms.spafl")
         setup = spafl.make_setup(exp.model, exp.algorithm.hparams)
         if self.layer is None:
             self.layer = setup.layers[0].name
@@ -197,7 +198,7 @@ def run_one(study: dict, method: str, seed: int, args, out: Path) -> dict | None
     recorder = MaskRecorder(out / "spafl_masks.npz") if is_spafl(spec["algorithm"]) else None
     print(f"[run] {method} seed {seed} -> {out}" + (" (resuming)" if resume else ""), flush=True)
     try:
-        summary, _ = runner.run(config, resume=resume, progress=not args.quiet, on_eval=recorder)
+        summary = runner.run(config, resume=resume, progress=not args.quiet, on_eval=recorder).summary
     except RunError as error:
         if not str(error).startswith("training diverged"):
             raise

@@ -14,9 +14,12 @@ from pathlib import Path
 RUN_FLAGS = [
     # flag, config field, type, help
     ("--algorithm", "algorithm", str, "algorithm name (see `list`)"),
-    ("--dataset", "dataset", str, "dataset name (see `list`)"),
+    ("--dataset", "dataset", str, "dataset name (see `list`), or npz:PATH (your arrays: x_train, y_train, x_test, "
+     "y_test [, client_ids_train, client_ids_test] with --partition natural)"),
     ("--data-dir", "data_dir", str, "folder with the dataset's original files"),
-    ("--model", "model", str, "model name (default: per dataset)"),
+    ("--model", "model", str, "model name (see `list`; default: per dataset), or package.module:Name for your own "
+     "flax.linen / flax.nnx module (a class built without arguments, an instance, or a factory; the working "
+     "directory is on the import path)"),
     ("--num-clients", "num_clients", int, "number of clients N"),
     ("--clients-per-round", "clients_per_round", int, "clients sampled per round K (<= N)"),
     ("--resample-every", "resample_every", int, "keep each sampled cohort for this many rounds (default 1)"),
@@ -77,7 +80,13 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a federated experiment")
     run.add_argument("--config", help="JSON config file (RunConfig fields); flags given override it")
+    from fedjax_sparse.config import RunConfig
+    defaults = RunConfig()
     for flag, dest, typ, text in RUN_FLAGS:
+        if "default" not in text:
+            # The flag's default is the RunConfig field's (argparse's own default stays None so that the
+            # flags given can be told apart from a config file's values).
+            text = f"{text} (default: {getattr(defaults, dest)})"
         run.add_argument(flag, dest=dest, type=typ, default=None, help=text)
     run.add_argument("--option", action="append", metavar="KEY=VALUE", help="algorithm option (repeatable)")
     run.add_argument("--model-option", action="append", metavar="KEY=VALUE", help="model option (repeatable)")
@@ -207,8 +216,8 @@ def cmd_run(args) -> int:
         if processes > 1:
             raise ValueError("--seeds runs in one process; launch one multi-process run per --seed instead")
         return _run_replicas(args, config, given)
-    summary, _ = runner.run(config, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet,
-                            given=given)
+    summary = runner.run(config, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet,
+                         given=given).summary
     if not distributed.is_primary():
         return 0  # process 0 reports
     print(runner.format_summary(summary))
@@ -238,12 +247,14 @@ def _run_replicas(args, config, given: set) -> int:
 
 
 def cmd_partition(args) -> int:
-    from fedjax_sparse.data import datasets, partition
+    from fedjax_sparse.data import datasets
+    from fedjax_sparse.data.partition import (format_partition_report, partition_dataset,
+                                              partition_report)
     dataset = datasets.load_dataset(args.dataset, args.data_dir)
-    part = partition.partition_dataset(dataset, args.partition, args.num_clients, args.seed,
+    part = partition_dataset(dataset, args.partition, args.num_clients, args.seed,
                                        min_train_samples=args.min_client_samples)
-    report = partition.partition_report(dataset, part)
-    print(partition.format_partition_report(report, max_rows=args.max_rows))
+    report = partition_report(dataset, part)
+    print(format_partition_report(report, max_rows=args.max_rows))
     if args.out:
         from fedjax_sparse import pinning
         out = Path(args.out)
@@ -262,7 +273,8 @@ def cmd_list(args) -> int:
     import dataclasses
 
     from fedjax_sparse.algorithms import algorithm_names, algorithm_options
-    from fedjax_sparse.data import datasets, partition
+    from fedjax_sparse.data import datasets
+    from fedjax_sparse.data.partition import PARTITION_SCHEMES
     from fedjax_sparse.models import model_names
     print("algorithms: (--option KEY=VALUE; type = default)")
     for name in algorithm_names():
@@ -271,7 +283,7 @@ def cmd_list(args) -> int:
         print(f"  {name:<24} {options or '(no options)'}")
     print("datasets:   " + ", ".join(datasets.DATASETS))
     print("models:     " + ", ".join(model_names()))
-    print("partitions: " + ", ".join(partition.PARTITION_SCHEMES))
+    print("partitions: " + ", ".join(PARTITION_SCHEMES))
     return 0
 
 

@@ -12,6 +12,7 @@ from fedjax_sparse.data.federated import PREPROCESSING
 from fedjax_sparse.engine import CLIENT_PARALLELISM
 from fedjax_sparse.evaluation import PERSONAL_EVAL_MODES
 from fedjax_sparse.models import model_names
+from fedjax_sparse.models.registry import is_model_reference
 
 ROUND_MODES = ("scan", "per_round")
 CLIENT_STATES = ("device", "host")
@@ -120,8 +121,10 @@ def _describe(hint) -> str:
     return " or ".join(names.get(o, "an object" if typing.get_origin(o) is dict else str(o)) for o in options)
 
 
-def validate(config: RunConfig):
-    """Raises RunError naming the problem and the fix; returns the algorithm's typed options."""
+def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()):
+    """Raises RunError naming the problem and the fix; returns the algorithm's typed options (None
+    when the algorithm is an object). ``objects``: the fields among ``algorithm``, ``model`` and
+    ``dataset`` that a library user gave as objects (their names are labels, not registry keys)."""
     positive = dict(num_clients=config.num_clients, clients_per_round=config.clients_per_round,
                     resample_every=config.resample_every,
                     rounds=config.rounds, local_epochs=config.local_epochs,
@@ -139,13 +142,21 @@ def validate(config: RunConfig):
     if config.clients_per_round > config.num_clients:
         raise RunError(f"--clients-per-round ({config.clients_per_round}) is larger than --num-clients "
                        f"({config.num_clients}); sample at most as many clients as there are")
-    if config.algorithm not in algorithm_names():
+    if "algorithm" not in objects and config.algorithm not in algorithm_names():
         raise RunError(f"unknown algorithm {config.algorithm!r}; valid algorithms: {', '.join(algorithm_names())}")
-    if config.model is not None and config.model not in model_names():
-        raise RunError(f"unknown model {config.model!r}; valid models: {', '.join(model_names())}")
+    if "model" not in objects and config.model is not None and config.model not in model_names():
+        if not is_model_reference(config.model):
+            raise RunError(f"unknown model {config.model!r}; valid models: {', '.join(model_names())}, or "
+                           "package.module:Name for your own Flax module")
     from fedjax_sparse.data import datasets
-    if config.dataset not in datasets.DATASETS:
-        raise RunError(f"unknown dataset {config.dataset!r}; valid datasets: {', '.join(datasets.DATASETS)}")
+    if "dataset" in objects:
+        pass
+    elif isinstance(config.dataset, str) and config.dataset.startswith(datasets.NPZ_PREFIX):
+        if not config.dataset[len(datasets.NPZ_PREFIX):]:
+            raise RunError(f"--dataset {config.dataset!r} names no file; pass npz:PATH, e.g. npz:/data/mine.npz")
+    elif config.dataset not in datasets.DATASETS:
+        raise RunError(f"unknown dataset {config.dataset!r}; valid datasets: {', '.join(datasets.DATASETS)}, "
+                       "or npz:PATH for your own .npz file")
     if config.preprocess not in PREPROCESSING:
         raise RunError(f"unknown --preprocess {config.preprocess!r}; valid: {', '.join(PREPROCESSING)}")
     if config.client_parallelism not in CLIENT_PARALLELISM + ("measure",):
@@ -185,6 +196,11 @@ def validate(config: RunConfig):
         if config.client_parallelism == "measure":
             raise RunError("--client-parallelism measure times rounds on the all-resident state; with "
                            "--client-state host choose auto, vmap, map or bucketed")
+    if "algorithm" in objects:
+        if config.options:
+            raise RunError("--option sets a named algorithm's options; an algorithm given as an object has its "
+                           "options already: drop RunConfig.options")
+        return None
     try:
         return resolve_options(config.algorithm, config.options)
     except ValueError as e:

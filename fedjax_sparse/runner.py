@@ -25,7 +25,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,7 @@ import numpy as np
 
 from fedjax_sparse import distributed, pinning, timing
 from fedjax_sparse import population as host_population
-from fedjax_sparse.algorithms import Task, compose, make_algorithm
+from fedjax_sparse.algorithms import Algorithm, Task, compose, make_algorithm
 # The config and checkpoint modules' names stay importable from here (scripts use runner.RunConfig).
 from fedjax_sparse.checkpoint import (CHECKPOINT, OutputLock, clear_outputs, has_checkpoint,  # noqa: F401
                                       load_checkpoint, locked_out_dir, prepare_out_dir, read_metrics,
@@ -41,7 +41,8 @@ from fedjax_sparse.checkpoint import (CHECKPOINT, OutputLock, clear_outputs, has
 from fedjax_sparse.config import DEFAULT_MODELS, ROUND_MODES, RunConfig, RunError, validate  # noqa: F401
 from fedjax_sparse.data.federated import FederatedData, build_federated_data
 from fedjax_sparse.engine import STEP_METRICS, Engine, EngineState
-from fedjax_sparse.models import make_model
+from fedjax_sparse.models import Model, make_model
+from fedjax_sparse.models.flax_adapter import from_flax
 from fedjax_sparse.sinks import MetricSinks
 
 @dataclasses.dataclass
@@ -56,6 +57,8 @@ class Experiment:
 
     # Paths and sha256 of the pinned-draw files used ({} when none).
     pinned: dict = dataclasses.field(default_factory=dict)
+    # The data's name, shapes and content digest (config.json "data"; a resume must match it).
+    data_record: dict = dataclasses.field(default_factory=dict)
 
     @property
     def algorithm(self):
@@ -66,32 +69,115 @@ class Experiment:
         return self.task.model
 
 
-def build(config: RunConfig) -> Experiment:
-    options = validate(config)   # resolved once: typed, before any data is loaded
-    from fedjax_sparse.data import datasets, partition as partition_lib
-    dataset_options = dict(config.dataset_options)
-    if config.dataset == "synthetic":
-        dataset_options.setdefault("num_clients", config.num_clients)
-        dataset_options.setdefault("seed", config.seed)
-    dataset = datasets.load_dataset(config.dataset, config.data_dir, download=config.download,
-                                    **dataset_options)
-    min_samples = config.min_client_samples
-    pinned = {}
-    try:
-        if config.partition_file:
-            partition = pinning.load_partition_file(config.partition_file, dataset, config.num_clients)
-            pinned["partition_file"] = {"path": config.partition_file,
-                                        "sha256": pinning.file_digest(config.partition_file)}
+@dataclasses.dataclass(frozen=True)
+class Components:
+    """What a library user hands ``run``/``build`` as objects instead of names (None: use the name
+    in the config): a :class:`Model` or Flax module, a dataset (``PartitionedData`` from
+    ``fedjax_sparse.data.from_arrays``, or a ``Dataset`` partitioned by the config), and an
+    :class:`Algorithm` or a builder ``task -> Algorithm``."""
+    model: Any = None
+    data: Any = None
+    algorithm: Any = None
+
+
+def with_components(config: RunConfig, model=None, data=None, algorithm=None) -> tuple[RunConfig, Components]:
+    """Splits objects out of ``config`` (``RunConfig(algorithm=my_algorithm)`` works too) and puts
+    their names in their place, so config.json records what ran: the algorithm's name, the model's
+    name, the data's name, and a partitioned dataset's client count and partition."""
+    from fedjax_sparse.algorithms import Algorithm
+    from fedjax_sparse.data.arrays import PartitionedData
+    from fedjax_sparse.data.datasets import Dataset
+    if not isinstance(config.algorithm, str):
+        if algorithm is not None:
+            raise RunError("give the algorithm once: in RunConfig(algorithm=...) or as run(..., algorithm=...)")
+        algorithm = config.algorithm
+    if config.model is not None and not isinstance(config.model, str):
+        if model is not None:
+            raise RunError("give the model once: in RunConfig(model=...) or as run(..., model=...)")
+        model = config.model
+    changes: dict[str, Any] = {}
+    if algorithm is not None:
+        if isinstance(algorithm, Algorithm):
+            changes["algorithm"] = algorithm.name
+        elif callable(algorithm):
+            changes["algorithm"] = getattr(algorithm, "__name__", type(algorithm).__name__)
         else:
-            partition = partition_lib.partition_dataset(dataset, config.partition, config.num_clients,
-                                                        config.seed, min_train_samples=min_samples)
+            raise RunError(f"algorithm must be a name, an Algorithm or a function task -> Algorithm, not "
+                           f"{type(algorithm).__name__}")
+    if model is not None:
+        changes["model"] = model.name if isinstance(model, Model) else type(model).__name__
+    if data is not None:
+        if isinstance(data, PartitionedData):
+            changes.update(dataset=data.name, num_clients=data.num_clients, partition=data.partition.spec)
+        elif isinstance(data, Dataset):
+            changes["dataset"] = data.name
+        else:
+            raise RunError(f"data must come from fedjax_sparse.data (from_arrays, partition or load), not "
+                           f"{type(data).__name__}")
+    return dataclasses.replace(config, **changes), Components(model, data, algorithm)
+
+
+def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experiment:
+    """Data, model, algorithm and engine from ``config``; ``model``, ``data`` and ``algorithm``
+    objects replace the config's names (see :class:`Components`)."""
+    config, parts = with_components(config, model, data, algorithm)
+    options = validate(config, objects={name for name, value in (("model", parts.model), ("dataset", parts.data),
+                                                                  ("algorithm", parts.algorithm))
+                                        if value is not None})
+    from fedjax_sparse.data import datasets
+    from fedjax_sparse.data.arrays import PartitionedData
+    from fedjax_sparse.data.partition import partition_dataset
+    pinned = {}
+    if isinstance(parts.data, PartitionedData):
+        dataset, partition = parts.data.dataset, parts.data.partition
+        if config.partition_file:
+            raise RunError("--partition-file pins a partition, but the data given is already partitioned; drop one")
+    else:
+        if parts.data is not None:
+            dataset = parts.data
+        else:
+            dataset_options = dict(config.dataset_options)
+            if config.dataset == "synthetic":
+                dataset_options.setdefault("num_clients", config.num_clients)
+                dataset_options.setdefault("seed", config.seed)
+            dataset = datasets.load_dataset(config.dataset, config.data_dir, download=config.download,
+                                            **dataset_options)
+        try:
+            if config.partition_file:
+                partition = pinning.load_partition_file(config.partition_file, dataset, config.num_clients)
+                pinned["partition_file"] = {"path": config.partition_file,
+                                            "sha256": pinning.file_digest(config.partition_file)}
+            else:
+                partition = partition_dataset(dataset, config.partition, config.num_clients,
+                                                            config.seed, min_train_samples=config.min_client_samples)
+        except datasets.DataError:
+            raise
+        except ValueError as e:
+            raise RunError(str(e)) from None
+    try:
         data = build_federated_data(dataset, partition, preprocess=config.preprocess)
     except datasets.DataError:
         raise
     except ValueError as e:
         raise RunError(str(e)) from None
-    model_name = config.model or DEFAULT_MODELS.get(config.dataset, "mlp")
-    model = make_model(model_name, data.input_shape, data.num_classes, **config.model_options)
+    data_record = PartitionedData(dataset, partition).describe()
+    if parts.model is None:
+        model_name = config.model or DEFAULT_MODELS.get(config.dataset, "mlp")
+        try:
+            model = make_model(model_name, data.input_shape, data.num_classes, **config.model_options)
+        except (ValueError, TypeError, ImportError, AttributeError) as e:
+            raise RunError(str(e)) from None
+    elif isinstance(parts.model, Model):
+        model = parts.model
+        if tuple(model.input_shape) != tuple(data.input_shape) or model.num_classes != data.num_classes:
+            raise RunError(f"model {model.name} takes {tuple(model.input_shape)} inputs and gives {model.num_classes} "
+                           f"logits, but the data has {tuple(data.input_shape)} inputs and {data.num_classes} "
+                           "classes; build the model for the data's shapes")
+    else:
+        try:
+            model = from_flax(parts.model, data.input_shape, num_classes=data.num_classes)
+        except (ValueError, TypeError) as e:
+            raise RunError(str(e)) from None
     initial_variables = None
     if config.init_params:
         if getattr(options, "init", "model") != "model":
@@ -123,7 +209,16 @@ def build(config: RunConfig) -> Experiment:
                 local_epochs=config.local_epochs, batch_size=config.batch_size, lr=float(config.lr),
                 rounds=config.rounds, preprocess=data.preprocess, seed=config.seed,
                 initial_variables=initial_variables)
-    algorithm = make_algorithm(config.algorithm, task, options)
+    if parts.algorithm is None:
+        try:
+            algorithm = make_algorithm(config.algorithm, task, options)
+        except ValueError as e:  # the algorithm refuses the model or the setting (one line, with the fix)
+            raise RunError(str(e)) from None
+    else:
+        algorithm = parts.algorithm if isinstance(parts.algorithm, Algorithm) else parts.algorithm(task)
+        if not isinstance(algorithm, Algorithm):
+            raise RunError(f"the algorithm builder {config.algorithm} returned a {type(algorithm).__name__}, "
+                           "not an Algorithm")
     try:
         if config.aggregator is not None:
             algorithm = compose.with_aggregator(algorithm, config.aggregator, trim_fraction=config.trim_fraction)
@@ -141,7 +236,7 @@ def build(config: RunConfig) -> Experiment:
                     eval_batch_size=config.eval_batch_size or auto_eval_batch_size(data),
                     personal_eval=config.personal_eval,
                     cohort_schedule=None if schedule is None else tuple(map(tuple, schedule.tolist())))
-    return Experiment(config, dataset, partition, data, task, engine, pinned)
+    return Experiment(config, dataset, partition, data, task, engine, pinned, data_record)
 
 
 MEASURED_SCHEDULES = ("map", "vmap", "bucketed")
@@ -272,31 +367,18 @@ def _jsonable(value):
     return value
 
 
-class _SummaryAndState(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    """What ``run`` returns.
+
+    ``summary``: the summary dict (also OUT/summary.json: final and best accuracy, totals, speed);
+    ``state``: the final :class:`EngineState` (``state.server``: the algorithm's typed server state,
+    ``state.clients``: the clients' states stacked ``[N, ...]``); ``population``: with
+    ``--client-state host``, the clients' rows (:class:`fedjax_sparse.population.HostPopulation`;
+    ``state.clients`` is then None), else None."""
     summary: dict
     state: EngineState
-
-
-class RunResult(_SummaryAndState):
-    """What ``run`` returns: ``summary, state = run(config)``. Indexing it with a summary key
-    (``result["final_accuracy"]``) still reads the summary, as when ``run`` returned a dict.
-    ``result.population``: with ``--client-state host``, the clients' rows
-    (:class:`fedjax_sparse.population.HostPopulation`; ``state.clients`` is then None), else None."""
     population: "host_population.HostPopulation | None" = None
-
-    def __new__(cls, summary: dict, state: EngineState, population=None):
-        self = super().__new__(cls, summary, state)
-        if population is not None:
-            self.population = population
-        return self
-
-    def __getitem__(self, key):  # type: ignore[override]
-        if isinstance(key, str):
-            return self.state if key == "_state" else self.summary[key]
-        return tuple.__getitem__(self, key)
-
-    def get(self, key: str, default=None):
-        return self.summary.get(key, default)
 
 
 # Fields a resumed run may change: they decide how long and how fast it runs and where it reads its
@@ -340,18 +422,25 @@ def resumed_config(config: RunConfig, saved: RunConfig, given: set[str] | None) 
     return merged, changes
 
 
-def run(config: RunConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True,
+def run(config: RunConfig, *, model=None, data=None, algorithm=None, resume: bool = False,
+        overwrite: bool = False, progress: bool = True,
         on_eval: Callable[[dict, EngineState, Experiment], None] | None = None,
         experiment: Experiment | None = None, given: set[str] | None = None) -> RunResult:
-    """Runs an experiment; returns ``(summary, state)`` (the summary is also OUT/summary.json).
+    """Runs an experiment; returns a :class:`RunResult` (the summary is also OUT/summary.json).
 
-    ``on_eval(row, state, experiment)`` is called after every evaluation (e.g.
-    to record masks for plots). ``experiment`` reuses an already built one.
+    ``model`` (a :class:`Model` or a Flax module), ``data`` (from ``fedjax_sparse.data``) and
+    ``algorithm`` (an :class:`Algorithm` or a function ``task -> Algorithm``; also accepted as
+    ``RunConfig(algorithm=...)``) replace the config's names; config.json records their names and
+    the data's content digest. ``on_eval(row, state, experiment)`` is called after every evaluation
+    (e.g. to record masks for plots). ``experiment`` reuses an already built one.
     ``resume`` continues the run recorded in ``config.out`` (see :func:`resumed_config`;
     ``given`` names the fields the user set). The output folder is locked for the run.
     In a multi-process run (:mod:`fedjax_sparse.distributed`) every process calls ``run``;
     process 0 locks the folder and writes the files.
     """
+    config, parts = with_components(config, model, data, algorithm)
+    if experiment is None and any(v is not None for v in (parts.model, parts.data, parts.algorithm)):
+        experiment = build(config, model=parts.model, data=parts.data, algorithm=parts.algorithm)
     out = Path(config.out) if config.out else None
     if out is None or not distributed.is_primary():
         # No folder, or a process other than 0 of a multi-process run (it writes nothing, reads to resume).
@@ -426,6 +515,11 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
     exp = experiment or build(config)
     engine = exp.engine
     build_seconds = time.perf_counter() - t_build
+    recorded_digest = recorded.get("data", {}).get("digest")
+    if resume and recorded_digest and exp.data_record.get("digest") not in (None, recorded_digest):
+        raise RunError(f"--resume: the data differs from the recorded run's (content digest "
+                       f"{exp.data_record['digest'][:12]} vs {recorded_digest[:12]} in {out}/config.json); "
+                       "resume with the same data, or start a new run in another --out")
     population = None
     if distributed.multi_process():
         _check_multi_process(config, engine)
@@ -484,7 +578,8 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
             "config": config.to_json(), "algorithm_options": exp.algorithm.hparams,
             "model": exp.model.name, "num_params": exp.model.num_params,
             "forward_macs_per_example": exp.model.forward_macs,
-            "pinned_draws": exp.pinned, "jax": jax.__version__, "backend": jax.default_backend(),
+            "pinned_draws": exp.pinned, "data": exp.data_record, "jax": jax.__version__,
+            "backend": jax.default_backend(),
             "devices": [str(d) for d in jax.devices()], "python": platform.python_version(),
             "processes": jax.process_count(),
             # Devices each round's cohort is split over (1: not split).

@@ -209,7 +209,8 @@ thresholds and masks over rounds, the density of every layer, the conv1 sparsity
 (the paper's Fig. 3) and SpaFL with and without eq. (13) (Table 3's "w.o. (13)").'''),
     ("code", setup("fashion_mnist", "spafl", "import jax")),
     ("code", '''\
-from fedjax_sparse.algorithms import spafl as spafl_lib
+import importlib
+spafl_lib = importlib.import_module("fedjax_sparse.algorithms.spafl")   # the module (fjs.algorithms.spafl is the builder)
 
 if REAL:   # the paper's FMNIST setting (LeNet-5-Caffe, raw pixels, lr 0.001, momentum 0.9), scaled down
     data = dict(dataset="fashion_mnist", data_dir=str(DATA_DIR), model="lenet5_caffe", preprocess="raw",

@@ -55,7 +55,7 @@ def test_interrupted_run_resumes_to_identical_results(tmp_path):
         assert ra["accuracy"] == pytest.approx(rb["accuracy"], abs=1e-6)
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)
         assert ra["total_flops"] == pytest.approx(rb["total_flops"])
-    assert straight["final_accuracy"] == pytest.approx(resumed["final_accuracy"], abs=1e-6)
+    assert straight.summary["final_accuracy"] == pytest.approx(resumed.summary["final_accuracy"], abs=1e-6)
 
 
 @pytest.mark.parametrize("args,needle", [

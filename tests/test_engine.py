@@ -381,7 +381,7 @@ def test_an_algorithm_without_cost_accounting_reports_unknown_not_zero(tmp_path)
 
     uncounted = dataclasses.replace(counted, client_update=client_update)
     exp = dataclasses.replace(exp, engine=dataclasses.replace(exp.engine, algorithm=uncounted))
-    summary, _ = runner.run(config, progress=False, experiment=exp)
+    summary = runner.run(config, progress=False, experiment=exp).summary
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["flops"] is None and rows[-1]["total_flops"] is None and rows[-1]["uplink_bits"] is None
     assert rows[-1]["downlink_bits"] > 0 and rows[-1]["total_downlink_bits"] == 2 * rows[0]["downlink_bits"]

@@ -257,9 +257,9 @@ def test_a_legacy_npz_checkpoint_still_resumes(tmp_path, capsys, reference):
     import jax
     import numpy as np
     out = tmp_path / "old"
-    summary, state = runner.run(runner.RunConfig(algorithm="fedavg", dataset="digits", num_clients=6,
-                                                 clients_per_round=3, local_epochs=1, batch_size=32, lr=0.1,
-                                                 partition="iid", rounds=3, out=str(out)), progress=False)
+    state = runner.run(runner.RunConfig(algorithm="fedavg", dataset="digits", num_clients=6,
+                                        clients_per_round=3, local_epochs=1, batch_size=32, lr=0.1,
+                                        partition="iid", rounds=3, out=str(out)), progress=False).state
     totals = json.loads((out / "summary.json").read_text())
     leaves = jax.tree_util.tree_leaves(jax.device_get(state))
     np.savez(out / "checkpoint.npz", *[np.asarray(x) for x in leaves], totals=json.dumps({

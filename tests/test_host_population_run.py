@@ -47,7 +47,7 @@ def test_interrupted_host_run_writes_the_device_runs_metrics(tmp_path, device_ru
     runner.run(dataclasses.replace(config, rounds=3), progress=False)
     # Resumed in a new run: the population is read back from the checkpoint, not kept in memory.
     result = runner.run(config, resume=True, progress=False, given={"rounds"})
-    summary, state = result
+    state = result.state
     assert state.clients is None and result.population is not None
     rows = _rows(out)
     # Personal accuracies and losses are bit-identical; density_all_clients is summed on the host in

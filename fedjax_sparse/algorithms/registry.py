@@ -48,8 +48,12 @@ def register_algorithm(name: str, options: type | dict | None = None):
         raise TypeError(f"options of {name!r} must be a dataclass type or a dict of defaults")
 
     def wrap(builder):
-        if name in _REGISTRY:
-            raise ValueError(f"algorithm {name!r} registered twice")
+        old = _REGISTRY.get(name)
+        if old is not None and (old.builder.__module__, old.builder.__qualname__) != (builder.__module__,
+                                                                                      builder.__qualname__):
+            # The same definition again (a re-run notebook cell) replaces the entry; another one is refused.
+            raise ValueError(f"algorithm {name!r} is already registered by {old.builder.__module__}."
+                             f"{old.builder.__qualname__}; choose another name")
         _REGISTRY[name] = AlgorithmEntry(name, builder, options)
         return builder
     return wrap
@@ -66,6 +70,11 @@ def algorithm_options(name: str) -> type:
 
 def algorithm_defaults(name: str) -> dict:
     return dict(_entry(name).defaults)
+
+
+def algorithm_entry(name: str) -> AlgorithmEntry:
+    """The registered builder and options of ``name``."""
+    return _entry(name)
 
 
 def _entry(name: str) -> AlgorithmEntry:

@@ -20,6 +20,7 @@ Supported names (see `DATASETS`) and what they read:
 ``svhn``            ``train_32x32.mat``, ``test_32x32.mat`` (needs scipy)
 ``digits``          scikit-learn's embedded 8x8 digits (no files)
 ``synthetic``       FedProx Synthetic(alpha, beta), generated (no files)
+``npz:PATH``        your own ``.npz`` file (see `fedjax_sparse.data.arrays`)
 ==================  ==========================================================
 
 Files of the original releases are verified against their published MD5
@@ -47,6 +48,7 @@ __all__ = [
     "DATASETS",
     "DEFAULT_DATA_DIR_ENV",
     "KNOWN_MD5",
+    "NPZ_PREFIX",
     "DataError",
     "Dataset",
     "load_dataset",
@@ -120,6 +122,9 @@ DATASETS: tuple[str, ...] = (
     "digits",
     "synthetic",
 )
+
+# `load_dataset` name prefix for a user's .npz file: "npz:PATH" (see fedjax_sparse.data.arrays).
+NPZ_PREFIX = "npz:"
 
 # Used when `data_dir` is None (except for cifar10_sample, which has no default).
 DEFAULT_DATA_DIR_ENV = "FEDJAX_SPARSE_DATA_DIR"
@@ -760,11 +765,27 @@ def load_dataset(name: str, data_dir: str | os.PathLike | None = None, *, downlo
         ``synthetic``: ``alpha=1.0, beta=1.0, num_clients=30, seed=0, iid=False,
         dimension=60, num_classes=10, train_fraction=0.8``.
 
+    Your own data: ``name="npz:PATH"`` reads the ``.npz`` file at PATH (as
+    given, relative to the current directory; `data_dir` is ignored) with
+    `fedjax_sparse.data.arrays.load_npz`; it takes no options.
+
     Raises:
       DataError: unknown name or option, missing/corrupt/mismatching files.
     """
+    if isinstance(name, str) and name.startswith(NPZ_PREFIX):
+        _check_options(name, options, ())
+        if download:
+            raise DataError(f"{name}: --download does not apply to a local .npz file; drop --download")
+        path = name[len(NPZ_PREFIX):]
+        if not path:
+            raise DataError(f"'{name}' names no file; pass npz:PATH, e.g. npz:/data/mine.npz")
+        from fedjax_sparse.data.arrays import load_npz  # arrays.py imports this module
+
+        return load_npz(path)
     if name not in DATASETS:
-        raise DataError(f"unknown dataset '{name}'; valid names: {', '.join(DATASETS)}")
+        raise DataError(
+            f"unknown dataset '{name}'; valid names: {', '.join(DATASETS)}, or npz:PATH for your own .npz file"
+        )
     if name == "digits":
         _check_options(name, options, ("test_fraction", "split_seed"))
         return _load_digits(**options)

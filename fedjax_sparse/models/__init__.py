@@ -1,6 +1,8 @@
-"""Models: pure layers, the Model/Hooks abstraction and a name registry."""
+"""Models: the Model/Hooks abstraction, ``from_flax`` (any Flax module as a Model), pure layers and the
+zoo (a name registry of the papers' models)."""
 from fedjax_sparse.models.base import (Conv, Dense, Flatten, GlobalAvgPool, Hooks, LayerInfo,
                                        MaxPool, Model, NO_HOOKS, sequential)
+from fedjax_sparse.models.flax_adapter import from_flax
 from fedjax_sparse.models.registry import make_model, model_names, register_model
 # Importing a module registers its models; each paper's models live in their own module.
 from fedjax_sparse.models import zoo  # noqa: F401
@@ -9,4 +11,4 @@ from fedjax_sparse.models import feddrop_models  # noqa: F401
 from fedjax_sparse.models import fsl_models  # noqa: F401
 
 __all__ = ["Conv", "Dense", "Flatten", "GlobalAvgPool", "Hooks", "LayerInfo", "MaxPool", "Model",
-           "NO_HOOKS", "make_model", "model_names", "register_model", "sequential"]
+           "NO_HOOKS", "from_flax", "make_model", "model_names", "register_model", "sequential"]

@@ -11,11 +11,17 @@ _BUILDERS: dict[str, Callable[..., Model]] = {}
 
 def register_model(name: str):
     def wrap(builder):
-        if name in _BUILDERS:
-            raise ValueError(f"model {name!r} registered twice")
+        if name in _BUILDERS and not _same_definition(_BUILDERS[name], builder):
+            raise ValueError(f"model {name!r} is already registered by {_BUILDERS[name].__module__}."
+                             f"{_BUILDERS[name].__qualname__}; choose another name")
         _BUILDERS[name] = builder
         return builder
     return wrap
+
+
+def _same_definition(old, new) -> bool:
+    """A re-run notebook cell (or a reloaded module) defines the same function again: replace it."""
+    return (old.__module__, old.__qualname__) == (new.__module__, new.__qualname__)
 
 
 def model_names() -> list[str]:
@@ -34,7 +40,54 @@ def model_options(name: str) -> dict[str, object]:
     return accepted
 
 
+def is_model_reference(name: str) -> bool:
+    """Whether ``name`` has the form ``package.module:Name`` (a user's Flax module)."""
+    module, sep, attribute = name.partition(":")
+    return bool(sep and module and attribute.isidentifier())
+
+
+def load_model_reference(name: str, **options):
+    """``package.module:Name`` -> the object it names, built: a Module class or a zero-argument
+    factory is called (with ``options`` as keyword arguments), an instance is returned as is. The
+    working directory is on ``sys.path`` so a file next to the command is found."""
+    import importlib
+    import os
+    import sys
+    module_name, _, attribute = name.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"--model {name}: cannot import {module_name} ({e}); run from the folder that holds it "
+                         "or install it") from None
+    if not hasattr(module, attribute):
+        raise ValueError(f"--model {name}: {module_name} has no attribute {attribute!r}")
+    target = getattr(module, attribute)
+    if isinstance(target, type) or (callable(target) and not _is_module_instance(target)):
+        try:
+            return target(**options)
+        except TypeError as e:
+            raise ValueError(f"--model {name}: building it failed ({e}); a Module class must build without "
+                             "arguments (or with --model-option KEY=VALUE ones)") from None
+    if options:
+        raise ValueError(f"--model {name} is an instance; --model-option needs a class or factory")
+    return target
+
+
+def _is_module_instance(obj) -> bool:
+    import flax.linen as nn
+    from flax import nnx
+    return isinstance(obj, (nn.Module, nnx.Module))
+
+
 def make_model(name: str, input_shape, num_classes: int, **options) -> Model:
+    if is_model_reference(name):
+        from fedjax_sparse.models.flax_adapter import from_flax
+        target = load_model_reference(name, **options)
+        if isinstance(target, Model):
+            return target
+        return from_flax(target, input_shape, num_classes=num_classes, name=name)
     if name not in _BUILDERS:
         raise ValueError(f"unknown model {name!r}; valid models: {', '.join(model_names())}")
     accepted = model_options(name)

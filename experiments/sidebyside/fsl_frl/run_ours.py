@@ -69,6 +69,5 @@ def on_eval(row, state, exp):
     t_prev[0] = time.perf_counter()
 
 
-summary = runner.run(config, overwrite=True, progress=False, on_eval=on_eval)
-summary.pop("_state", None)
+summary = dict(runner.run(config, overwrite=True, progress=False, on_eval=on_eval).summary)
 print(json.dumps({k: summary[k] for k in summary if not isinstance(summary[k], (dict, list))}, default=str))

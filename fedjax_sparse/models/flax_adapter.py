@@ -1,0 +1,494 @@
+"""Any Flax model as a :class:`fedjax_sparse.models.Model`: ``from_flax(module, input_shape=...)``.
+
+Every algorithm here works on a ``Model`` (a layer table plus ``init``/``apply`` with
+:class:`Hooks`); this module derives that from a ``flax.linen`` or ``flax.nnx`` module so that
+SpaFL, FedDrop, FSL, FedPM and the FedAvg family run on a researcher's own network unchanged.
+
+What is derived, from one abstract forward pass (no FLOPs spent):
+
+* the weight layers: every ``Dense``/``Linear`` and ``Conv`` in call order, named by their module
+  path joined with ``/`` (``"conv1"``, ``"Block_0/Dense_0"``, ``"layers/0"``), with kernel shape,
+  input/output units and MACs per example (output positions x kernel entries);
+* which layer feeds which (``LayerInfo.input_layer``) and whether the network is a plain chain
+  (``Model.sequential``), from the program's data flow: each layer's output is replaced by a
+  probe input and the jaxpr tells which probes reach each layer's input without passing another
+  weight layer (a residual add reaches two: not sequential);
+* ``BatchNorm`` modules that read a weight layer's output directly: they are declared per-channel
+  entries of that layer (``Model.channel_entries``), trained with statistics over the real samples
+  of a padded batch only (Flax's ``mask``), and the layer's activation hook moves behind them.
+
+How algorithms act on the model (:class:`Hooks`): ``hooks.kernel`` is applied to each layer's
+kernel before the forward pass (it is pure); ``hooks.activation`` is applied to each layer's output
+(behind its BatchNorm when it has one; ReLU, max-pool and the positive dropout scale commute, so for
+the networks here this equals the zoo's placement after the nonlinearity). On CPU, convolutions of
+the common form (2-D, equal strides, SAME/VALID padding, no dilation or groups) are computed by
+:func:`fedjax_sparse.models.layers.conv2d`, whose im2col form is several times faster inside the
+engine's scans on XLA:CPU, and ``nn.max_pool`` / ``nnx.max_pool`` over non-overlapping windows by
+:func:`~fedjax_sparse.models.layers.max_pool` (the zoo's pool: same values, cheaper gradient on CPU,
+ties split as in the zoo; a ``max_pool`` imported by name before the call keeps Flax's own);
+everything else is Flax's own code.
+
+Train/eval mode: ``BatchNorm`` gets ``use_running_average=not train`` whatever the module says, a
+``train``/``training`` argument of ``__call__`` receives ``train`` (``deterministic`` its negation).
+``Dropout`` runs only when an ``rng`` reaches ``Model.apply`` (the engine's local training passes
+none, so user dropout layers are inactive there). Weight sharing (one Dense called twice) is
+refused, and so are variable collections other than ``params`` and ``batch_stats``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_sparse.models import layers as L
+from fedjax_sparse.models.base import Hooks, LayerInfo, Model, shape_tuple
+
+Path = tuple  # a module path inside the user's variables, e.g. ("Block_0", "Dense_0") or ("layers", 0)
+
+
+# ---------------------------------------------------------------- variables <-> flat entries
+def _flatten(tree: dict, prefix: Path = ()) -> dict[Path, dict]:
+    """Nested variables -> {module path: {leaf name: array}} (one entry per module owning leaves)."""
+    entries: dict[Path, dict] = {}
+    own = {k: v for k, v in tree.items() if not isinstance(v, dict)}
+    if own:
+        entries[prefix] = own
+    for key, child in tree.items():
+        if isinstance(child, dict):
+            entries.update(_flatten(child, prefix + (key,)))
+    return entries
+
+
+def _unflatten(entries: dict[Path, dict]) -> dict:
+    tree: dict = {}
+    for path, leaves in entries.items():
+        node = tree
+        for key in path:
+            node = node.setdefault(key, {})
+        node.update(leaves)
+    return tree
+
+
+def entry_name(path: Path) -> str:
+    """A module path as the entry name used in ``variables["params"]``: ``"a/b/0"`` (``"~"`` for the root)."""
+    return "/".join(str(p) for p in path) if path else "~"
+
+
+# ---------------------------------------------------------------- data flow
+def direct_sources(fn: Callable, x_aval, probe_avals: Sequence) -> tuple[list[frozenset], frozenset]:
+    """Which probes each output of ``fn(x, *probes) -> (logits, [layer inputs])`` depends on.
+
+    Returns (per layer input: a frozenset of probe indices, -1 standing for ``x``; the same for the
+    logits). Dependencies are followed through the jaxpr conservatively (an equation's outputs
+    depend on all its inputs), which is exact for the chains and sums of a network's data flow."""
+    closed = jax.make_jaxpr(fn)(x_aval, *probe_avals)
+    jaxpr = closed.jaxpr
+    deps: dict = {}
+    for i, var in enumerate(jaxpr.invars):
+        deps[var] = frozenset({i - 1})
+
+    def of(v):
+        return frozenset() if isinstance(v, jax.extend.core.Literal) else deps.get(v, frozenset())
+    for eqn in jaxpr.eqns:
+        union = frozenset().union(*(of(v) for v in eqn.invars))
+        for out in eqn.outvars:
+            deps[out] = union
+    outs = [of(v) for v in jaxpr.outvars]
+    return outs[1:], outs[0]
+
+
+def link_layers(names: Sequence[str], in_units: Sequence[int], out_units: Sequence[int],
+                sources: Sequence[frozenset], logits_sources: frozenset) -> tuple[list[str | None], bool]:
+    """(input_layer of each layer, sequential) from each layer's direct sources (see ``direct_sources``).
+
+    A layer's ``input_layer`` is the latest layer among its sources whose output width its input is
+    made of (``in_units`` a multiple of it: a flatten repeats channels); ``sequential`` holds when
+    every layer reads exactly the previous one (the first: the input) and the logits the last."""
+    inputs: list[str | None] = []
+    for i, src in enumerate(sources):
+        candidates = [j for j in sorted(src, reverse=True) if j >= 0 and in_units[i] % out_units[j] == 0]
+        inputs.append(names[candidates[0]] if candidates else None)
+    expected = [frozenset({i - 1}) for i in range(len(names))]
+    sequential = list(sources) == expected and logits_sources == frozenset({len(names) - 1})
+    return inputs, sequential
+
+
+# ---------------------------------------------------------------- the shared interception logic
+@dataclasses.dataclass
+class _Recorded:
+    path: Path
+    kind: str
+    kernel_shape: tuple
+    in_shape: tuple
+    out_shape: tuple
+
+
+class _Calls:
+    """What one traced forward pass does at each intercepted module call.
+
+    mode "record": runs the modules, records weight layers and which BatchNorm reads which layer.
+    mode "probe": records each weight layer's input and returns ``probes[i]`` instead of its output.
+    mode "run": applies the activation hooks (and the CPU convolution fast path)."""
+
+    def __init__(self, mode: str, *, train: bool = False, hooks: Hooks | None = None, sample_mask=None,
+                 probes: Sequence | None = None, bn_of: dict | None = None, conv_impl: str = "auto"):
+        self.mode, self.train, self.hooks, self.sample_mask = mode, train, hooks, sample_mask
+        self.probes, self.conv_impl = probes, conv_impl
+        self.bn_of = bn_of or {}          # BatchNorm path -> the layer path it follows
+        self.deferred = set(self.bn_of.values())
+        self.recorded: list[_Recorded] = []
+        self.inputs: list = []
+        self.seen: set = set()
+        self._outputs: dict[int, tuple[Path, Any]] = {}
+        self.bn_after: dict[Path, Path] = {}
+
+    def weight_layer(self, path: Path, kind: str, kernel, x, original: Callable, conv: dict | None):
+        if path in self.seen:
+            raise ValueError(f"from_flax: layer {entry_name(path)} is called twice in one forward pass "
+                             "(shared weights); give each use its own module")
+        self.seen.add(path)
+        if self.mode == "probe":
+            self.inputs.append(x)
+            out = self.probes[len(self.inputs) - 1]  # type: ignore[index]
+            return out
+        out = _fast_conv(x, kernel, conv, self.conv_impl) if conv is not None else None
+        if out is None:
+            out = original()
+        if self.mode == "record":
+            self.recorded.append(_Recorded(path, kind, tuple(kernel.shape), tuple(x.shape), tuple(out.shape)))
+            self._outputs[id(out)] = (path, out)
+            return out
+        if path not in self.deferred:
+            out = self.hooks.activation(entry_name(path), out)  # type: ignore[union-attr]
+        return out
+
+    def batch_norm(self, path: Path, x, original: Callable):
+        """``original(use_running_average, mask)`` runs the module."""
+        mask = None
+        if self.train and self.sample_mask is not None:
+            mask = jnp.broadcast_to(self.sample_mask.reshape((-1,) + (1,) * (x.ndim - 1)) > 0, x.shape)
+        out = original(not self.train, mask)
+        if self.mode == "record":
+            source = self._outputs.get(id(x))
+            if source is not None and source[1] is x:
+                self.bn_after[path] = source[0]
+        elif self.mode == "run" and path in self.bn_of:
+            out = self.hooks.activation(entry_name(self.bn_of[path]), out)  # type: ignore[union-attr]
+        return out
+
+
+def _fast_conv(x, kernel, conv: dict, impl: str):
+    """The layer through ``layers.conv2d`` when its form allows (else None: Flax's own code)."""
+    k = conv["kernel_size"]
+    strides = conv["strides"]
+    strides = (strides,) * 2 if isinstance(strides, int) else tuple(strides or (1, 1))
+    plain = (len(k) == 2 and x.ndim == 4 and len(set(strides)) == 1 and conv["padding"] in ("SAME", "VALID")
+             and conv["groups"] == 1 and conv["mask"] is None
+             and all(d in (None, 1) or tuple(d) == (1, 1) for d in (conv["input_dilation"], conv["kernel_dilation"]))
+             and x.dtype == jnp.float32 and kernel.dtype == jnp.float32)
+    if not plain:
+        return None
+    out = L.conv2d(x, kernel, stride=strides[0], padding=conv["padding"], impl=impl)
+    if conv["bias"] is not None:
+        out = out + conv["bias"]
+    return out
+
+
+def _conv_config(module, kernel, bias) -> dict:
+    return {"kernel_size": tuple(module.kernel_size) if not isinstance(module.kernel_size, int)
+            else (module.kernel_size,), "strides": module.strides, "padding": module.padding,
+            "groups": module.feature_group_count, "mask": getattr(module, "mask", None),
+            "input_dilation": module.input_dilation, "kernel_dilation": module.kernel_dilation,
+            "bias": bias if module.use_bias else None}
+
+
+@contextlib.contextmanager
+def _zoo_max_pool():
+    """While tracing, ``nn.max_pool`` / ``nnx.max_pool`` with non-overlapping windows run as the zoo's
+    :func:`layers.max_pool` (reshape + max): the same forward values, the zoo's gradient (split
+    evenly between tied maxima, where ``reduce_window``'s goes to one of them) and no
+    ``select_and_scatter``, which is slow on XLA:CPU. Other pools run Flax's code."""
+    import flax.linen as nn
+    import flax.linen.pooling as pooling
+    from flax import nnx
+    original = pooling.max_pool
+
+    def max_pool(inputs, window_shape, strides=None, padding="VALID"):
+        window = tuple(window_shape)
+        if (inputs.ndim == 4 and len(window) == 2 and window[0] == window[1] and padding == "VALID"
+                and (strides is None or tuple(strides) == window)):
+            return L.max_pool(inputs, window[0])
+        return original(inputs, window_shape, strides=strides, padding=padding)
+    owners = [m for m in (nn, pooling, nnx) if getattr(m, "max_pool", None) is original]
+    try:
+        for owner in owners:
+            owner.max_pool = max_pool
+        yield
+    finally:
+        for owner in owners:
+            owner.max_pool = original
+
+
+# ---------------------------------------------------------------- the train argument
+def _mode_kwargs(call: Callable, train_argument: str | None) -> Callable[[bool], dict]:
+    """How ``train`` reaches the module's ``__call__``: by the named argument, or the first of
+    ``train``/``training``/``is_training`` (or ``deterministic``, negated) it takes."""
+    params = inspect.signature(call).parameters
+    if train_argument == "auto":
+        train_argument = next((n for n in ("train", "training", "is_training", "deterministic") if n in params), None)
+    if train_argument is None:
+        return lambda train: {}
+    if train_argument not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        raise ValueError(f"from_flax: the module's __call__ has no argument {train_argument!r}; "
+                         f"its arguments: {', '.join(params)}")
+    if train_argument == "deterministic":
+        return lambda train: {"deterministic": not train}
+    return lambda train: {train_argument: train}
+
+
+# ---------------------------------------------------------------- linen
+def _linen_parts(module, train_kwargs):
+    import flax.linen as nn
+
+    def intercepted(calls: _Calls):
+        def interceptor(next_fun, args, kwargs, context):
+            m = context.module
+            if context.method_name != "__call__":
+                return next_fun(*args, **kwargs)
+            path = tuple(m.scope.path) if m.scope is not None else ()
+            if isinstance(m, (nn.Dense, nn.Conv)):
+                params = m.variables["params"]
+                kind = "dense" if isinstance(m, nn.Dense) else "conv"
+                conv = _conv_config(m, params["kernel"], params.get("bias")) if kind == "conv" else None
+                return calls.weight_layer(path, kind, params["kernel"], args[0],
+                                          lambda: next_fun(*args, **kwargs), conv)
+            if isinstance(m, nn.BatchNorm):
+                x = args[0]
+
+                def original(use_running_average, mask):
+                    if m.use_running_average is not None:
+                        # Set by the module from its train argument (Flax refuses it twice).
+                        return next_fun(x, mask=mask)
+                    return next_fun(x, use_running_average=use_running_average, mask=mask)
+                return calls.batch_norm(path, x, original)
+            if isinstance(m, nn.Dropout):
+                # The engine passes no dropout keys: without one the layer is the identity.
+                if calls.mode == "run" and calls.train and getattr(calls, "rng", None) is not None:
+                    return next_fun(*args, **{**kwargs, "deterministic": False})
+                return args[0]
+            return next_fun(*args, **kwargs)
+        return nn.intercept_methods(interceptor)
+
+    def init(key, x):
+        return module.init({"params": key}, x, **train_kwargs(False))
+
+    def apply(nested: dict, x, calls: _Calls, train: bool, rng=None):
+        mutable = ["batch_stats"] if train and nested.get("batch_stats") else False
+        rngs = {"dropout": rng} if rng is not None else None
+        calls.rng = rng  # type: ignore[attr-defined]
+        with intercepted(calls), _zoo_max_pool():
+            out = module.apply(nested, x, **train_kwargs(train), rngs=rngs, mutable=mutable)
+        if mutable:
+            logits, updated = out
+            return logits, updated["batch_stats"]
+        return out, nested.get("batch_stats", {})
+    return init, apply
+
+
+# ---------------------------------------------------------------- nnx
+def _nnx_parts(module, train_kwargs):
+    from flax import nnx
+
+    graphdef, params_state, stats_state, rest_state = nnx.split(module, nnx.Param, nnx.BatchStat, ...)
+    originals = {cls: cls.__call__ for cls in (nnx.Linear, nnx.Conv, nnx.BatchNorm, nnx.Dropout)}
+
+    @contextlib.contextmanager
+    def intercepted(calls: _Calls, merged):
+        where = {id(m): tuple(p) for p, m in nnx.iter_graph(merged) if isinstance(m, nnx.Module)}
+
+        def linear(self, x, *a, **k):
+            kernel = self.kernel[...]
+            return calls.weight_layer(where[id(self)], "dense", kernel, x,
+                                      lambda: originals[nnx.Linear](self, x, *a, **k), None)
+
+        def conv(self, x, *a, **k):
+            kernel = self.kernel[...]
+            bias = self.bias[...] if self.use_bias else None
+            return calls.weight_layer(where[id(self)], "conv", kernel, x,
+                                      lambda: originals[nnx.Conv](self, x, *a, **k),
+                                      _conv_config(self, kernel, bias))
+
+        def batch_norm(self, x, *a, **k):
+            return calls.batch_norm(where[id(self)], x, lambda ura, mask: originals[nnx.BatchNorm](
+                self, x, use_running_average=ura, mask=mask))
+
+        def dropout(self, x, *a, **k):
+            rng = getattr(calls, "rng", None)
+            if calls.mode == "run" and calls.train and rng is not None:
+                return originals[nnx.Dropout](self, x, deterministic=False, rngs=rng)
+            return x
+        patched = {nnx.Linear: linear, nnx.Conv: conv, nnx.BatchNorm: batch_norm, nnx.Dropout: dropout}
+        try:
+            for cls, fn in patched.items():
+                cls.__call__ = fn  # type: ignore[method-assign]
+            yield
+        finally:
+            for cls, fn in originals.items():
+                cls.__call__ = fn  # type: ignore[method-assign]
+
+    def merge(nested: dict):
+        # Fresh copies of the state templates, filled with this call's (traced) arrays.
+        params = jax.tree_util.tree_map(lambda v: v, params_state)
+        nnx.replace_by_pure_dict(params, nested["params"])
+        stats = jax.tree_util.tree_map(lambda v: v, stats_state)
+        if nested.get("batch_stats"):
+            nnx.replace_by_pure_dict(stats, nested["batch_stats"])
+        return nnx.merge(graphdef, params, stats, rest_state)
+
+    def init(key, x):
+        # An NNX module holds its initial weights: ``key`` is not used (build the module with the
+        # seed you want, or pin weights with --init-params).
+        del key, x
+        return {"params": nnx.to_pure_dict(params_state), "batch_stats": nnx.to_pure_dict(stats_state)}
+
+    def apply(nested: dict, x, calls: _Calls, train: bool, rng=None):
+        merged = merge(nested)
+        calls.rng = rng  # type: ignore[attr-defined]
+        with intercepted(calls, merged), _zoo_max_pool():
+            logits = merged(x, **train_kwargs(train))
+        stats = nnx.to_pure_dict(nnx.state(merged, nnx.BatchStat)) if nested.get("batch_stats") else {}
+        return logits, stats
+    return init, apply
+
+
+# ---------------------------------------------------------------- the adapter
+def _is_nnx(module) -> bool:
+    try:
+        from flax import nnx
+    except ImportError:  # pragma: no cover - flax without nnx
+        return False
+    return isinstance(module, nnx.Module)
+
+
+def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = None, name: str | None = None,
+              train_argument: str | None = "auto", conv_impl: str = "auto") -> Model:
+    """A ``flax.linen`` or ``flax.nnx`` module as a :class:`Model` every algorithm can train.
+
+    Args:
+      module: a ``flax.linen.Module`` (unbound) or a ``flax.nnx.Module`` (its current weights are
+        the initial ones). ``__call__(x[, train])`` maps ``[B, *input_shape]`` float32 inputs to
+        ``[B, num_classes]`` logits.
+      input_shape: one example's shape, e.g. ``(28, 28, 1)`` (NHWC images) or ``(60,)``.
+      num_classes: checked against the logits' width when given.
+      name: the model's name in ``config.json`` and summaries (default: the class name).
+      train_argument: the ``__call__`` argument that switches training mode: ``"auto"`` (the first
+        of ``train``, ``training``, ``is_training``, ``deterministic`` it has), a name, or None.
+      conv_impl: ``"auto"`` (im2col inside the engine's loops on CPU), ``"xla"`` or ``"im2col"``.
+
+    Returns a ``Model`` whose ``params`` are ``{entry: {leaf: array}}`` keyed by module path
+    (``"conv1"``, ``"Block_0/Dense_0"``), whose weight layers are the module's Dense/Linear and
+    Conv layers in call order (see the module docstring for what else is derived).
+    """
+    input_shape = shape_tuple(input_shape)
+    L.resolve_conv_impl(conv_impl)  # validates the name
+    nnx_module = _is_nnx(module)
+    if not nnx_module:
+        import flax.linen as nn
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"from_flax takes a flax.linen or flax.nnx Module, not {type(module).__name__}; "
+                            "for the project's own models use fedjax_sparse.models.make_model(name, ...)")
+    call = type(module).__call__
+    train_kwargs = _mode_kwargs(call, train_argument)
+    init_nested, apply_nested = (_nnx_parts if nnx_module else _linen_parts)(module, train_kwargs)
+    model_name = name or type(module).__name__
+    x_aval = jax.ShapeDtypeStruct((2,) + input_shape, jnp.float32)
+
+    nested0 = jax.eval_shape(lambda k: init_nested(k, jnp.zeros((1,) + input_shape, jnp.float32)),
+                             jax.random.PRNGKey(0))
+    nested0 = jax.tree_util.tree_map(lambda a: a, dict(nested0))
+    extra = sorted(set(nested0) - {"params", "batch_stats"})
+    if extra and any(jax.tree_util.tree_leaves(nested0[c]) for c in extra):
+        raise ValueError(f"from_flax: {model_name} has variable collections {extra}; only 'params' and "
+                         "'batch_stats' are supported")
+    param_paths = {entry_name(p): p for p in _flatten(_plain(nested0["params"]))}
+    stat_paths = {entry_name(p): p for p in _flatten(_plain(nested0.get("batch_stats", {})))}
+    paths = {**param_paths, **stat_paths}
+
+    def to_nested(variables: dict) -> dict:
+        out = {"params": _unflatten({paths[k]: v for k, v in variables["params"].items()})}
+        stats = variables.get("batch_stats", {})
+        if stats:
+            out["batch_stats"] = _unflatten({paths[k]: v for k, v in stats.items()})
+        return out
+
+    def to_flat(nested: dict) -> dict:
+        return {entry_name(p): dict(v) for p, v in _flatten(_plain(nested)).items()}
+
+    # 1. Record the weight layers, their shapes, and the BatchNorms that read them.
+    record = _Calls("record", conv_impl=conv_impl)
+    flat0 = {"params": to_flat(nested0["params"]), "batch_stats": to_flat(nested0.get("batch_stats", {}))}
+    logits_aval = jax.eval_shape(lambda v, x: apply_nested(to_nested(v), x, record, False)[0], flat0, x_aval)
+    if not record.recorded:
+        raise ValueError(f"from_flax: {model_name} calls no Dense/Linear or Conv layer; the algorithms here act "
+                         "on those layers' kernels")
+    if len(getattr(logits_aval, "shape", ())) != 2:
+        raise ValueError(f"from_flax: {model_name} must return logits [batch, classes], got "
+                         f"{getattr(logits_aval, 'shape', type(logits_aval).__name__)}")
+    classes = int(logits_aval.shape[-1])
+    if num_classes is not None and classes != num_classes:
+        raise ValueError(f"from_flax: {model_name} returns {classes} logits per example but the data has "
+                         f"{num_classes} classes; set the last layer's features to {num_classes}")
+    names = [entry_name(r.path) for r in record.recorded]
+    bn_of = {bn: layer for bn, layer in record.bn_after.items()}
+
+    # 2. Which layer feeds which: each layer's output replaced by a probe.
+    probe_avals = [jax.ShapeDtypeStruct(r.out_shape, jnp.float32) for r in record.recorded]
+
+    def probed(x, *probes):
+        calls = _Calls("probe", probes=probes, conv_impl=conv_impl)
+        logits, _ = apply_nested(to_nested(flat0_concrete), x, calls, False)
+        return logits, calls.inputs
+    flat0_concrete = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), flat0)
+    sources, logits_sources = direct_sources(probed, x_aval, probe_avals)
+    in_units = [r.in_shape[-1] for r in record.recorded]
+    out_units = [r.kernel_shape[-1] for r in record.recorded]
+    input_layers, sequential = link_layers(names, in_units, out_units, sources, logits_sources)
+
+    infos = []
+    for r, layer_name, inp in zip(record.recorded, names, input_layers):
+        macs = int(math.prod(r.out_shape[1:-1])) * int(math.prod(r.kernel_shape))
+        infos.append(LayerInfo(layer_name, r.kind, r.kernel_shape, int(r.in_shape[-1]), int(r.kernel_shape[-1]),
+                               macs, inp))
+    channel_entries = tuple((entry_name(bn), entry_name(layer)) for bn, layer in bn_of.items())
+
+    def init_fn(key):
+        nested = init_nested(key, jnp.zeros((1,) + input_shape, jnp.float32))
+        return {"params": to_flat(nested["params"]), "batch_stats": to_flat(nested.get("batch_stats", {}))}
+
+    layer_names = set(names)
+
+    def apply_fn(variables, x, *, train, hooks, sample_mask, rng):
+        params = {k: ({**v, "kernel": hooks.kernel(k, v["kernel"])} if k in layer_names else v)
+                  for k, v in variables["params"].items()}
+        calls = _Calls("run", train=train, hooks=hooks, sample_mask=sample_mask, bn_of=bn_of, conv_impl=conv_impl)
+        logits, stats = apply_nested(to_nested({"params": params, "batch_stats": variables.get("batch_stats", {})}),
+                                     x, calls, train, rng)
+        return logits, to_flat(stats) if stats else dict(variables.get("batch_stats", {}))
+
+    return Model(model_name, input_shape, classes, tuple(infos), init_fn, apply_fn, sequential=sequential,
+                 channel_entries=channel_entries)
+
+
+def _plain(tree):
+    """Flax FrozenDicts / NNX pure dicts as plain nested dicts."""
+    if hasattr(tree, "items"):
+        return {k: _plain(v) for k, v in tree.items()}
+    return tree
+
+
+__all__ = ["direct_sources", "entry_name", "from_flax", "link_layers"]

@@ -1,0 +1,165 @@
+"""from_flax: a Flax model derives the zoo's layer table and trains to the zoo's numbers.
+
+The reference is the zoo's hand-built LeNet-5-Caffe (``lenet5_caffe``); the same network written
+in ``flax.linen`` and in ``flax.nnx``, given the zoo's initial weights, must give the same layer
+table (kernel shapes, units, MACs, which layer feeds which), the same logits, and the same metrics
+and final states for FedAvg, SpaFL, FSL and FedDrop over 3 rounds on real Fashion-MNIST clients.
+"""
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fedjax_sparse as fjs
+from fedjax_sparse.models import Hooks, from_flax, make_model
+from fedjax_sparse.models.flax_adapter import direct_sources, link_layers
+from fedjax_sparse.models.flax_examples import LeNet5Caffe as LinenLeNet
+from fedjax_sparse.models.flax_examples import NnxLeNet5Caffe
+
+
+class Residual(nn.Module):
+    """A stem with BatchNorm, one residual conv and a head: not a chain."""
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.relu(nn.BatchNorm(use_running_average=not train, name="stem_bn")(nn.Conv(8, (3, 3), name="stem")(x)))
+        x = nn.relu(x + nn.Conv(8, (3, 3), name="branch")(x))
+        return nn.Dense(10, name="head")(x.mean(axis=(1, 2)))
+
+
+class BatchNormChain(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Conv(6, (3, 3), padding="SAME", name="conv")(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=not train, name="bn")(x))
+        x = nn.max_pool(x, (2, 2), strides=(2, 2)).reshape(x.shape[0], -1)
+        return nn.Dense(4, name="out")(x)
+
+
+# 16x16 crops keep LeNet-5-Caffe's layers (conv 5x5, pool, conv 5x5, pool, fc 500, fc) at a fraction
+# of the compile and run time of 28x28 (the layer table at 28x28 is checked separately).
+SHAPE = (16, 16, 1)
+
+
+def test_lenet_layer_table_equals_the_zoo_at_28x28():
+    zoo = make_model("lenet5_caffe", (28, 28, 1), 10)
+    linen = from_flax(LinenLeNet(), (28, 28, 1))
+    nnx_model = from_flax(NnxLeNet5Caffe(), (28, 28, 1))
+    assert linen.layers == zoo.layers  # shapes, units, MACs (288,000 / 1.6M / 400,000 / 5,000), input layers
+    assert nnx_model.layers == zoo.layers
+    assert linen.sequential and nnx_model.sequential and linen.num_classes == 10
+    assert linen.forward_macs == zoo.forward_macs == 2_293_000
+
+
+def test_same_weights_give_the_zoo_logits_and_hooks_act_on_the_same_layers():
+    zoo = make_model("lenet5_caffe", SHAPE, 10)
+    variables = zoo.init(jax.random.PRNGKey(3))
+    x = jax.random.uniform(jax.random.PRNGKey(4), (5,) + SHAPE)
+    seen = {}
+
+    def kernel(name, k):
+        seen.setdefault(name, k.shape)
+        return k * 0.5
+
+    def activation(name, h):
+        return h * (1.0 + 0.25 * (name == "conv2"))
+    hooks = Hooks(kernel=kernel, activation=activation)
+    want = zoo.apply(variables, x, hooks=hooks)[0]
+    for model in (from_flax(LinenLeNet(), SHAPE), from_flax(NnxLeNet5Caffe(flat_features=50), SHAPE)):
+        got = model.apply(variables, x, hooks=hooks)[0]
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert list(seen) == ["conv1", "conv2", "fc1", "fc2"]
+
+
+def test_residual_model_is_not_sequential_and_batchnorm_follows_its_layer():
+    model = from_flax(Residual(), (8, 8, 3))
+    assert [l.name for l in model.layers] == ["stem", "branch", "head"]
+    assert not model.sequential  # the head reads stem + branch
+    assert [l.input_layer for l in model.layers] == [None, "stem", "branch"]
+    assert model.channel_entries == (("stem_bn", "stem"),)
+    assert model.layer("stem").macs == 8 * 8 * 3 * 3 * 3 * 8  # SAME padding keeps 8x8 outputs
+
+
+def test_direct_sources_on_a_hand_made_data_flow():
+    # y1 = f(x); y2 = g(y1); z = y1 + y2 -> the third layer's input reads probes 0 and 1.
+    def fn(x, p0, p1, p2):
+        return p2.sum(), [x * 2.0, jnp.tanh(p0), p0 + p1]
+    sources, logits = direct_sources(fn, jnp.zeros(3), [jnp.zeros(3)] * 3)
+    assert sources == [frozenset({-1}), frozenset({0}), frozenset({0, 1})] and logits == frozenset({2})
+    inputs, sequential = link_layers(["a", "b", "c"], [3, 3, 3], [3, 3, 3], sources, logits)
+    assert inputs == [None, "a", "b"] and not sequential
+
+
+def test_batch_norm_statistics_ignore_padded_samples():
+    model = from_flax(BatchNormChain(), (6, 6, 2))
+    variables = model.init(jax.random.PRNGKey(0))
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, 6, 6, 2))
+    padded = jnp.concatenate([x, 100.0 * jnp.ones((2, 6, 6, 2))])
+    logits, stats = model.apply(variables, padded, train=True, sample_mask=jnp.array([1.0] * 4 + [0.0] * 2))
+    ref_logits, ref_stats = model.apply(variables, x, train=True)
+    np.testing.assert_allclose(np.asarray(logits[:4]), np.asarray(ref_logits), rtol=1e-5, atol=1e-5)
+    for key in ("mean", "var"):
+        np.testing.assert_allclose(np.asarray(stats["bn"][key]), np.asarray(ref_stats["bn"][key]), rtol=1e-5)
+    assert not np.allclose(np.asarray(stats["bn"]["mean"]), np.asarray(variables["batch_stats"]["bn"]["mean"]))
+    # Evaluation reads the running statistics: the padded batch changes nothing there.
+    np.testing.assert_array_equal(np.asarray(model.apply(variables, padded)[0][:4]),
+                                  np.asarray(model.apply(variables, x)[0]))
+
+
+def test_weight_sharing_and_wrong_outputs_are_refused():
+    class Shared(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            dense = nn.Dense(4)
+            return dense(dense(x))
+
+    with pytest.raises(ValueError, match="called twice"):
+        from_flax(Shared(), (4,))
+    with pytest.raises(ValueError, match="returns 10 logits .* 7 classes"):
+        from_flax(LinenLeNet(), SHAPE, num_classes=7)
+    with pytest.raises(TypeError, match="flax.linen or flax.nnx Module"):
+        from_flax(lambda x: x, SHAPE)
+
+
+# ------------------------------------------------------------------ the algorithms, zoo vs Flax
+@pytest.fixture(scope="module")
+def fmnist_clients(shared_data):
+    ds = fjs.data.load("fashion_mnist", shared_data)
+    rng = np.random.default_rng(0)
+    train = rng.choice(len(ds.train_y), 360, replace=False)
+    test = rng.choice(len(ds.test_y), 120, replace=False)
+    crop = (slice(None), slice(6, 22), slice(6, 22))
+    return fjs.data.from_arrays(ds.train_x[train][crop], ds.train_y[train], ds.test_x[test][crop], ds.test_y[test],
+                                partition="dirichlet:0.5", num_clients=6, seed=1)
+
+
+def _rows(config, model, data):
+    rows = []
+    result = fjs.run(config, model=model, data=data, progress=False,
+                     on_eval=lambda row, state, exp: rows.append(row))
+    drop = {"seconds"}
+    return [{k: v for k, v in r.items() if k not in drop} for r in rows], result
+
+
+@pytest.mark.parametrize("algorithm,options", [
+    ("fedavg", {}),
+    ("spafl", {}),
+    ("fsl", {}),
+    ("feddrop", {"opt_iters": 200, "opt_check_every": 100}),
+])
+def test_flax_lenet_trains_to_the_zoo_metrics(fmnist_clients, algorithm, options):
+    zoo = make_model("lenet5_caffe", SHAPE, 10)
+    flax_model = dataclasses.replace(from_flax(LinenLeNet(), SHAPE), init_fn=zoo.init_fn)
+    config = fjs.RunConfig(algorithm=algorithm, rounds=3, clients_per_round=3, local_epochs=1, batch_size=32,
+                           lr=0.05, options=options, preprocess="unit")
+    want, want_result = _rows(config, zoo, fmnist_clients)
+    got, got_result = _rows(config, flax_model, fmnist_clients)
+    assert len(got) == 3
+    # Bitwise: the same programs up to the layers' code (the forward pass is bit-identical).
+    assert got == want
+    leaves = jax.tree_util.tree_leaves(want_result.state.server)
+    for a, b in zip(leaves, jax.tree_util.tree_leaves(got_result.state.server)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert type(got_result.state.server) is type(want_result.state.server)
