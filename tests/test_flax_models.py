@@ -15,7 +15,7 @@ import pytest
 
 import fedjax_sparse as fjs
 from fedjax_sparse.models import Hooks, from_flax, make_model
-from fedjax_sparse.models.flax_adapter import direct_sources, link_layers
+from fedjax_sparse.models.flax_adapter import direct_sources, layers_from_hooks, link_layers
 from fedjax_sparse.models.flax_examples import LeNet5Caffe as LinenLeNet
 from fedjax_sparse.models.flax_examples import NnxLeNet5Caffe
 
@@ -163,3 +163,27 @@ def test_flax_lenet_trains_to_the_zoo_metrics(fmnist_clients, algorithm, options
     for a, b in zip(leaves, jax.tree_util.tree_leaves(got_result.state.server)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert type(got_result.state.server) is type(want_result.state.server)
+
+
+# ------------------------------------------------------------------ the zoo's hand-written tables, derived
+@pytest.mark.parametrize("name,shape", [
+    ("lenet5_caffe", (28, 28, 1)), ("cnn_small", (8, 8, 1)), ("mlp", (60,)), ("logreg", (60,)),
+    ("cnn7", (32, 32, 3)), ("conv8", (32, 32, 3)), ("fsl_lenet", (28, 28, 1)), ("feddrop_fmnist_cnn", (28, 28, 1)),
+    ("feddrop_svhn_cnn", (32, 32, 3)), ("feddrop_vgg9", (32, 32, 3)), ("resnet18_narrow", (32, 32, 3)),
+])
+def test_zoo_tables_equal_their_derivation_from_the_forward_pass(name, shape):
+    model = make_model(name, shape, 10)
+    derived, sequential = layers_from_hooks(model)
+    assert sequential == model.sequential
+    hand = {l.name: l for l in model.layers}
+    if model.sequential:
+        assert derived == model.layers
+        return
+    # The ResNet: its classifier bypasses the hooks; a block's input is the sum of two equal-width
+    # layers (conv2 + shortcut), of which the hand table names conv2 and the derivation the later one.
+    for layer in derived:
+        ref = hand[layer.name]
+        assert (layer.kernel_shape, layer.in_units, layer.out_units, layer.macs) == \
+            (ref.kernel_shape, ref.in_units, ref.out_units, ref.macs)
+        assert layer.input_layer == ref.input_layer or hand[layer.input_layer].out_units == layer.in_units
+    assert [l.name for l in model.layers if l.name not in {d.name for d in derived}] == ["linear"]

@@ -47,6 +47,7 @@ SUMMED_CLIENT_METRICS = COST_METRICS + ("num_examples",)
 
 
 class ClientContext(NamedTuple):
+    """What ``client_update`` knows about its round besides its data."""
     round: jax.Array       # [] int32, same for every client of the round
     client_id: jax.Array   # [] int32, this client's index in [0, N)
     key: jax.Array         # this client's private key for the round
@@ -54,6 +55,7 @@ class ClientContext(NamedTuple):
 
 
 class ServerContext(NamedTuple):
+    """What ``server_update`` knows about its round besides the messages."""
     round: jax.Array       # [] int32
     client_ids: jax.Array  # [K] int32, the sampled clients (order of ``messages``)
     weights: jax.Array     # [K] float32, the sampled clients' training-set sizes
@@ -84,6 +86,12 @@ class Task:
 
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
+    """An algorithm as data plus pure functions (see the module docstring for the round they make):
+    ``init(key) -> (server_state, client_states [N, ...])``, ``broadcast(server_state, round) ->
+    payload``, ``client_update(payload, client_state, data, ClientContext) -> (client_state, message,
+    metrics)``, ``server_update(server_state, messages [K, ...], ServerContext) -> (server_state,
+    metrics)``, and optional predictions for evaluation. Pass one to ``fedjax_sparse.run(...,
+    algorithm=...)``, or register a builder ``task -> Algorithm`` under a name for the CLI."""
     name: str
     init: Callable[[jax.Array], tuple[Any, Any]]
     broadcast: Callable[[Any, jax.Array], Any]

@@ -401,13 +401,16 @@ def from_arrays(
     """Validate in-memory arrays and partition them across clients.
 
     Args:
-      x_train, x_test: inputs ``[n, ...]``, ``uint8`` or float (see the module docstring).
-      y_train, y_test: integer labels ``[n]``.
-      train_client_ids, test_client_ids: optional owner id (int or str) of
-        every example, both or neither. With ids the partition is natural:
+      x_train: training inputs ``[n, ...]``, ``uint8`` or float (see the module docstring).
+      y_train: integer labels ``[n]`` of the training inputs.
+      x_test: test inputs ``[m, ...]``, of the training inputs' shape and dtype.
+      y_test: integer labels ``[m]`` of the test inputs.
+      train_client_ids: optional owner id (int or str) of every training
+        example; give test_client_ids too, or neither. With ids the partition is natural:
         client ``k`` owns the examples whose id is the ``k``-th smallest id
         (recorded in ``client_names``); ``partition`` must then be None or
         ``"natural"`` and ``num_clients`` None or the number of distinct ids.
+      test_client_ids: the owner id of every test example (a client may have none).
       partition: without ids, a partition spec (``"dirichlet:0.3"``, ``"iid"``,
         ``"shards:2"``, ``"dirichlet_split:0.3"``); required then.
       num_clients: without ids, the number of clients; required then.

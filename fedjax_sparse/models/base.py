@@ -37,6 +37,9 @@ _identity_activation = lambda name, h: h  # noqa: E731
 
 @dataclasses.dataclass(frozen=True)
 class Hooks:
+    """How an algorithm changes a model without touching it: ``kernel(name, kernel)`` returns the
+    kernel a weight layer uses (SpaFL's threshold mask, FSL's supermask); ``activation(name, h)``
+    transforms a layer's output ``h [B, ..., channels]`` (FedDrop's SyncDrop, width masks)."""
     kernel: Callable[[str, jax.Array], jax.Array] = _identity_kernel
     activation: Callable[[str, jax.Array], jax.Array] = _identity_activation
 
@@ -73,6 +76,10 @@ class LayerInfo:
 
 @dataclasses.dataclass(frozen=True)
 class Model:
+    """A model every algorithm can train: its weight layers (``layers``, with MACs per example) and
+    two pure functions, ``init(key) -> variables`` and ``apply(variables, x, ...) -> (logits,
+    batch_stats)`` (see the module docstring). Built by the zoo (``make_model``) or from any Flax
+    module (``from_flax``)."""
     name: str
     input_shape: tuple[int, ...]
     num_classes: int

@@ -118,6 +118,60 @@ def link_layers(names: Sequence[str], in_units: Sequence[int], out_units: Sequen
     return inputs, sequential
 
 
+def layers_from_hooks(model: Model) -> tuple[tuple[LayerInfo, ...], bool]:
+    """The layer table of any :class:`Model` whose forward pass calls ``hooks.kernel`` on each
+    weight layer's kernel and ``hooks.activation`` on its output (the zoo's models), derived as
+    ``from_flax`` derives it: kernel shapes from the kernel hook, MACs from the output the
+    activation hook sees (output positions x kernel entries), ``input_layer`` and ``sequential``
+    from the data flow with each layer's output replaced by a probe. Layers whose kernel bypasses
+    the hooks (the ResNet's classifier, the ViT's embeddings) are not seen. ``in_units`` is the
+    kernel's input width (no grouped convolutions in the zoo). Returns (layers, sequential).
+
+    It checks the zoo's hand-written tables independently (``tests/test_flax_models.py``)."""
+    variables = jax.eval_shape(model.init, jax.random.PRNGKey(0))
+    x_aval = jax.ShapeDtypeStruct((2,) + tuple(model.input_shape), jnp.float32)
+    kernels: dict[str, tuple] = {}
+    outputs: dict[str, tuple] = {}
+
+    def record_kernel(name, kernel):
+        kernels.setdefault(name, tuple(kernel.shape))
+        return kernel
+
+    def record_output(name, h):
+        if name in kernels:
+            outputs.setdefault(name, tuple(h.shape))
+        return h
+    jax.eval_shape(lambda v, x: model.apply(v, x, hooks=Hooks(kernel=record_kernel, activation=record_output)),
+                   variables, x_aval)
+    names = [n for n in kernels if n in outputs]
+
+    concrete = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), variables)
+
+    def probed(x, *probes):
+        # The value the activation hook receives depends on the layer's input only (its kernel is no
+        # probe): its probe sources are the layer's direct sources. The hook then returns the probe.
+        by_name = dict(zip(names, probes))
+        received: dict[str, Any] = {}
+
+        def activation(name, h):
+            if name in by_name:
+                received[name] = h
+                return by_name[name]
+            return h
+        logits, _ = model.apply(concrete, x, hooks=Hooks(activation=activation))
+        return logits, [received[n] for n in names]
+    sources, logits_sources = direct_sources(probed, x_aval,
+                                             [jax.ShapeDtypeStruct(outputs[n], jnp.float32) for n in names])
+    in_units = [kernels[n][-2] for n in names]
+    out_units = [kernels[n][-1] for n in names]
+    inputs, sequential = link_layers(names, in_units, out_units, sources, logits_sources)
+    layers = tuple(
+        LayerInfo(n, "conv" if len(kernels[n]) > 2 else "dense", kernels[n], int(kernels[n][-2]), int(kernels[n][-1]),
+                  int(math.prod(outputs[n][1:-1])) * int(math.prod(kernels[n])), inp)
+        for n, inp in zip(names, inputs))
+    return layers, sequential
+
+
 # ---------------------------------------------------------------- the shared interception logic
 @dataclasses.dataclass
 class _Recorded:
@@ -136,8 +190,8 @@ class _Calls:
     mode "run": applies the activation hooks (and the CPU convolution fast path)."""
 
     def __init__(self, mode: str, *, train: bool = False, hooks: Hooks | None = None, sample_mask=None,
-                 probes: Sequence | None = None, bn_of: dict | None = None, conv_impl: str = "auto"):
-        self.mode, self.train, self.hooks, self.sample_mask = mode, train, hooks, sample_mask
+                 probes: Sequence | None = None, bn_of: dict | None = None, conv_impl: str = "auto", rng=None):
+        self.mode, self.train, self.hooks, self.sample_mask, self.rng = mode, train, hooks, sample_mask, rng
         self.probes, self.conv_impl = probes, conv_impl
         self.bn_of = bn_of or {}          # BatchNorm path -> the layer path it follows
         self.deferred = set(self.bn_of.values())
@@ -278,7 +332,7 @@ def _linen_parts(module, train_kwargs):
                 return calls.batch_norm(path, x, original)
             if isinstance(m, nn.Dropout):
                 # The engine passes no dropout keys: without one the layer is the identity.
-                if calls.mode == "run" and calls.train and getattr(calls, "rng", None) is not None:
+                if calls.mode == "run" and calls.train and calls.rng is not None:
                     return next_fun(*args, **{**kwargs, "deterministic": False})
                 return args[0]
             return next_fun(*args, **kwargs)
@@ -287,10 +341,9 @@ def _linen_parts(module, train_kwargs):
     def init(key, x):
         return module.init({"params": key}, x, **train_kwargs(False))
 
-    def apply(nested: dict, x, calls: _Calls, train: bool, rng=None):
+    def apply(nested: dict, x, calls: _Calls, train: bool):
         mutable = ["batch_stats"] if train and nested.get("batch_stats") else False
-        rngs = {"dropout": rng} if rng is not None else None
-        calls.rng = rng  # type: ignore[attr-defined]
+        rngs = {"dropout": calls.rng} if calls.rng is not None else None
         with intercepted(calls), _zoo_max_pool():
             out = module.apply(nested, x, **train_kwargs(train), rngs=rngs, mutable=mutable)
         if mutable:
@@ -328,9 +381,8 @@ def _nnx_parts(module, train_kwargs):
                 self, x, use_running_average=ura, mask=mask))
 
         def dropout(self, x, *a, **k):
-            rng = getattr(calls, "rng", None)
-            if calls.mode == "run" and calls.train and rng is not None:
-                return originals[nnx.Dropout](self, x, deterministic=False, rngs=rng)
+            if calls.mode == "run" and calls.train and calls.rng is not None:
+                return originals[nnx.Dropout](self, x, deterministic=False, rngs=calls.rng)
             return x
         patched = {nnx.Linear: linear, nnx.Conv: conv, nnx.BatchNorm: batch_norm, nnx.Dropout: dropout}
         try:
@@ -356,9 +408,8 @@ def _nnx_parts(module, train_kwargs):
         del key, x
         return {"params": nnx.to_pure_dict(params_state), "batch_stats": nnx.to_pure_dict(stats_state)}
 
-    def apply(nested: dict, x, calls: _Calls, train: bool, rng=None):
+    def apply(nested: dict, x, calls: _Calls, train: bool):
         merged = merge(nested)
-        calls.rng = rng  # type: ignore[attr-defined]
         with intercepted(calls, merged), _zoo_max_pool():
             logits = merged(x, **train_kwargs(train))
         stats = nnx.to_pure_dict(nnx.state(merged, nnx.BatchStat)) if nested.get("batch_stats") else {}
@@ -410,7 +461,7 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
 
     nested0 = jax.eval_shape(lambda k: init_nested(k, jnp.zeros((1,) + input_shape, jnp.float32)),
                              jax.random.PRNGKey(0))
-    nested0 = jax.tree_util.tree_map(lambda a: a, dict(nested0))
+    nested0 = dict(nested0)
     extra = sorted(set(nested0) - {"params", "batch_stats"})
     if extra and any(jax.tree_util.tree_leaves(nested0[c]) for c in extra):
         raise ValueError(f"from_flax: {model_name} has variable collections {extra}; only 'params' and "
@@ -444,7 +495,7 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
         raise ValueError(f"from_flax: {model_name} returns {classes} logits per example but the data has "
                          f"{num_classes} classes; set the last layer's features to {num_classes}")
     names = [entry_name(r.path) for r in record.recorded]
-    bn_of = {bn: layer for bn, layer in record.bn_after.items()}
+    bn_of = dict(record.bn_after)
 
     # 2. Which layer feeds which: each layer's output replaced by a probe.
     probe_avals = [jax.ShapeDtypeStruct(r.out_shape, jnp.float32) for r in record.recorded]
@@ -475,9 +526,10 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     def apply_fn(variables, x, *, train, hooks, sample_mask, rng):
         params = {k: ({**v, "kernel": hooks.kernel(k, v["kernel"])} if k in layer_names else v)
                   for k, v in variables["params"].items()}
-        calls = _Calls("run", train=train, hooks=hooks, sample_mask=sample_mask, bn_of=bn_of, conv_impl=conv_impl)
+        calls = _Calls("run", train=train, hooks=hooks, sample_mask=sample_mask, bn_of=bn_of, conv_impl=conv_impl,
+                       rng=rng)
         logits, stats = apply_nested(to_nested({"params": params, "batch_stats": variables.get("batch_stats", {})}),
-                                     x, calls, train, rng)
+                                     x, calls, train)
         return logits, to_flat(stats) if stats else dict(variables.get("batch_stats", {}))
 
     return Model(model_name, input_shape, classes, tuple(infos), init_fn, apply_fn, sequential=sequential,
@@ -491,4 +543,4 @@ def _plain(tree):
     return tree
 
 
-__all__ = ["direct_sources", "entry_name", "from_flax", "link_layers"]
+__all__ = ["direct_sources", "entry_name", "from_flax", "layers_from_hooks", "link_layers"]
