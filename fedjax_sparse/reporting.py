@@ -119,15 +119,15 @@ def plot_runs(paths, out: str | Path, *, x: str | None = None, y: str | None = N
     """Draws the runs' curves into ``out`` (PNG/PDF/SVG by its suffix). Returns the path."""
     runs = load_runs(paths)
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        # A Figure of its own (no pyplot): the process's backend (a notebook's inline one) is untouched.
+        from matplotlib.figure import Figure
     except ImportError:
         raise RunError("plot needs matplotlib: pip install 'fedjax_sparse[plot]'") from None
     views = _views(runs, x, y)
     cols = min(len(views), 2)
     rows_ = math.ceil(len(views) / cols)
-    fig, axes = plt.subplots(rows_, cols, figsize=(5.6 * cols, 4 * rows_), squeeze=False)
+    fig = Figure(figsize=(5.6 * cols, 4 * rows_))
+    axes = fig.subplots(rows_, cols, squeeze=False)
     for ax, (xk, yk) in zip(axes.ravel(), views):
         for run in runs:
             points = [(a, b) for a, b in zip(run.series(xk), run.series(yk)) if a is not None and b is not None]
@@ -149,7 +149,6 @@ def plot_runs(paths, out: str | Path, *, x: str | None = None, y: str | None = N
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
-    plt.close(fig)
     return out
 
 

@@ -50,6 +50,19 @@ def test_quickstart_notebook(monkeypatch):
     assert checks["local_uplink_bits"] == 0 < checks["fedavg_uplink_bits"]
 
 
+def test_your_model_and_data_notebook(monkeypatch):
+    checks = execute("your_model_and_data", monkeypatch)
+    assert checks["layers"] == {"linen_cnn": 4, "nnx_residual": 3}
+    assert checks["sequential"] == {"linen_cnn": True, "nnx_residual": False}
+    assert checks["client_names"] >= 2
+    assert checks["spafl_uplink_is_32_bits_per_unit"]       # thresholds only: 32 x out_units x clients per round
+    assert set(checks["final_accuracy"]) == {"cnn_spafl", "cnn_fedavg", "cnn_feddrop", "residual_spafl",
+                                             "residual_fedavg", "cnn_server_momentum"}
+    assert all(0.0 <= a <= 1.0 for a in checks["final_accuracy"].values())
+    assert checks["custom_rounds"] >= 2 and checks["custom_uplink_bits"] > 0
+    assert checks["feddrop_refused_residual"] and checks["table_rows"] == 6
+
+
 def test_spafl_notebook(monkeypatch):
     checks = execute("spafl", monkeypatch)
     assert checks["evaluations"] >= 2 and checks["layers"]

@@ -105,3 +105,16 @@ def test_progress_off_a_terminal_prints_one_line_per_tenth(capsys):
     bar.close()
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 11 and lines[-1].startswith("round 100/100 | acc 50.00%")
+
+
+def test_plot_runs_leaves_the_process_backend_alone(tmp_path):
+    # A notebook's inline backend must survive fjs.plot_runs (matplotlib.use("Agg") used to replace it).
+    matplotlib = pytest.importorskip("matplotlib")
+    from fedjax_sparse.reporting import plot_runs
+    a = fake_run(tmp_path / "a", dict(algorithm="spafl", seed=1), [row(1, 0.5, 1e6, 1e6, 1e12, 0.7)])
+    matplotlib.use("svg")
+    try:
+        plot_runs([a], tmp_path / "fig.png")
+        assert matplotlib.get_backend().lower() == "svg" and (tmp_path / "fig.png").stat().st_size > 5_000
+    finally:
+        matplotlib.use("Agg")
