@@ -52,9 +52,11 @@ def _pid_alive(pid: int) -> bool:
 class OutputLock:
     """Exclusive use of an output folder by one run (a context manager; released on exit)."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, remove_if_empty: bool = False):
         self.path = Path(out) / LOCK
         self.held = False
+        # The run created the folder: a run refused before writing anything leaves no empty folder behind.
+        self.remove_if_empty = remove_if_empty
 
     def acquire(self) -> "OutputLock":
         info = {"pid": os.getpid(), "host": socket.gethostname(),
@@ -97,6 +99,11 @@ class OutputLock:
         if self.held:
             self.path.unlink(missing_ok=True)
             self.held = False
+            if self.remove_if_empty:
+                try:
+                    self.path.parent.rmdir()  # only when empty
+                except OSError:
+                    pass
 
     def __enter__(self) -> "OutputLock":
         return self.acquire()
@@ -111,11 +118,12 @@ def locked_out_dir(out: Path) -> OutputLock:
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise RunError(f"--out {out} exists and is not a directory; choose another --out")
+    created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise RunError(f"cannot create --out {out} ({e.strerror}); choose a writable --out") from None
-    return OutputLock(out)
+    return OutputLock(out, remove_if_empty=created)
 
 
 # ---------------------------------------------------------------- metrics
@@ -270,8 +278,44 @@ def _load_legacy(path: Path, template: EngineState) -> tuple[EngineState, dict]:
 
 
 # ---------------------------------------------------------------- the folder
+# What a run that stopped before its first checkpoint (diverged at its first evaluation, failed,
+# killed) leaves: its config.json, the metrics and logs of that evaluation, an unfinished checkpoint
+# folder. Nothing there can be resumed, so a fresh run may take the folder over.
+FAILED_START_FILES = ("config.json", "metrics.jsonl", "metrics.jsonl.tmp", "metrics.csv", "metrics.csv.tmp", LOCK)
+FAILED_START_DIRS = (CHECKPOINT_DIR, "tensorboard")
+
+
+def failed_start(out: Path) -> bool:
+    """Whether ``out`` holds only what a run that stopped before its first checkpoint leaves: a run's
+    config.json, no checkpoint, no summary.json, and nothing but the files in ``FAILED_START_FILES``
+    and ``FAILED_START_DIRS``."""
+    out = Path(out)
+    if not (out / "config.json").is_file() or has_checkpoint(out):
+        return False
+    for path in out.iterdir():
+        if not ((path.name in FAILED_START_FILES and path.is_file())
+                or (path.name in FAILED_START_DIRS and path.is_dir())):
+            return False
+    try:
+        recorded = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(recorded, dict) and isinstance(recorded.get("config"), dict)  # written by a run
+
+
+def _clear_failed_start(out: Path) -> None:
+    import shutil
+    for name in FAILED_START_FILES:
+        if name != LOCK:
+            (out / name).unlink(missing_ok=True)
+    for name in FAILED_START_DIRS:
+        shutil.rmtree(out / name, ignore_errors=True)
+
+
 def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
-    """Checks ``out`` for the requested mode and creates it; removes nothing (see ``clear_outputs``)."""
+    """Checks ``out`` for the requested mode and creates it. Removes nothing of a run that finished or
+    can be resumed (see ``clear_outputs``); a run that stopped before its first checkpoint (see
+    ``failed_start``) is replaced by a fresh run, with a notice."""
     if out.exists() and not out.is_dir():
         raise RunError(f"--out {out} exists and is not a directory; choose another --out")
     if resume:
@@ -279,9 +323,35 @@ def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
             raise RunError(f"nothing to resume in {out}: no checkpoint there; run without --resume")
         return
     if out.exists() and any(p.name != LOCK for p in out.iterdir()) and not overwrite:
-        raise RunError(f"output directory {out} is not empty (it holds a previous run); pass --resume "
-                       "to continue it, --overwrite to replace it, or choose another --out")
+        if failed_start(out):
+            print(f"notice: {out} held only a failed start (config.json and metrics of a run stopped before its "
+                  "first checkpoint: nothing to resume); this run replaces it", file=sys.stderr)
+            _clear_failed_start(out)
+        else:
+            what, fix = _holds(out)
+            raise RunError(f"output directory {out} is not empty (it holds {what}); {fix}")
     out.mkdir(parents=True, exist_ok=True)
+
+
+def _holds(out: Path) -> tuple[str, str]:
+    """What a refused --out holds, and the flags that take the folder over (for the message)."""
+    if (out / "summary.json").is_file():
+        return ("a finished run", "pass --resume with a larger --rounds to extend it, --overwrite to replace it, or "
+                "choose another --out")
+    if has_checkpoint(out):
+        try:
+            rows = read_metrics(out)
+        except RunError:
+            rows = []
+        if rows and rows[-1].get("loss") is None:
+            # Diverged (its NaN loss is written as null): a resume would repeat the same rounds.
+            return (f"a run that diverged at round {rows[-1]['round']}",
+                    "pass --overwrite to replace it with this run, or choose another --out")
+        return ("a run stopped after a checkpoint",
+                "pass --resume to continue it, --overwrite to replace it, or choose another --out")
+    others = sorted(p.name for p in out.iterdir() if p.name not in FAILED_START_FILES + FAILED_START_DIRS)
+    return (f"files no run writes: {', '.join(others[:5])}" if others else "the files of a previous run",
+            "choose another --out, or pass --overwrite to start a run there (it removes only a run's files)")
 
 
 def clear_outputs(out: Path) -> None:

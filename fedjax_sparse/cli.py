@@ -64,11 +64,14 @@ RUN_FLAGS = [
 ]
 
 
+KEY_VALUE_FLAGS = ("--option", "--model-option")
+
+
 def _key_values(pairs, flag):
     out = {}
     for pair in pairs or []:
         if "=" not in pair:
-            raise ValueError(f"{flag} expects KEY=VALUE, got {pair!r}")
+            raise ValueError(f"{flag} takes KEY=VALUE, got {pair!r}: write {flag} {pair}=VALUE")
         key, value = pair.split("=", 1)
         out[key.strip()] = value.strip()
     return out
@@ -212,6 +215,11 @@ def cmd_run(args) -> int:
                                for k, v in _key_values(args.model_option, "--model-option").items()}}
     if args.resume and not config.out:
         raise ValueError("--resume needs --out pointing at the interrupted run's directory")
+    if not args.resume:
+        # The whole configuration is checked before anything is loaded or written (a resumed run's
+        # configuration is the recorded one, checked once merged).
+        from fedjax_sparse.config import validate
+        validate(config)
     if args.seeds is not None:
         if processes > 1:
             raise ValueError("--seeds runs in one process; launch one multi-process run per --seed instead")
@@ -281,6 +289,8 @@ def cmd_list(args) -> int:
         fields = dataclasses.fields(algorithm_options(name))
         options = ", ".join(f"{f.name}: {type(f.default).__name__} = {f.default!r}" for f in fields)
         print(f"  {name:<24} {options or '(no options)'}")
+    from fedjax_sparse.config import wrappable_algorithms
+    print("--aggregator / --attack wrap: " + ", ".join(wrappable_algorithms()) + " (their clients send float updates)")
     print("datasets:   " + ", ".join(datasets.DATASETS))
     print("models:     " + ", ".join(model_names()))
     print("partitions: " + ", ".join(PARTITION_SCHEMES))
@@ -302,7 +312,34 @@ def cmd_report(args) -> int:
     return 0
 
 
+def key_value_problem(argv: list[str]) -> str | None:
+    """``--option momentum 0.9`` (a space for the ``=``): argparse would answer "unrecognized
+    arguments: 0.9". The one-line message saying how to write it, or None."""
+    for i, token in enumerate(argv):
+        flag, sep, value = token.partition("=")
+        if flag not in KEY_VALUE_FLAGS:
+            continue
+        if not sep:
+            if i + 1 >= len(argv):
+                return None  # argparse's "expected one argument"
+            value = argv[i + 1]
+            after = argv[i + 2] if i + 2 < len(argv) else None
+        else:
+            after = argv[i + 1] if i + 1 < len(argv) else None
+        if "=" in value or value.startswith("--"):
+            continue
+        if after is not None and not after.startswith("--"):
+            return f"{flag} takes KEY=VALUE, got {value!r} followed by {after!r}: write {flag} {value}={after}"
+        return f"{flag} takes KEY=VALUE, got {value!r}: write {flag} {value}=VALUE"
+    return None
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    problem = key_value_problem(argv)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     args = _parser().parse_args(argv)
     from fedjax_sparse.data.datasets import DataError
     try:

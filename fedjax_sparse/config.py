@@ -7,7 +7,7 @@ import math
 import types
 import typing
 
-from fedjax_sparse.algorithms.registry import algorithm_names, resolve_options
+from fedjax_sparse.algorithms.registry import algorithm_names, resolve_options, wrapper_refusal
 from fedjax_sparse.data.federated import PREPROCESSING
 from fedjax_sparse.engine import CLIENT_PARALLELISM
 from fedjax_sparse.evaluation import PERSONAL_EVAL_MODES
@@ -172,6 +172,9 @@ def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()
         raise RunError(f"unknown --attack {config.attack!r}; valid: {', '.join(WRAPPER_ATTACKS)}")
     if config.attack is not None and not 0.0 < config.malicious_fraction < 1.0:
         raise RunError(f"--attack needs --malicious-fraction in (0, 1), got {config.malicious_fraction}")
+    if config.attack is not None and math.floor(config.malicious_fraction * config.num_clients) == 0:
+        raise RunError(f"--malicious-fraction {config.malicious_fraction} of --num-clients {config.num_clients} "
+                       f"makes no client malicious; raise it to at least {1 / config.num_clients:.3g}")
     if not 0.0 <= config.trim_fraction < 0.5:
         raise RunError(f"--trim-fraction must be in [0, 0.5), got {config.trim_fraction}")
     if config.personal_eval not in PERSONAL_EVAL_MODES:
@@ -202,6 +205,30 @@ def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()
                            "options already: drop RunConfig.options")
         return None
     try:
-        return resolve_options(config.algorithm, config.options)
+        options = resolve_options(config.algorithm, config.options)
     except ValueError as e:
         raise RunError(str(e)) from None
+    check_wrappers(config, options)
+    return options
+
+
+def wrappable_algorithms() -> list[str]:
+    """The registered algorithms (with their default options) that ``--aggregator`` and ``--attack`` can
+    wrap: those whose clients send float updates (see ``register_algorithm(..., unwrappable=)``)."""
+    return [name for name in algorithm_names() if wrapper_refusal(name) is None]
+
+
+def check_wrappers(config: RunConfig, options) -> None:
+    """One-line RunError when ``--aggregator`` / ``--attack`` cannot wrap the named algorithm with these
+    options, from what the algorithm declares (its clients' messages), before anything is built."""
+    given = [(flag, value) for flag, value in (("--aggregator", config.aggregator), ("--attack", config.attack))
+             if value is not None]
+    if not given:
+        return
+    reason = wrapper_refusal(config.algorithm, options)
+    if reason is None:
+        return
+    wrappers = " and ".join(f"{flag} {value}" for flag, value in given)
+    flags = " and ".join(flag for flag, _ in given)
+    raise RunError(f"{wrappers} cannot wrap {config.algorithm}: {reason}; drop {flags}, or wrap an algorithm "
+                   f"whose clients send float updates: {', '.join(wrappable_algorithms())}")

@@ -34,6 +34,29 @@ class RunRecord:
     summary: dict
     label: str = ""
 
+    @property
+    def reached(self) -> int:
+        """The last round the run recorded (its last metrics row)."""
+        if self.rows:
+            return int(self.rows[-1]["round"])
+        return int(self.summary.get("rounds") or 0)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run wrote its summary.json at the rounds its config.json asks for (a run still
+        in progress, stopped or failed has no summary; a finished run resumed with a larger
+        --rounds keeps its old summary until it finishes again)."""
+        planned = self.config.get("rounds")
+        return bool(self.summary) and not (isinstance(planned, int) and self.reached < planned)
+
+    @property
+    def progress(self) -> str:
+        """"" for a finished run, else e.g. "round 37/100" (the rounds reached, of the planned)."""
+        if self.finished:
+            return ""
+        planned = self.config.get("rounds")
+        return f"round {self.reached}/{planned}" if isinstance(planned, int) else f"round {self.reached}"
+
     def series(self, key: str) -> list:
         """Per-evaluation values of a metrics.jsonl key or a derived one (``gbit``, ``tflops``);
         None where a row lacks it."""
@@ -99,8 +122,22 @@ def legend_labels(configs: list[dict], paths: list[Path]) -> list[str]:
     return labels
 
 
+def plot_keys(runs: list[RunRecord]) -> list[str]:
+    """The keys ``plot --x`` / ``--y`` accept for these runs: those of their metrics.jsonl rows (in
+    first-seen order) and the derived ``gbit`` and ``tflops``."""
+    keys = ["round"]
+    for run in runs:
+        for row in run.rows:
+            keys += [k for k in row if k not in keys]
+    return keys + [k for k in DERIVED if k not in keys]
+
+
 def _views(runs: list[RunRecord], x: str | None, y: str | None) -> list[tuple[str, str]]:
     if x or y:
+        valid = plot_keys(runs)
+        for flag, key in (("--x", x), ("--y", y)):
+            if key is not None and key not in valid:
+                raise RunError(f"unknown {flag} {key!r}; valid keys for these runs: {', '.join(valid)}")
         return [(x or "round", y or "accuracy")]
     views = [("round", "accuracy"), ("gbit", "accuracy"), ("tflops", "accuracy")]
     if any(v is not None and v < 1.0 for run in runs for v in run.series("density")):  # some run is sparse
@@ -118,12 +155,12 @@ def _axis_label(key: str) -> str:
 def plot_runs(paths, out: str | Path, *, x: str | None = None, y: str | None = None, title: str | None = None) -> Path:
     """Draws the runs' curves into ``out`` (PNG/PDF/SVG by its suffix). Returns the path."""
     runs = load_runs(paths)
+    views = _views(runs, x, y)   # unknown keys are refused before anything is drawn
     try:
         # A Figure of its own (no pyplot): the process's backend (a notebook's inline one) is untouched.
         from matplotlib.figure import Figure
     except ImportError:
         raise RunError("plot needs matplotlib: pip install 'fedjax_sparse[plot]'") from None
-    views = _views(runs, x, y)
     cols = min(len(views), 2)
     rows_ = math.ceil(len(views) / cols)
     fig = Figure(figsize=(5.6 * cols, 4 * rows_))
@@ -135,7 +172,9 @@ def plot_runs(paths, out: str | Path, *, x: str | None = None, y: str | None = N
                 continue
             xs, ys = zip(*points)
             scale = 100.0 if yk.endswith("accuracy") else 1.0
-            ax.plot(xs, [scale * v for v in ys], marker="." if len(xs) < 30 else None, label=run.label)
+            # An unfinished run's curve is marked in the legend: its last point is not its final one.
+            label = run.label + (f" ({run.progress}, running or stopped)" if run.progress else "")
+            ax.plot(xs, [scale * v for v in ys], marker="." if len(xs) < 30 else None, label=label)
         ax.set_xlabel(_axis_label(xk))
         ax.set_ylabel(_axis_label(yk))
         _scale_x(ax, [v for run in runs for v in run.series(xk) if isinstance(v, (int, float))])
@@ -169,25 +208,30 @@ def _pct(value) -> str:
 
 
 def report_table(paths) -> str:
-    """A markdown table of the runs: final and best accuracy, Gbit, TFLOPs, density, rounds/s."""
+    """A markdown table of the runs: final and best accuracy, Gbit, TFLOPs, density, rounds/s. A run
+    without summary.json, or short of its config's rounds, is marked "round R/T (running or stopped)"."""
     runs = load_runs(paths)
-    lines = ["| run | rounds | final acc % (std) | best acc % (round) | Gbit (up+down) | TFLOPs | density | rounds/s |",
+    # A run still in progress (or stopped) has no final numbers: its row says how far it got, and the
+    # column then names its numbers the latest ones.
+    final = "final acc % (std)" if all(run.finished for run in runs) else "final (or latest) acc % (std)"
+    lines = [f"| run | rounds | {final} | best acc % (round) | Gbit (up+down) | TFLOPs | density | rounds/s |",
              "|---|---|---|---|---|---|---|---|"]
     for run in runs:
+        rounds = f"{run.progress} (running or stopped)" if run.progress else str(run.reached)
         if not run.rows:
-            lines.append(f"| {run.label} | 0 | – | – | – | – | – | – |")
+            lines.append(f"| {run.label} | {rounds} | – | – | – | – | – | – |")
             continue
         last = run.rows[-1]
         evaluated = [r for r in run.rows if r.get("accuracy") is not None]
         best = max(evaluated, key=lambda r: r["accuracy"]) if evaluated else None
         std = last.get("accuracy_std")
-        final = _pct(last.get("accuracy")) + ("" if std is None else f" ({100 * std:.2f})")
+        acc = _pct(last.get("accuracy")) + ("" if std is None else f" ({100 * std:.2f})")
         best_s = "–" if best is None else f"{_pct(best['accuracy'])} ({best['round']})"
         gbit = _safe(DERIVED["gbit"][1], last)
         tflops = _safe(DERIVED["tflops"][1], last)
         rate = run.summary.get("rounds_per_second_after_first_chunk")
         density = last.get("density_all_clients", last.get("density"))
-        lines.append(f"| {run.label} | {last['round']} | {final} | {best_s} | "
+        lines.append(f"| {run.label} | {rounds} | {acc} | {best_s} | "
                      f"{'–' if gbit is None else f'{gbit:.4g}'} | {'–' if tflops is None else f'{tflops:.4g}'} | "
                      f"{'–' if density is None else f'{density:.3f}'} | {'–' if rate is None else f'{rate:.3g}'} |")
     return "\n".join(lines) + "\n"

@@ -1,7 +1,11 @@
 """Composition: robust aggregators and model-poisoning attacks as wrappers around
 any algorithm whose client messages are float pytrees (FedAvg, FedAvgM,
 FedProx, SCAFFOLD, SpaFL's thresholds, FedDrop's models...), so every attack
-meets every aggregator.
+meets every aggregator. An algorithm whose clients send something else (FSL's
+integer rankings, SignSGD's signs, FedPM's masks, HeteroFL's and FjORD's
+sub-models, nothing at all for Local) declares it when it registers
+(``register_algorithm(..., unwrappable=...)``), and ``config.validate`` refuses
+``--aggregator`` / ``--attack`` around it in one line before anything is built.
 
     alg = with_attack(with_aggregator(make_algorithm("spafl", task), "trimmed_mean"),
                       "min_max", malicious_fraction=0.2, seed=0)
@@ -40,6 +44,9 @@ WRAPPER_ATTACKS = ("min_max",)
 def flatten_messages(messages):
     """Stacked messages (leaves [K, ...], all floating) -> ([K, P] float32, unravel of one row)."""
     leaves = jax.tree_util.tree_leaves(messages)
+    if not leaves:
+        raise TypeError("robust wrappers need client messages, but the clients send nothing (e.g. Local, SpaFL "
+                        "with share_thresholds=false); wrap an algorithm whose clients send float updates")
     bad = [leaf.dtype for leaf in leaves if not jnp.issubdtype(leaf.dtype, jnp.floating)]
     if bad:
         raise TypeError(f"robust wrappers need float client messages, got dtypes {sorted(set(map(str, bad)))} "

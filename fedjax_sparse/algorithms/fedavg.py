@@ -95,7 +95,7 @@ def fedavg(task: Task, *, momentum, weight_decay, server_lr, weighted, clip_norm
 LOCAL_OPTIONS = dict(momentum=0.0, weight_decay=0.0, clip_norm=0.0)
 
 
-@register_algorithm("local", LOCAL_OPTIONS)
+@register_algorithm("local", LOCAL_OPTIONS, unwrappable="its clients send nothing (each trains alone)")
 def local(task: Task, *, momentum, weight_decay, clip_norm) -> Algorithm:
     model = task.model
     optimizer = sgd(task.lr, momentum, weight_decay, clip_norm or None)

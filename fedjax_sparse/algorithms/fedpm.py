@@ -116,7 +116,8 @@ class FedPMMessage(NamedTuple):
     mask: dict          # {layer: bool, one Bernoulli(sigmoid(s)) sample}
 
 
-@register_algorithm("fedpm", FedPMOptions)
+@register_algorithm("fedpm", FedPMOptions, unwrappable="its clients send binary masks (booleans), not float "
+                    "updates, which the server counts into a Beta posterior")
 def fedpm(task: Task, *, weight_scale: float, estimator: str, epsilon: float, eval_mask: str) -> Algorithm:
     if estimator not in ESTIMATORS:
         raise ValueError(f"fedpm: unknown estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")

@@ -38,7 +38,7 @@ import optax
 
 from fedjax_sparse import accounting
 from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics
-from fedjax_sparse.algorithms.heterofl import HeteroFLMessage, WidthLayout, per_entry_mean
+from fedjax_sparse.algorithms.heterofl import WIDTH_UNWRAPPABLE, HeteroFLMessage, WidthLayout, per_entry_mean
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import sgd
 from fedjax_sparse.models.base import Model
@@ -94,7 +94,7 @@ class FjORDServerState(NamedTuple):
     variables: dict   # the global (full-width) model
 
 
-@register_algorithm("fjord", FjORDOptions)
+@register_algorithm("fjord", FjORDOptions, unwrappable=WIDTH_UNWRAPPABLE)
 def fjord(task: Task, *, p_min: float, p_max: float, eval_rate: float, momentum: float,
           weighted: bool, sliced: bool) -> Algorithm:
     if not 0.0 < p_min <= p_max <= 1.0:

@@ -127,8 +127,12 @@ def fsl_local_step(model, optimizer: optax.GradientTransformation, params: dict,
     scores = jax.tree_util.tree_map(lambda s, u: s - lr * u, scores, updates)
     return (scores, opt_state), loss
 
+# Why --aggregator / --attack (algorithms.compose) cannot wrap FSL: it has its own vote and attack.
+FSL_UNWRAPPABLE = ("its clients send rankings (integers), not float updates, and the server votes on them "
+                   "(FSL has its own attack: --option malicious_fraction=F)")
 
-@register_algorithm("fsl", FSL_OPTIONS)
+
+@register_algorithm("fsl", FSL_OPTIONS, unwrappable=FSL_UNWRAPPABLE)
 def fsl(task: Task, *, subnet_fraction, upload_fraction, weight_init, mask_by, momentum, weight_decay,
         lr_decay, lr_schedule, malicious_fraction, attack, attacker_knowledge, attacker_clients, malicious_seed,
         name="fsl") -> Algorithm:
@@ -223,7 +227,7 @@ def fsl(task: Task, *, subnet_fraction, upload_fraction, weight_init, mask_by, m
                      extra_clients=attacker_training if attacking and population else None)
 
 
-@register_algorithm("sfsl", dict(FSL_OPTIONS, upload_fraction=0.5))
+@register_algorithm("sfsl", dict(FSL_OPTIONS, upload_fraction=0.5), unwrappable=FSL_UNWRAPPABLE)
 def sfsl(task: Task, **options) -> Algorithm:
     """Sparse-FSL: FSL whose clients upload only their top ``upload_fraction`` ranks."""
     return fsl(task, name="sfsl", **options)

@@ -337,8 +337,12 @@ class HeteroFLMessage(NamedTuple):
     counts: jax.Array   # [L] int32 kept output channels (the client's level)
     variables: dict     # the client's model (only the held entries are read)
 
+# Why --aggregator / --attack (algorithms.compose) cannot wrap the width-scaled algorithms (FjORD too).
+WIDTH_UNWRAPPABLE = ("its clients send sub-models of different widths with their integer widths, which the "
+                     "server averages entry by entry over the clients holding each entry")
 
-@register_algorithm("heterofl", HeteroFLOptions)
+
+@register_algorithm("heterofl", HeteroFLOptions, unwrappable=WIDTH_UNWRAPPABLE)
 def heterofl(task: Task, *, rates: str, eval_rate: float, momentum: float, weighted: bool,
              sliced: bool) -> Algorithm:
     model = task.model

@@ -7,6 +7,13 @@ from ``--option KEY=VALUE``, or JSON values from a config file) into an
 instance of it, coercing strings to the field's type and rejecting unknown
 keys and wrong types with a one-line error that names the flag. A builder is
 ``make(task, **options) -> Algorithm``.
+
+An algorithm also declares whether the composition wrappers (``--aggregator``,
+``--attack``: :mod:`fedjax_sparse.algorithms.compose`) apply to it. They need
+client messages that are non-empty float pytrees the server averages; an
+algorithm whose clients send something else (integer rankings, signs, masks,
+nothing at all) registers ``unwrappable=`` with the reason, so ``config.validate``
+refuses the combination in one line before anything is built.
 """
 from __future__ import annotations
 
@@ -21,6 +28,9 @@ class AlgorithmEntry:
     name: str
     builder: Callable[..., Algorithm]
     options: type   # a frozen dataclass
+    # Why --aggregator / --attack cannot wrap it ("its clients send ..."), as a function of its
+    # options instance (None: they can); None: its clients always send float updates.
+    unwrappable: Callable[[Any], str | None] | None = None
 
     @property
     def defaults(self) -> dict:
@@ -39,9 +49,16 @@ def options_class(name: str, defaults: dict) -> type:
     return cls
 
 
-def register_algorithm(name: str, options: type | dict | None = None):
+def register_algorithm(name: str, options: type | dict | None = None, *,
+                       unwrappable: str | Callable[[Any], str | None] | None = None):
     """Registers ``builder(task, **options)`` under ``name``. ``options``: a frozen
-    dataclass type, or a dict of defaults (a dataclass is made from it)."""
+    dataclass type, or a dict of defaults (a dataclass is made from it).
+
+    ``unwrappable``: leave it None when the clients send float pytrees that the server
+    averages (the robust aggregators and attacks of ``compose`` then apply); otherwise the
+    reason they cannot, starting "its clients send ..." (e.g. "its clients send rankings
+    (integers), not float updates"), or a function of the options instance returning that
+    reason or None (when only some options change what is sent)."""
     if options is None or isinstance(options, dict):
         options = options_class(name, dict(options or {}))
     if not dataclasses.is_dataclass(options):
@@ -54,7 +71,8 @@ def register_algorithm(name: str, options: type | dict | None = None):
             # The same definition again (a re-run notebook cell) replaces the entry; another one is refused.
             raise ValueError(f"algorithm {name!r} is already registered by {old.builder.__module__}."
                              f"{old.builder.__qualname__}; choose another name")
-        _REGISTRY[name] = AlgorithmEntry(name, builder, options)
+        refusal = (lambda _options: unwrappable) if isinstance(unwrappable, str) else unwrappable
+        _REGISTRY[name] = AlgorithmEntry(name, builder, options, refusal)
         return builder
     return wrap
 
@@ -75,6 +93,13 @@ def algorithm_defaults(name: str) -> dict:
 def algorithm_entry(name: str) -> AlgorithmEntry:
     """The registered builder and options of ``name``."""
     return _entry(name)
+
+
+def wrapper_refusal(name: str, options: Any = None) -> str | None:
+    """Why ``--aggregator`` / ``--attack`` cannot wrap algorithm ``name`` with these options
+    ("its clients send ..."), or None when they can (see ``register_algorithm``)."""
+    entry = _entry(name)
+    return None if entry.unwrappable is None else entry.unwrappable(resolve_options(name, options))
 
 
 def _entry(name: str) -> AlgorithmEntry:

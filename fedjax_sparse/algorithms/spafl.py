@@ -476,10 +476,17 @@ def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum,
 
 
 
+def _spafl_unwrappable(options) -> str | None:
+    """--aggregator / --attack wrap the shared thresholds; without sharing nothing is sent."""
+    if options.share_thresholds:
+        return None
+    return "its clients send nothing (share_thresholds=false: each prunes on its own)"
+
+
 def _register(name: str, **overrides):
     defaults = {**SPAFL_OPTIONS, **overrides}
 
-    @register_algorithm(name, defaults)
+    @register_algorithm(name, defaults, unwrappable=_spafl_unwrappable)
     def builder(task: Task, **options) -> Algorithm:
         return build_spafl(task, name=name, **options)
     return builder

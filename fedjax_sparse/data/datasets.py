@@ -197,11 +197,28 @@ def _check_md5(dataset: str, path: Path, raw: bytes, verify: bool, display: str 
         return
     got = hashlib.md5(raw).hexdigest()
     if got != expected:
+        owner = _owner_of(got)
+        if owner is not None and owner != (dataset, path.name):
+            # Another dataset's original file (--data-dir at the wrong folder, or the wrong --dataset).
+            other, other_file = owner
+            raise DataError(
+                f"{display or path}: these are {other}'s {other_file}: use --dataset {other}, "
+                f"or point --data-dir at {dataset}'s files"
+            )
         raise DataError(
             f"{display or path}: checksum mismatch: expected {expected}, got {got}; "
             "re-download the original file (or, for a re-packed copy, set \"dataset_options\": "
             "{\"verify_checksums\": false} in a --config file; API: verify_checksums=False)"
         )
+
+
+def _owner_of(md5: str) -> tuple[str, str] | None:
+    """The dataset and file name whose published checksum is ``md5`` (see ``KNOWN_MD5``), or None."""
+    for dataset, files in KNOWN_MD5.items():
+        for name, digest in files.items():
+            if digest == md5:
+                return dataset, name
+    return None
 
 
 def _read_bytes(path: Path) -> bytes:
