@@ -174,35 +174,69 @@ def has_checkpoint(out: str | Path) -> bool:
     return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
 
 
-def _manager(out: Path):
+def _manager(out: Path, asynchronous: bool = False):
     import orbax.checkpoint as ocp
     options = ocp.CheckpointManagerOptions(max_to_keep=KEEP_CHECKPOINTS, create=True,
-                                           enable_async_checkpointing=False)
+                                           enable_async_checkpointing=asynchronous)
     return ocp.CheckpointManager((out / CHECKPOINT_DIR).absolute(), options=options)
 
 
+class Checkpointer:
+    """One run's checkpoints. Each save takes a host copy of the state (the device buffers go on to
+    the next chunk) and, with ``asynchronous``, orbax writes it while the next chunk runs; the next
+    save, :meth:`wait` and :meth:`close` wait for the write. Synchronous with several processes and
+    with a host population (whose rows the next chunk updates in place)."""
+
+    def __init__(self, out: Path, asynchronous: bool = True):
+        self.out = Path(out)
+        if self.out.suffix == ".npz":  # the old call form save_checkpoint(OUT / "checkpoint.npz", ...)
+            self.out = self.out.parent
+        self.asynchronous = asynchronous and jax.process_count() == 1
+        self._manager: Any = None   # an orbax CheckpointManager, opened by the first save
+
+    def save(self, state: EngineState, totals: dict, population=None) -> None:
+        """A new generation for round ``totals["round"]`` (atomic; the previous one is kept)."""
+        import orbax.checkpoint as ocp
+        asynchronous = self.asynchronous and population is None
+        if self._manager is None:
+            self._manager = _manager(self.out, asynchronous=self.asynchronous)
+        manager = self._manager
+        manager.wait_until_finished()
+        step = int(totals["round"])
+        if step in manager.all_steps():  # the same round again (a resumed run re-saving): replace it
+            manager.delete(step)
+        # Several processes: orbax writes the global arrays, each process its own shards.
+        saved = state if jax.process_count() > 1 else jax.device_get(state)
+        items = dict(state=ocp.args.StandardSave(saved), totals=ocp.args.JsonSave(dict(totals)))
+        if population is not None:
+            items["population"] = ocp.args.StandardSave(population.state_dict())
+        manager.save(step, args=ocp.args.Composite(**items))
+        if not asynchronous:
+            manager.wait_until_finished()
+        # A legacy checkpoint is superseded by the new format (it would otherwise be resumed from).
+        (self.out / LEGACY_CHECKPOINT).unlink(missing_ok=True)
+
+    def wait(self) -> None:
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+            self._manager.close()
+            self._manager = None
+
+
 def save_checkpoint(out: Path, state: EngineState, totals: dict, population=None) -> None:
-    """A new checkpoint generation for round ``totals["round"]`` (atomic; the previous one is kept).
-    ``population``: a host population (:class:`fedjax_sparse.population.HostPopulation`), saved
-    in the same generation (its slot table and the rows of the clients trained so far)."""
-    import orbax.checkpoint as ocp
-    out = Path(out)
-    if out.suffix == ".npz":  # the old call form save_checkpoint(OUT / "checkpoint.npz", ...)
-        out = out.parent
-    manager = _manager(out)
-    step = int(totals["round"])
-    if step in manager.all_steps():  # the same round again (a resumed run re-saving): replace it
-        manager.delete(step)
-    # Several processes: orbax writes the global arrays, each process its own shards.
-    saved = state if jax.process_count() > 1 else jax.device_get(state)
-    items = dict(state=ocp.args.StandardSave(saved), totals=ocp.args.JsonSave(totals))
-    if population is not None:
-        items["population"] = ocp.args.StandardSave(population.state_dict())
-    manager.save(step, args=ocp.args.Composite(**items))
-    manager.wait_until_finished()
-    manager.close()
-    # A legacy checkpoint is superseded by the new format (it would otherwise be resumed from).
-    (out / LEGACY_CHECKPOINT).unlink(missing_ok=True)
+    """A new checkpoint generation for round ``totals["round"]`` (atomic; the previous one is kept),
+    written before it returns. ``population``: a host population
+    (:class:`fedjax_sparse.population.HostPopulation`), saved in the same generation (its slot table
+    and the rows of the clients trained so far)."""
+    checkpointer = Checkpointer(out, asynchronous=False)
+    try:
+        checkpointer.save(state, totals, population)
+    finally:
+        checkpointer.close()
 
 
 def load_checkpoint(out: Path, template: EngineState, population=None) -> tuple[EngineState, dict]:

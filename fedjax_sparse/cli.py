@@ -31,6 +31,13 @@ RUN_FLAGS = [
     ("--min-client-samples", "min_client_samples", int, "redraw the partition until every client has this many"),
     ("--seed", "seed", int, "random seed (data partition, init, sampling)"),
     ("--eval-every", "eval_every", int, "evaluate (and log, checkpoint) every M rounds"),
+    ("--checkpoint-every", "checkpoint_every", int,
+     "also checkpoint every N rounds, between evaluations (default 0: at evaluations, by the clock and at the end)"),
+    ("--checkpoint-seconds", "checkpoint_seconds", float,
+     "also checkpoint at the first chunk end this many seconds after the previous checkpoint (default 180; 0: off)"),
+    ("--max-chunk-seconds", "max_chunk_seconds", float,
+     "the host regains control after about this much device work: progress, checkpoints, SIGTERM/SIGINT "
+     "(default 5; 0: chunks end only at evaluations and checkpoints)"),
     ("--out", "out", str, "output directory (config.json, metrics.jsonl, summary.json, checkpoint)"),
     ("--preprocess", "preprocess", str, "input scaling: unit (x/255) | raw (0-255) | standardize"),
     ("--client-parallelism", "client_parallelism", str,
@@ -342,10 +349,14 @@ def main(argv=None) -> int:
         return 2
     args = _parser().parse_args(argv)
     from fedjax_sparse.data.datasets import DataError
+    from fedjax_sparse.runner import RunStopped
     try:
         commands = {"run": cmd_run, "partition": cmd_partition, "list": cmd_list, "plot": cmd_plot,
                     "report": cmd_report}
         return commands[args.command](args)
+    except RunStopped as e:  # SIGTERM / SIGINT: checkpointed, one line, the conventional exit code
+        print(str(e), file=sys.stderr)
+        return e.exit_code
     except (ValueError, DataError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

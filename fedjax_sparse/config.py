@@ -49,6 +49,13 @@ class RunConfig:
     min_client_samples: int = 1  # the partition is redrawn until every client has this many
     seed: int = 0
     eval_every: int = 1
+    # Checkpoints on their own cadence (besides every evaluation and the end): every N rounds (0: no
+    # round cadence) and at the first chunk end this many seconds after the previous one (0: off).
+    checkpoint_every: int = 0
+    checkpoint_seconds: float = 180.0
+    # The host regains control after at most about this many seconds of device work (chunks of
+    # rounds sized from the measured round time), to serve progress, checkpoints and signals.
+    max_chunk_seconds: float = 5.0
     out: str | None = None
     preprocess: str = "unit"
     client_parallelism: str = "auto"
@@ -133,6 +140,16 @@ def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()
     for name, value in positive.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise RunError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    if not isinstance(config.checkpoint_every, int) or isinstance(config.checkpoint_every, bool) \
+            or config.checkpoint_every < 0:
+        raise RunError(f"--checkpoint-every must be a non-negative integer (0: only at evaluations and by the clock), "
+                       f"got {config.checkpoint_every!r}")
+    for name in ("checkpoint_seconds", "max_chunk_seconds"):
+        value = getattr(config, name)
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                and value >= 0):
+            raise RunError(f"--{name.replace('_', '-')} must be a non-negative number of seconds (0: off), "
+                           f"got {value!r}")
     if not isinstance(config.seed, int) or isinstance(config.seed, bool) or config.seed < 0:
         raise RunError(f"--seed must be a non-negative integer, got {config.seed!r}")
     if not isinstance(config.min_client_samples, int) or config.min_client_samples < 0:

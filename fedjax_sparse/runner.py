@@ -22,7 +22,9 @@ import json
 import math
 import platform
 import resource
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -31,11 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse import distributed, pinning, timing
+from fedjax_sparse import distributed, memory, pinning, timing
 from fedjax_sparse import population as host_population
 from fedjax_sparse.algorithms import Algorithm, Task, compose, make_algorithm
 # The config and checkpoint modules' names stay importable from here (scripts use runner.RunConfig).
-from fedjax_sparse.checkpoint import (CHECKPOINT, OutputLock, clear_outputs, has_checkpoint,  # noqa: F401
+from fedjax_sparse.checkpoint import (CHECKPOINT, Checkpointer, OutputLock, clear_outputs,  # noqa: F401
+                                      has_checkpoint,
                                       load_checkpoint, locked_out_dir, prepare_out_dir, read_metrics,
                                       save_checkpoint, write_metrics)
 from fedjax_sparse.config import DEFAULT_MODELS, ROUND_MODES, RunConfig, RunError, validate  # noqa: F401
@@ -385,7 +388,7 @@ class RunResult:
 # data (checksummed), not what it computes. Every other field is the experiment.
 RESUMABLE_CHANGES = ("rounds", "eval_every", "out", "data_dir", "download", "client_parallelism",
                      "client_bucket_size", "round_mode", "eval_batch_size", "personal_eval", "log",
-                     "host_chunk_rounds")
+                     "host_chunk_rounds", "checkpoint_every", "checkpoint_seconds", "max_chunk_seconds")
 
 
 def _flag(name: str) -> str:
@@ -459,36 +462,128 @@ def run(config: RunConfig, *, model=None, data=None, algorithm=None, resume: boo
         lock.release()
 
 
+class RunStopped(Exception):
+    """A run stopped by SIGTERM or SIGINT after checkpointing (``round``: the rounds it completed).
+    The CLI prints the message and exits with ``exit_code`` (128 + the signal's number)."""
+
+    def __init__(self, signum: int, round_: int, out: Path | None):
+        self.signal, self.round = signum, round_
+        self.exit_code = 128 + signum
+        name = signal.Signals(signum).name
+        if out is None:
+            what = "nothing was saved (no --out)"
+        elif round_ == 0:
+            what = "no round had finished, nothing to resume: run the same command again"
+        else:
+            what = f"continue with: python -m fedjax_sparse run --out {out} --resume"
+        super().__init__(f"{name}: stopped at round {round_}; {what}")
+
+
+class StopSignals:
+    """While active, SIGTERM (what schedulers send before preemption) and SIGINT (Ctrl-C, a notebook's
+    interrupt) ask the run to stop at the end of its current chunk, after a checkpoint; a second
+    SIGINT interrupts at once. Only in the main thread (where Python delivers signals), and not in
+    multi-process runs (the processes would stop at different chunks)."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread() and not distributed.multi_process():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now, without a checkpoint
+        self.received = signum
+        print(f"\n{signal.Signals(signum).name} received: stopping after the current chunk of rounds, with a "
+              "checkpoint (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+
+class ChunkClock:
+    """Sizes the chunks of rounds so that the host regains control after about ``max_seconds`` of
+    device work: from the measured seconds per round of the chunks after the first (which compiles),
+    as a power of two (few distinct programs); before any measurement, from an estimate of the
+    round's FLOPs at a deliberately low speed. ``max_seconds`` 0: no cap. A chunk's rounds give the
+    same numbers however the rounds are split (tested), so the cap changes no result."""
+
+    # Below any backend's speed for these models, so that the first chunk is not too long.
+    ASSUMED_FLOPS_PER_SECOND = 2e9
+
+    def __init__(self, max_seconds: float, estimated_round_seconds: float | None = None):
+        self.max_seconds = float(max_seconds)
+        self.cap: int | None = None
+        if self.max_seconds > 0 and estimated_round_seconds:
+            self.cap = self._rounds_within(estimated_round_seconds)
+
+    def _rounds_within(self, seconds_per_round: float) -> int:
+        rounds = max(1, int(self.max_seconds / max(seconds_per_round, 1e-9)))
+        return 1 << (rounds.bit_length() - 1)   # the largest power of two <= rounds
+
+    def measured(self, rounds: int, seconds: float) -> None:
+        if self.max_seconds > 0 and rounds > 0:
+            self.cap = self._rounds_within(seconds / rounds)
+
+    @classmethod
+    def for_experiment(cls, max_seconds: float, exp: "Experiment") -> "ChunkClock":
+        """The clock with its first cap from the round's training FLOPs (6 x MACs x examples)."""
+        counts = np.asarray(exp.data.train_count, np.float64)
+        examples = exp.engine.clients_per_round * exp.config.local_epochs * float(counts.mean())
+        flops = 6.0 * exp.model.forward_macs * examples
+        return cls(max_seconds, flops / cls.ASSUMED_FLOPS_PER_SECOND)
+
+
 def _run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool, progress: bool, on_eval,
          experiment: Experiment | None, given: set[str] | None) -> RunResult:
-    opened = _open_run(config, out, resume=resume, overwrite=overwrite, experiment=experiment, given=given)
-    if isinstance(opened, RunResult):
-        return opened
-    bar = Progress(opened.config.rounds, opened.round, progress)
-    opened.start(bar, on_eval)
-    try:
-        state = opened.state
-        first_chunk = True
-        while (n := opened.next_chunk()) > 0:
-            t_chunk = time.perf_counter()
-            if first_chunk:
-                bar.note(f"compiling and running rounds {opened.round + 1}-{opened.round + n} ...")
-            if opened.population is not None:
-                state, metrics = host_population.advance(opened.exp.engine, state, opened.population,
-                                                         opened.exp.data, n, opened.config.host_chunk_rounds)
-            else:
-                state, metrics = opened.exp.engine.advance(state, opened.exp.data, n, opened.config.round_mode)
-            opened.record(state, metrics, n, chunk_started=t_chunk if first_chunk else None)
-            first_chunk = False
-        bar.close()
-        return RunResult(opened.finish(), state, opened.population)
-    finally:
-        bar.close()
-        opened.close()
+    with StopSignals() as signals:
+        opened = _open_run(config, out, resume=resume, overwrite=overwrite, experiment=experiment, given=given,
+                           quiet=not progress)
+        if isinstance(opened, RunResult):
+            return opened
+        bar = Progress(opened.config.rounds, opened.round, progress)
+        opened.start(bar, on_eval)
+        # Several processes must run chunks of the same length: no clock there.
+        clock = ChunkClock.for_experiment(0.0 if distributed.multi_process() else opened.config.max_chunk_seconds,
+                                          opened.exp)
+        try:
+            state = opened.state
+            first_chunk = True
+            while (n := opened.next_chunk(cap=clock.cap)) > 0:
+                if signals.received is not None:
+                    break
+                t_chunk = time.perf_counter()
+                if first_chunk:
+                    bar.note(f"compiling and running rounds {opened.round + 1}-{opened.round + n} ...")
+                if opened.population is not None:
+                    state, metrics = host_population.advance(opened.exp.engine, state, opened.population,
+                                                             opened.exp.data, n, opened.config.host_chunk_rounds)
+                else:
+                    state, metrics = opened.exp.engine.advance(state, opened.exp.data, n, opened.config.round_mode)
+                t_rounds = time.perf_counter() - t_chunk
+                opened.record(state, metrics, n, chunk_started=t_chunk if first_chunk else None,
+                              stopping=signals.received is not None)
+                if not first_chunk:  # the first chunk's time includes compiling
+                    clock.measured(n, t_rounds)
+                first_chunk = False
+            bar.close()
+            if signals.received is not None:
+                raise RunStopped(signals.received, opened.round, out)
+            return RunResult(opened.finish(), state, opened.population)
+        finally:
+            bar.close()
+            opened.close()
 
 
 def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool,
-              experiment: Experiment | None, given: set[str] | None) -> "OpenRun | RunResult":
+              experiment: Experiment | None, given: set[str] | None, quiet: bool = False) -> "OpenRun | RunResult":
     """Prepares ``out`` (resume or fresh), builds the experiment, restores the checkpoint and writes
     config.json. Returns the :class:`OpenRun`, or the finished run's result when a resumed run is
     already complete."""
@@ -515,6 +610,16 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
     exp = experiment or build(config)
     engine = exp.engine
     build_seconds = time.perf_counter() - t_build
+    # Memory known before compiling: shapes and traced programs only (nothing compiled or allocated).
+    estimate = memory.estimate(exp)
+    if distributed.is_primary() and not quiet:
+        print(memory.format_estimate(estimate), file=sys.stderr)
+    problem = None
+    try:
+        memory.check_fits(estimate, config)
+    except RunError as e:
+        problem = e
+    distributed.stop_together("estimating memory", problem)
     recorded_digest = recorded.get("data", {}).get("digest")
     if resume and recorded_digest and exp.data_record.get("digest") not in (None, recorded_digest):
         raise RunError(f"--resume: the data differs from the recorded run's (content digest "
@@ -578,6 +683,7 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
             "config": config.to_json(), "algorithm_options": exp.algorithm.hparams,
             "model": exp.model.name, "num_params": exp.model.num_params,
             "forward_macs_per_example": exp.model.forward_macs,
+            "memory_estimate": estimate.as_dict(),
             "pinned_draws": exp.pinned, "data": exp.data_record, "jax": jax.__version__,
             "backend": jax.default_backend(),
             "devices": [str(d) for d in jax.devices()], "python": platform.python_version(),
@@ -650,6 +756,8 @@ class OpenRun:
         self.sinks: MetricSinks | None = None
         self.on_eval = None
         self.t0 = 0.0
+        self.last_checkpoint = time.perf_counter()
+        self.checkpointer: Checkpointer | None = None
 
     @property
     def round(self) -> int:
@@ -662,21 +770,40 @@ class OpenRun:
         self.t0 = time.perf_counter() - float(self.totals["seconds"])
 
     def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()   # waits for the last write
+            self.checkpointer = None
         if self.sinks is not None:
             self.sinks.close()
             self.sinks = None
 
-    def next_chunk(self) -> int:
-        """Rounds in the next chunk: up to the next evaluation round (0 when the run is done)."""
-        done = self.round
-        if done >= self.config.rounds:
+    def next_chunk(self, cap: int | None = None) -> int:
+        """Rounds in the next chunk: up to the next evaluation, round checkpoint (``--checkpoint-every``)
+        or the end, and at most ``cap`` (0 when the run is done)."""
+        done, config = self.round, self.config
+        if done >= config.rounds:
             return 0
-        return min(self.config.eval_every - done % self.config.eval_every, self.config.rounds - done)
+        n = min(config.eval_every - done % config.eval_every, config.rounds - done)
+        if config.checkpoint_every:
+            n = min(n, config.checkpoint_every - done % config.checkpoint_every)
+        return min(n, cap) if cap else n
 
-    def record(self, state: EngineState, metrics: dict, n: int, chunk_started: float | None = None) -> dict:
+    def _checkpoint_due(self) -> bool:
+        """A checkpoint between evaluations: on the round cadence, or by the clock."""
+        config = self.config
+        if config.checkpoint_every and self.round % config.checkpoint_every == 0:
+            return True
+        # Several processes must agree on every checkpoint (orbax saves together): no clock there.
+        return bool(config.checkpoint_seconds) and not distributed.multi_process() and \
+            time.perf_counter() - self.last_checkpoint >= config.checkpoint_seconds
+
+    def record(self, state: EngineState, metrics: dict, n: int, chunk_started: float | None = None,
+               stopping: bool = False) -> dict | None:
         """Books ``n`` rounds that ended in ``state`` (``metrics``: host metrics, one entry per
-        round): totals, evaluation, the metrics row, checkpoint, progress. ``chunk_started``: the
-        clock at the start of this process's first chunk (its time includes compiling)."""
+        round): totals; at an evaluation round (or a diverged one) the evaluation and the metrics row;
+        a checkpoint at evaluations, on ``--checkpoint-every`` / ``--checkpoint-seconds`` and when
+        ``stopping`` (a signal asked the run to stop); progress. ``chunk_started``: the clock at the
+        start of this process's first chunk (its time includes compiling). Returns the row, if any."""
         config, totals, out = self.config, self.totals, self.out
         self.state = state
         bad = [self.round + i + 1 for i in range(n) if not np.isfinite(metrics["loss"][i])]
@@ -685,17 +812,47 @@ class OpenRun:
             # An algorithm that does not count a cost leaves its total unknown (None), not 0.
             unknown = key not in metrics or totals[key] is None
             totals[key] = None if unknown else totals[key] + sum(metrics[key].tolist())
+        for key in STEP_METRICS:
+            # A checkpoint from before these counts existed has none: its totals stay unknown (None).
+            if key in metrics and totals.get(key) is not None:
+                totals[key] = int(totals[key]) + int(metrics[key].sum())
+        at_eval = self.round % config.eval_every == 0 or self.round >= config.rounds or bool(bad)
+        row = self._evaluate_and_log(state, metrics, chunk_started, bad) if at_eval else None
+        if not at_eval:
+            if chunk_started is not None:
+                self._first_chunk_done(chunk_started, n)
+            totals["seconds"] = time.perf_counter() - self.t0
+        if out is not None and (at_eval or stopping or self._checkpoint_due()):
+            if self.checkpointer is None:
+                self.checkpointer = Checkpointer(out)
+            # Written while the next chunk runs; closing the run waits for it.
+            self.checkpointer.save(state, totals, population=self.population)
+            self.last_checkpoint = time.perf_counter()
+        if row is not None and self.on_eval is not None:
+            self.on_eval(row, state, self.exp)
+        if self.bar is not None:
+            self.bar.update(self.round, self.rows[-1]["accuracy"] if self.rows else None)
+        return row
+
+    def _first_chunk_done(self, chunk_started: float, n: int) -> None:
+        # This process's first chunk includes compiling the round (and the evaluation, when it ends at
+        # one; after a resume too): reported apart, and left out of the ETA.
+        totals = self.totals
+        self.compile_seconds = time.perf_counter() - chunk_started
+        # Summed over the sessions of a resumed run, so its steady-state speed stays true.
+        totals["compile_seconds"] = float(totals.get("compile_seconds", 0.0)) + self.compile_seconds
+        totals["first_chunk_rounds"] = int(totals.get("first_chunk_rounds", 0)) + n
+        if self.bar is not None:
+            self.bar.note(f"first chunk (incl. compilation) took {self.compile_seconds:.1f} s")
+            self.bar.restart(self.round)
+
+    def _evaluate_and_log(self, state: EngineState, metrics: dict, chunk_started: float | None, bad: list) -> dict:
+        """Evaluates, appends the metrics row (the last round's training metrics, the totals) and raises
+        on divergence."""
+        config, totals, out = self.config, self.totals, self.out
         evaluation = self.evaluate(state)
         if chunk_started is not None:
-            # This process's first chunk includes compiling the round and the evaluation (after a
-            # resume too): reported apart, and left out of the ETA.
-            self.compile_seconds = time.perf_counter() - chunk_started
-            # Summed over the sessions of a resumed run, so its steady-state speed stays true.
-            totals["compile_seconds"] = float(totals.get("compile_seconds", 0.0)) + self.compile_seconds
-            totals["first_chunk_rounds"] = int(totals.get("first_chunk_rounds", 0)) + n
-            if self.bar is not None:
-                self.bar.note(f"first chunk (incl. compilation) took {self.compile_seconds:.1f} s")
-                self.bar.restart(self.round)
+            self._first_chunk_done(chunk_started, len(metrics["loss"]))
         totals["seconds"] = time.perf_counter() - self.t0
         row = {"round": totals["round"],
                **{k: v for k, v in evaluation.items() if k != "client_accuracies"},
@@ -710,9 +867,7 @@ class OpenRun:
                "total_downlink_bits": totals["downlink_bits"],
                "total_flops": totals["flops"]}
         for key in STEP_METRICS:
-            # A checkpoint from before these counts existed has none: its totals stay unknown (None).
             if key in metrics and totals.get(key) is not None:
-                totals[key] = int(totals[key]) + int(metrics[key].sum())
                 row[f"total_{key}"] = totals[key]
         for key, value in metrics.items():
             if key not in row and key != "num_examples":
@@ -733,12 +888,6 @@ class OpenRun:
                 self.bar.close()
             raise RunError(f"training diverged{self.label}: the loss is NaN/inf at round {bad[0]}; lower --lr "
                            f"(now {config.lr}) or check the data preprocessing (--preprocess)")
-        if out is not None:
-            save_checkpoint(out, state, totals, population=self.population)
-        if self.on_eval is not None:
-            self.on_eval(row, state, self.exp)
-        if self.bar is not None:
-            self.bar.update(self.round, row["accuracy"])
         return row
 
     label = ""   # " (seed k)" for a replica, in error messages

@@ -459,8 +459,13 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     model_name = name or type(module).__name__
     x_aval = jax.ShapeDtypeStruct((2,) + input_shape, jnp.float32)
 
-    nested0 = jax.eval_shape(lambda k: init_nested(k, jnp.zeros((1,) + input_shape, jnp.float32)),
-                             jax.random.PRNGKey(0))
+    try:
+        nested0 = jax.eval_shape(lambda k: init_nested(k, jnp.zeros((1,) + input_shape, jnp.float32)),
+                                 jax.random.PRNGKey(0))
+    except Exception as e:  # the user's module does not build on these inputs: one line, not Flax's traceback
+        raise ValueError(f"from_flax: {model_name} does not build on inputs of shape {input_shape} "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}); check "
+                         "input_shape against what the model expects (e.g. 28x28 images for LeNet-5)") from None
     nested0 = dict(nested0)
     extra = sorted(set(nested0) - {"params", "batch_stats"})
     if extra and any(jax.tree_util.tree_leaves(nested0[c]) for c in extra):
