@@ -17,7 +17,7 @@ Namespaces:
 * ``fjs.models``: ``from_flax`` (any ``flax.linen`` / ``flax.nnx`` module), the zoo
   (``make_model``, ``model_names``), ``Model`` and ``Hooks``;
 * ``fjs.data``: ``from_arrays`` (your arrays and client ids, or a partition spec), ``load``
-  (the built-in data sets, ``npz:PATH``), ``partition_dataset``;
+  (the built-in data sets, ``npz:PATH``), ``partition``;
 * ``fjs.mechanisms``: the papers' mechanisms as pure array functions (threshold masks, SyncDrop,
   supermasks, robust aggregation, attacks).
 
@@ -25,19 +25,58 @@ Running: ``run``, ``RunConfig``, ``RunResult``, ``build`` (the ``Experiment`` a 
 data, task, engine), ``Engine`` (the round engine, for your own loops), ``with_aggregator`` and
 ``with_attack`` (robust aggregation and poisoning around any algorithm). Reading results:
 ``format_summary``, ``plot_runs``, ``report_table``.
+
+Names are imported on first use, so ``import fedjax_sparse.mechanisms`` alone still loads no engine,
+data or algorithm module.
 """
-from fedjax_sparse import algorithms, data, mechanisms, models
-from fedjax_sparse.algorithms import Algorithm, ClientContext, ServerContext, Task, client_metrics
-from fedjax_sparse.algorithms.compose import with_aggregator, with_attack
-from fedjax_sparse.config import RunConfig, RunError
-from fedjax_sparse.engine import Engine, EngineState
-from fedjax_sparse.models import Hooks, Model
-from fedjax_sparse.reporting import plot_runs, report_table
-from fedjax_sparse.runner import Experiment, RunResult, build, format_summary, run
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = ["Algorithm", "ClientContext", "Engine", "EngineState", "Experiment", "Hooks", "Model", "RunConfig",
-           "RunError", "RunResult", "ServerContext", "Task", "algorithms", "build", "client_metrics", "data",
-           "format_summary", "mechanisms", "models", "plot_runs", "report_table", "run", "with_aggregator",
-           "with_attack"]
+# name -> the module that defines it (loaded on first access: PEP 562).
+_EXPORTS = {
+    "Algorithm": "fedjax_sparse.algorithms.base", "ClientContext": "fedjax_sparse.algorithms.base",
+    "ServerContext": "fedjax_sparse.algorithms.base", "Task": "fedjax_sparse.algorithms.base",
+    "client_metrics": "fedjax_sparse.algorithms.base",
+    "with_aggregator": "fedjax_sparse.algorithms.compose", "with_attack": "fedjax_sparse.algorithms.compose",
+    "RunConfig": "fedjax_sparse.config", "RunError": "fedjax_sparse.config",
+    "Engine": "fedjax_sparse.engine", "EngineState": "fedjax_sparse.engine",
+    "Hooks": "fedjax_sparse.models.base", "Model": "fedjax_sparse.models.base",
+    "plot_runs": "fedjax_sparse.reporting", "report_table": "fedjax_sparse.reporting",
+    "Experiment": "fedjax_sparse.runner", "RunResult": "fedjax_sparse.runner", "RunStopped": "fedjax_sparse.runner",
+    "build": "fedjax_sparse.runner", "format_summary": "fedjax_sparse.runner", "run": "fedjax_sparse.runner",
+}
+_NAMESPACES = ("algorithms", "data", "mechanisms", "models")
+
+__all__ = sorted([*_EXPORTS, *_NAMESPACES])
+
+
+def __getattr__(name: str):
+    if name in _NAMESPACES:
+        # The whole package is registered (algorithms, models) once a namespace is used.
+        return importlib.import_module(f"{__name__}.{name}")
+    if name in _EXPORTS:
+        importlib.import_module(f"{__name__}.algorithms")   # registers every algorithm for run/build
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # what type checkers and the API reference see
+    from fedjax_sparse import algorithms, data, mechanisms, models  # noqa: F401
+    from fedjax_sparse.algorithms.base import Algorithm, ClientContext, ServerContext, Task, client_metrics  # noqa: F401
+    from fedjax_sparse.algorithms.compose import with_aggregator, with_attack  # noqa: F401
+    from fedjax_sparse.config import RunConfig, RunError  # noqa: F401
+    from fedjax_sparse.engine import Engine, EngineState  # noqa: F401
+    from fedjax_sparse.models.base import Hooks, Model  # noqa: F401
+    from fedjax_sparse.reporting import plot_runs, report_table  # noqa: F401
+    from fedjax_sparse.runner import (Experiment, RunResult, RunStopped, build, format_summary,  # noqa: F401
+                                      run)

@@ -32,9 +32,9 @@ RUN_FLAGS = [
     ("--seed", "seed", int, "random seed (data partition, init, sampling)"),
     ("--eval-every", "eval_every", int, "evaluate (and log, checkpoint) every M rounds"),
     ("--checkpoint-every", "checkpoint_every", int,
-     "also checkpoint every N rounds, between evaluations (default 0: at evaluations, by the clock and at the end)"),
+     "checkpoint every N rounds (default 0: by the clock, at the end and when stopped by a signal)"),
     ("--checkpoint-seconds", "checkpoint_seconds", float,
-     "also checkpoint at the first chunk end this many seconds after the previous checkpoint (default 180; 0: off)"),
+     "checkpoint at the first chunk end this many seconds after the previous checkpoint (default 60; 0: off)"),
     ("--max-chunk-seconds", "max_chunk_seconds", float,
      "the host regains control after about this much device work: progress, checkpoints, SIGTERM/SIGINT "
      "(default 5; 0: chunks end only at evaluations and checkpoints)"),

@@ -52,7 +52,7 @@ class RunConfig:
     # Checkpoints on their own cadence (besides every evaluation and the end): every N rounds (0: no
     # round cadence) and at the first chunk end this many seconds after the previous one (0: off).
     checkpoint_every: int = 0
-    checkpoint_seconds: float = 180.0
+    checkpoint_seconds: float = 60.0
     # The host regains control after at most about this many seconds of device work (chunks of
     # rounds sized from the measured round time), to serve progress, checkpoints and signals.
     max_chunk_seconds: float = 5.0

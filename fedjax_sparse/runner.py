@@ -801,7 +801,7 @@ class OpenRun:
                stopping: bool = False) -> dict | None:
         """Books ``n`` rounds that ended in ``state`` (``metrics``: host metrics, one entry per
         round): totals; at an evaluation round (or a diverged one) the evaluation and the metrics row;
-        a checkpoint at evaluations, on ``--checkpoint-every`` / ``--checkpoint-seconds`` and when
+        a checkpoint on ``--checkpoint-every`` / ``--checkpoint-seconds``, at the end and when
         ``stopping`` (a signal asked the run to stop); progress. ``chunk_started``: the clock at the
         start of this process's first chunk (its time includes compiling). Returns the row, if any."""
         config, totals, out = self.config, self.totals, self.out
@@ -822,7 +822,9 @@ class OpenRun:
             if chunk_started is not None:
                 self._first_chunk_done(chunk_started, n)
             totals["seconds"] = time.perf_counter() - self.t0
-        if out is not None and (at_eval or stopping or self._checkpoint_due()):
+        # Checkpoints keep their own cadence (not every evaluation): the clock and --checkpoint-every,
+        # the end, and a stop; rows written after the last checkpoint are recomputed by a resume.
+        if out is not None and (stopping or self.round >= config.rounds or self._checkpoint_due()):
             if self.checkpointer is None:
                 self.checkpointer = Checkpointer(out)
             # Written while the next chunk runs; closing the run waits for it.

@@ -72,7 +72,8 @@ def kill_and_resume(out: Path, *, delay: float | None = None, after_rows: int | 
     """Starts a 6-round run, kills it with SIGKILL after ``delay`` s or as soon as ``after_rows``
     metrics rows exist, then resumes it to the end. Returns whether the kill landed before the
     run finished."""
-    args = ["--algorithm", "fedavg", *QUICK, "--rounds", "6", "--out", str(out)]
+    # A checkpoint after every round (by default the clock decides, every 60 s: longer than this run).
+    args = ["--algorithm", "fedavg", *QUICK, "--rounds", "6", "--checkpoint-every", "1", "--out", str(out)]
     proc = cli_process(args)
     deadline = time.time() + (delay if delay is not None else 300)
     while proc.poll() is None and time.time() < deadline:
@@ -189,7 +190,7 @@ def test_resume_continues_to_the_recorded_rounds_and_refuses_changes(tmp_path, c
 
 def test_torn_metrics_tail_and_damaged_checkpoint_are_repaired_on_resume(tmp_path, capsys, reference):
     out = tmp_path / "run"
-    args = ["run", "--algorithm", "fedavg", *QUICK, "--rounds", "4", "--out", str(out)]
+    args = ["run", "--algorithm", "fedavg", *QUICK, "--rounds", "4", "--checkpoint-every", "1", "--out", str(out)]
     assert run_cli(args, capsys)[0] == 0
     # A kill mid-write tears the last line; the newest checkpoint (round 4) is damaged.
     with open(out / "metrics.jsonl", "a") as f:
