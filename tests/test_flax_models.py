@@ -148,6 +148,8 @@ def _rows(config, model, data):
     ("spafl", {}),
     ("fsl", {}),
     ("feddrop", {"opt_iters": 200, "opt_check_every": 100}),
+    ("heterofl", {"sliced": False}),   # masked widths: a Flax module's widths are fixed
+    ("caldas", {}),
 ])
 def test_flax_lenet_trains_to_the_zoo_metrics(fmnist_clients, algorithm, options):
     zoo = make_model("lenet5_caffe", SHAPE, 10)

@@ -258,3 +258,16 @@ def test_resume_refuses_other_data(tmp_path):
         fjs.run(fjs.RunConfig(**{**config.to_json(), "rounds": 2}), data=other, resume=True, progress=False)
     assert fjs.run(fjs.RunConfig(**{**config.to_json(), "rounds": 2}), data=data, resume=True,
                    progress=False).summary["rounds"] == 2
+
+
+def test_width_scaling_and_federated_dropout_on_a_foreign_model_with_batchnorm():
+    model = fjs.models.from_flax(WithBatchNorm(), (8, 8, 1))
+    config = dict(dataset="digits", rounds=1, num_clients=6, clients_per_round=3, local_epochs=1, partition="iid")
+    with pytest.raises(fjs.RunError, match="add --option sliced=false"):
+        fjs.run(fjs.RunConfig(algorithm="heterofl", **config), model=model, progress=False)
+    masked = fjs.run(fjs.RunConfig(algorithm="heterofl", options={"sliced": False}, **config), model=model,
+                     progress=False)
+    assert masked.summary["rounds"] == 1 and masked.summary["total_gbit"] > 0
+    # Caldas' sub-models: the BatchNorm entry follows its conv's kept channels.
+    dropped = fjs.run(fjs.RunConfig(algorithm="caldas", **config), model=model, progress=False)
+    assert 0 < dropped.summary["final_density"] < 1

@@ -220,10 +220,20 @@ def weight_inclusion(model: Model, unit_masks: dict) -> dict:
     return out
 
 
-def _inclusion_like(params: dict, inclusion: dict) -> dict:
-    """The inclusion masks as a tree shaped like ``params`` (BN params follow the bias)."""
-    return {name: {k: (inclusion[name]["kernel"] if k == "kernel" else inclusion[name]["bias"])
-                   for k in p} for name, p in params.items()}
+def _inclusion_like(params: dict, inclusion: dict, channel_entries=()) -> dict:
+    """The inclusion masks as a tree shaped like ``params``: BN params follow the bias, a per-channel
+    entry of a layer (``Model.channel_entries``: a Flax model's BatchNorm) its layer's output
+    channels, and any other entry (a LayerNorm, an embedding) is always included."""
+    follows = dict(channel_entries)
+    out = {}
+    for name, p in params.items():
+        layer = name if name in inclusion else follows.get(name)
+        if layer is None:
+            out[name] = {k: jnp.ones(v.shape, jnp.float32) for k, v in p.items()}
+            continue
+        out[name] = {k: (inclusion[layer]["kernel"] if k == "kernel" and layer == name else inclusion[layer]["bias"])
+                     for k in p}
+    return out
 
 
 @register_algorithm("caldas", CALDAS_OPTIONS)
@@ -263,7 +273,7 @@ def caldas(task: Task, *, keep, drop_dense, per_client, rescale, weighted) -> Al
             epochs=task.local_epochs, batch_size=task.batch_size, preprocess=task.preprocess,
             hooks=Hooks(activation=activation))
         inclusion = weight_inclusion(model, masks)
-        included = _inclusion_like(variables["params"], inclusion)
+        included = _inclusion_like(variables["params"], inclusion, model.channel_entries)
         sub_values = sum(x.sum().astype(jnp.int32) for x in jax.tree_util.tree_leaves(included))
         bits = accounting.Cost.term(accounting.FLOAT_BITS, sub_values)
         # Exact: every kept weight costs its layer's per-weight FLOPs for every example.
@@ -278,7 +288,8 @@ def caldas(task: Task, *, keep, drop_dense, per_client, rescale, weighted) -> Al
         weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
         old = server_state.variables
         masks = jax.vmap(lambda cid: masks_for(server_state.mask_key, ctx.round, cid))(ctx.client_ids)
-        inclusion = jax.vmap(lambda m: _inclusion_like(old["params"], weight_inclusion(model, m)))(masks)
+        inclusion = jax.vmap(lambda m: _inclusion_like(old["params"], weight_inclusion(model, m),
+                                                       model.channel_entries))(masks)
 
         def combine(o, new, held):
             w = weights.reshape((-1,) + (1,) * o.ndim) * held

@@ -38,7 +38,8 @@ import optax
 
 from fedjax_sparse import accounting
 from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics
-from fedjax_sparse.algorithms.heterofl import WIDTH_UNWRAPPABLE, HeteroFLMessage, WidthLayout, per_entry_mean
+from fedjax_sparse.algorithms.heterofl import (WIDTH_UNWRAPPABLE, HeteroFLMessage, WidthLayout, check_sliceable,
+                                              per_entry_mean)
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import sgd
 from fedjax_sparse.models.base import Model
@@ -100,6 +101,7 @@ def fjord(task: Task, *, p_min: float, p_max: float, eval_rate: float, momentum:
     if not 0.0 < p_min <= p_max <= 1.0:
         raise ValueError(f"fjord: need 0 < p_min <= p_max <= 1, got p_min={p_min}, p_max={p_max}")
     model = task.model
+    check_sliceable(model, "fjord", sliced)
     layout = WidthLayout.from_model(model, model.init(jax.random.PRNGKey(0)))
     download = layout.static_counts(p_max)
     download_bits = accounting.FLOAT_BITS * layout.num_values(download)

@@ -58,6 +58,14 @@ from fedjax_sparse.models.base import NO_HOOKS, Hooks, Model
 _PER_CHANNEL = ("bias", "bn_scale", "bn_bias")   # params holding one value per output channel
 
 
+def check_sliceable(model: Model, name: str, sliced: bool) -> None:
+    """A model whose widths its own code fixes (a Flax module) cannot run a cut-out sub-model."""
+    if sliced and model.fixed_widths:
+        raise ValueError(f"{name}: model {model.name} fixes its layers' widths in its own code (a Flax module), so "
+                         "no narrower sub-model can be cut out of it; add --option sliced=false (the full model "
+                         "with the dropped channels zeroed: the same numbers as slicing, tested on the zoo)")
+
+
 # ---------------------------------------------------------------- the width mechanism
 def kept_channels(rate, channels: int):
     """ceil(rate * C) clipped to [1, C] (a tiny tolerance so 0.6 * 50 is 30, not 31);
@@ -346,6 +354,7 @@ WIDTH_UNWRAPPABLE = ("its clients send sub-models of different widths with their
 def heterofl(task: Task, *, rates: str, eval_rate: float, momentum: float, weighted: bool,
              sliced: bool) -> Algorithm:
     model = task.model
+    check_sliceable(model, "heterofl", sliced)
     levels = parse_rates(rates)
     layout = WidthLayout.from_model(model, model.init(jax.random.PRNGKey(0)))
     table = jnp.asarray([layout.static_counts(r) for r in levels], jnp.int32)   # [levels, L]

@@ -94,6 +94,10 @@ class Model:
     # hold one value per output channel of one (a ResNet's pre-activation
     # BatchNorm over the residual stream): (entry name, that layer's name).
     channel_entries: tuple[tuple[str, str], ...] = ()
+    # True when the layers' widths are fixed by the model's own code (a Flax module from
+    # ``from_flax``): a narrower sub-model cannot be cut out of it, only masked (HeteroFL/FjORD's
+    # ``sliced=False``). The zoo's models take their widths from the kernels they are given.
+    fixed_widths: bool = False
 
     def init(self, key: jax.Array) -> Variables:
         return self.init_fn(key)

@@ -538,7 +538,7 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
         return logits, to_flat(stats) if stats else dict(variables.get("batch_stats", {}))
 
     return Model(model_name, input_shape, classes, tuple(infos), init_fn, apply_fn, sequential=sequential,
-                 channel_entries=channel_entries)
+                 channel_entries=channel_entries, fixed_widths=True)
 
 
 def _plain(tree):
