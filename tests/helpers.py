@@ -1,4 +1,6 @@
 """Tiny in-memory federated datasets for fast engine tests."""
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -112,3 +114,13 @@ def assert_sliced_equals_masked(name, options, rounds=2, model="cnn_small", shap
     x = data.preprocess(jnp.asarray(data.test_x[:16]))
     np.testing.assert_allclose(algorithms[True].global_predict(a.server, x),
                                algorithms[False].global_predict(a.server, x), rtol=1e-4, atol=1e-4)
+
+
+def fake_run(path: Path, config: dict, rows: list[dict], summary: dict | None = None) -> Path:
+    """A run folder as `run --out` writes it (config.json, metrics.jsonl, optionally summary.json)."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"config": config}))
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if summary is not None:
+        (path / "summary.json").write_text(json.dumps(summary))
+    return path

@@ -12,13 +12,14 @@ the one line it now answers with.
 * ``--option momentum 0.9`` (no ``=``) says how to write it.
 """
 import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from fedjax_sparse.cli import main
+
+from helpers import fake_run
 
 QUICK = ["--dataset", "digits", "--num-clients", "6", "--clients-per-round", "3", "--local-epochs", "1",
          "--batch-size", "32", "--lr", "0.1", "--partition", "iid", "--quiet"]
@@ -125,15 +126,6 @@ def test_wrappable_algorithms_run_a_wrapped_round(algorithm, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- 2. plot keys; unfinished runs
-def fake_run(path: Path, config: dict, rows: list[dict], summary: dict | None = None) -> Path:
-    path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"config": config}))
-    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    if summary is not None:
-        (path / "summary.json").write_text(json.dumps(summary))
-    return path
-
-
 def row(round_, acc):
     return {"round": round_, "accuracy": acc, "accuracy_std": 0.1, "total_uplink_bits": 1e9 * round_,
             "total_downlink_bits": 1e9 * round_, "total_flops": 1e12 * round_, "density": 1.0}

@@ -10,14 +10,7 @@ from fedjax_sparse.reporting import legend_labels, report_table
 from fedjax_sparse.runner import Progress
 from fedjax_sparse.sinks import MetricSinks, parse_log
 
-
-def fake_run(path: Path, config: dict, rows: list[dict], summary: dict | None = None) -> Path:
-    path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"config": config}))
-    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    if summary is not None:
-        (path / "summary.json").write_text(json.dumps(summary))
-    return path
+from helpers import fake_run
 
 
 def row(round_, acc, up, down, flops, density=1.0):
