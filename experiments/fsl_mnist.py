@@ -121,6 +121,7 @@ def make_config(method: str, malicious_pct: int, seed: int, args, out: Path | No
 
 def run_one(method: str, malicious_pct: int, seed: int, args, out: Path) -> None:
     from fedjax_sparse import runner
+    from fedjax_sparse.errors import RunError
     if (out / "summary.json").exists() or (out / DIVERGED).exists():
         print(f"[skip] {out} is complete", flush=True)
         return
@@ -130,7 +131,7 @@ def run_one(method: str, malicious_pct: int, seed: int, args, out: Path) -> None
     config = make_config(method, malicious_pct, seed, args, out)
     try:
         runner.run(config, resume=resume, overwrite=not resume, progress=not args.quiet)
-    except runner.RunError as e:
+    except RunError as e:
         if "diverged" not in str(e) or not malicious_pct:
             raise
         # An attack that blows the model up (FedAvg under the scaling attack) is a result, not an
@@ -149,7 +150,7 @@ def load_final(path: Path) -> dict | None:
     config = json.loads((path / "config.json").read_text())["config"]
     last = rows[-1]
     k = config["clients_per_round"]
-    from fedjax_sparse.supermask import mebibytes
+    from fedjax_sparse.mechanisms.supermask import mebibytes
     return dict(round=last["round"], complete=(path / "summary.json").exists() or (path / DIVERGED).exists(),
                 diverged=(path / DIVERGED).exists(), accuracy=last["accuracy"],
                 accuracy_std=last["accuracy_std"], global_accuracy=last.get("global_accuracy"),

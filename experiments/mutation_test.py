@@ -100,7 +100,7 @@ def main() -> int:
     parser.add_argument("--max-children", type=int, default=2)
     parser.add_argument("--time-limit", type=float, default=1800.0, help="seconds for all modules together")
     parser.add_argument("--mutants", nargs="+", default=[],
-                        help="only these mutant names (fnmatch globs, e.g. 'fedjax_sparse.dropout.x_solve_scaling*'), "
+                        help="only these mutant names (fnmatch globs, e.g. 'fedjax_sparse.mechanisms.syncdrop.x_solve_scaling*'), "
                              "to re-check earlier survivors")
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "fedjax_sparse_mutation")
     args = parser.parse_args()

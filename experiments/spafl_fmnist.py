@@ -185,7 +185,7 @@ def run_one(study: dict, method: str, seed: int, args, out: Path) -> dict | None
     counts it apart, and reruns skip it (delete the folder to try again). Returns the summary,
     or None for a diverged run."""
     from fedjax_sparse import runner
-    from fedjax_sparse.config import RunError
+    from fedjax_sparse.errors import RunError
     spec = study["methods"][method]
     config = method_config(study, method, seed, args, out)
     if (out / "summary.json").exists():

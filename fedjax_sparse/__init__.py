@@ -42,11 +42,11 @@ _EXPORTS = {
     "ServerContext": "fedjax_sparse.algorithms.base", "Task": "fedjax_sparse.algorithms.base",
     "client_metrics": "fedjax_sparse.algorithms.base",
     "with_aggregator": "fedjax_sparse.algorithms.compose", "with_attack": "fedjax_sparse.algorithms.compose",
-    "RunConfig": "fedjax_sparse.config", "RunError": "fedjax_sparse.config",
+    "RunConfig": "fedjax_sparse.config", "RunError": "fedjax_sparse.errors",
     "Engine": "fedjax_sparse.engine", "EngineState": "fedjax_sparse.engine",
     "Hooks": "fedjax_sparse.models.base", "Model": "fedjax_sparse.models.base",
     "plot_runs": "fedjax_sparse.reporting", "report_table": "fedjax_sparse.reporting",
-    "Experiment": "fedjax_sparse.runner", "RunResult": "fedjax_sparse.runner", "RunStopped": "fedjax_sparse.runner",
+    "Experiment": "fedjax_sparse.runner", "RunResult": "fedjax_sparse.runner", "RunStopped": "fedjax_sparse.errors",
     "build": "fedjax_sparse.runner", "format_summary": "fedjax_sparse.runner", "run": "fedjax_sparse.runner",
 }
 _NAMESPACES = ("algorithms", "data", "mechanisms", "models")
@@ -74,9 +74,9 @@ if TYPE_CHECKING:  # what type checkers and the API reference see
     from fedjax_sparse import algorithms, data, mechanisms, models  # noqa: F401
     from fedjax_sparse.algorithms.base import Algorithm, ClientContext, ServerContext, Task, client_metrics  # noqa: F401
     from fedjax_sparse.algorithms.compose import with_aggregator, with_attack  # noqa: F401
-    from fedjax_sparse.config import RunConfig, RunError  # noqa: F401
+    from fedjax_sparse.config import RunConfig  # noqa: F401
     from fedjax_sparse.engine import Engine, EngineState  # noqa: F401
     from fedjax_sparse.models.base import Hooks, Model  # noqa: F401
     from fedjax_sparse.reporting import plot_runs, report_table  # noqa: F401
-    from fedjax_sparse.runner import (Experiment, RunResult, RunStopped, build, format_summary,  # noqa: F401
-                                      run)
+    from fedjax_sparse.errors import RunError, RunStopped  # noqa: F401
+    from fedjax_sparse.runner import Experiment, RunResult, build, format_summary, run  # noqa: F401

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse.config import RunError
+from fedjax_sparse.errors import RunError
 from fedjax_sparse.engine import EngineState
 
 LEGACY_CHECKPOINT = "checkpoint.npz"

@@ -262,10 +262,10 @@ def _run_replicas(args, config, given: set) -> int:
 
 
 def cmd_partition(args) -> int:
-    from fedjax_sparse.data import datasets
+    from fedjax_sparse.data.arrays import load
     from fedjax_sparse.data.partition import (format_partition_report, partition_dataset,
                                               partition_report)
-    dataset = datasets.load_dataset(args.dataset, args.data_dir)
+    dataset = load(args.dataset, args.data_dir)
     part = partition_dataset(dataset, args.partition, args.num_clients, args.seed,
                                        min_train_samples=args.min_client_samples)
     report = partition_report(dataset, part)
@@ -348,8 +348,8 @@ def main(argv=None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     args = _parser().parse_args(argv)
-    from fedjax_sparse.data.datasets import DataError
-    from fedjax_sparse.runner import RunStopped
+    from fedjax_sparse.errors import DataError
+    from fedjax_sparse.errors import RunStopped
     try:
         commands = {"run": cmd_run, "partition": cmd_partition, "list": cmd_list, "plot": cmd_plot,
                     "report": cmd_report}

@@ -13,14 +13,11 @@ from fedjax_sparse.engine import CLIENT_PARALLELISM
 from fedjax_sparse.evaluation import PERSONAL_EVAL_MODES
 from fedjax_sparse.models import model_names
 from fedjax_sparse.models.registry import is_model_reference
+from fedjax_sparse.errors import RunError
 
 ROUND_MODES = ("scan", "per_round")
 CLIENT_STATES = ("device", "host")
 CLIENT_STORAGE = ("float32", "bfloat16")
-
-
-class RunError(ValueError):
-    """A user error in a run's configuration or output directory."""
 
 
 # Model used when --model is not given.

@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from fedjax_sparse.config import RunError
+from fedjax_sparse.errors import RunError
 
 ENVIRONMENT = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
                "process_id": "JAX_PROCESS_ID"}

@@ -57,7 +57,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from fedjax_sparse.algorithms.base import ClientContext
-from fedjax_sparse.config import RunError
+from fedjax_sparse.errors import RunError
 from fedjax_sparse.data.federated import ClientData
 from fedjax_sparse.evaluation import plan_chunks, resolve_personal_eval
 from fedjax_sparse.models import layers as L

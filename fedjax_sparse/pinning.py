@@ -47,13 +47,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
+from fedjax_sparse.errors import PinningError
 
 PARTITION_FORMAT = "fedjax_sparse.partition/1"
 COHORTS_FORMAT = "fedjax_sparse.cohorts/1"
-
-
-class PinningError(ValueError):
-    """A pinned-draw file that cannot be used; the message names the file and the fix."""
 
 
 def file_digest(path: str | Path) -> str:

@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_sparse.checkpoint import has_checkpoint, locked_out_dir
-from fedjax_sparse.config import RunConfig, RunError
+from fedjax_sparse.config import RunConfig
+from fedjax_sparse.errors import RunError
 from fedjax_sparse.data.federated import FederatedData, pad_index_rows
 from fedjax_sparse.engine import Engine, metrics_to_host
 from fedjax_sparse.runner import Progress, RunResult, _open_run

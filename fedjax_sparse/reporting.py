@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 from fedjax_sparse.checkpoint import read_metrics
-from fedjax_sparse.config import RunError
+from fedjax_sparse.errors import RunError
 
 # Config fields that tell runs apart in a legend, in the order they are shown.
 LABEL_FIELDS = ("algorithm", "options", "dataset", "model", "lr", "local_epochs", "clients_per_round",

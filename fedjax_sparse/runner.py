@@ -41,7 +41,8 @@ from fedjax_sparse.checkpoint import (CHECKPOINT, Checkpointer, OutputLock, clea
                                       has_checkpoint,
                                       load_checkpoint, locked_out_dir, prepare_out_dir, read_metrics,
                                       save_checkpoint, write_metrics)
-from fedjax_sparse.config import DEFAULT_MODELS, ROUND_MODES, RunConfig, RunError, validate  # noqa: F401
+from fedjax_sparse.config import DEFAULT_MODELS, ROUND_MODES, RunConfig, validate  # noqa: F401
+from fedjax_sparse.errors import DataError, RunError, RunStopped
 from fedjax_sparse.data.federated import FederatedData, build_federated_data
 from fedjax_sparse.engine import STEP_METRICS, Engine, EngineState
 from fedjax_sparse.models import Model, make_model
@@ -127,7 +128,7 @@ def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experi
     options = validate(config, objects={name for name, value in (("model", parts.model), ("dataset", parts.data),
                                                                   ("algorithm", parts.algorithm))
                                         if value is not None})
-    from fedjax_sparse.data import datasets
+    from fedjax_sparse.data.arrays import load as load_data
     from fedjax_sparse.data.arrays import PartitionedData
     from fedjax_sparse.data.partition import partition_dataset
     pinned = {}
@@ -143,8 +144,7 @@ def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experi
             if config.dataset == "synthetic":
                 dataset_options.setdefault("num_clients", config.num_clients)
                 dataset_options.setdefault("seed", config.seed)
-            dataset = datasets.load_dataset(config.dataset, config.data_dir, download=config.download,
-                                            **dataset_options)
+            dataset = load_data(config.dataset, config.data_dir, download=config.download, **dataset_options)
         try:
             if config.partition_file:
                 partition = pinning.load_partition_file(config.partition_file, dataset, config.num_clients)
@@ -153,13 +153,13 @@ def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experi
             else:
                 partition = partition_dataset(dataset, config.partition, config.num_clients,
                                                             config.seed, min_train_samples=config.min_client_samples)
-        except datasets.DataError:
+        except DataError:
             raise
         except ValueError as e:
             raise RunError(str(e)) from None
     try:
         data = build_federated_data(dataset, partition, preprocess=config.preprocess)
-    except datasets.DataError:
+    except DataError:
         raise
     except ValueError as e:
         raise RunError(str(e)) from None
@@ -460,23 +460,6 @@ def run(config: RunConfig, *, model=None, data=None, algorithm=None, resume: boo
                     experiment=experiment, given=given)
     finally:
         lock.release()
-
-
-class RunStopped(Exception):
-    """A run stopped by SIGTERM or SIGINT after checkpointing (``round``: the rounds it completed).
-    The CLI prints the message and exits with ``exit_code`` (128 + the signal's number)."""
-
-    def __init__(self, signum: int, round_: int, out: Path | None):
-        self.signal, self.round = signum, round_
-        self.exit_code = 128 + signum
-        name = signal.Signals(signum).name
-        if out is None:
-            what = "nothing was saved (no --out)"
-        elif round_ == 0:
-            what = "no round had finished, nothing to resume: run the same command again"
-        else:
-            what = f"continue with: python -m fedjax_sparse run --out {out} --resume"
-        super().__init__(f"{name}: stopped at round {round_}; {what}")
 
 
 class StopSignals:

@@ -13,7 +13,7 @@ import csv
 import os
 from pathlib import Path
 
-from fedjax_sparse.config import RunError
+from fedjax_sparse.errors import RunError
 
 LOG_KINDS = ("csv", "tensorboard")
 

@@ -247,7 +247,7 @@ def save(path, **arrays):
 def test_load_npz_round_trip_without_ids(tmp_path):
     a = small()
     path = save(tmp_path / "mine.npz", **a, extra=np.zeros(2))  # unknown keys are ignored
-    for d in (load_npz(path), load_dataset("npz:" + path), load("npz:" + path)):
+    for d in (load_npz(path), load("npz:" + path)):
         assert d.name == "npz:" + path and d.num_classes == 3
         assert d.train_client_ids is None and d.test_client_ids is None
         for key in ("x_train", "y_train", "x_test", "y_test"):
@@ -311,11 +311,13 @@ def test_load_npz_errors(tmp_path):
         load_npz(tmp_path / "nan.npz")
     path = str(good)
     with pytest.raises(DataError, match=r"unknown option\(s\) verify_checksums"):
-        load_dataset("npz:" + path, verify_checksums=False)
+        load("npz:" + path, verify_checksums=False)
     with pytest.raises(DataError, match="--download does not apply"):
-        load_dataset("npz:" + path, download=True)
+        load("npz:" + path, download=True)
     with pytest.raises(DataError, match="names no file"):
-        load_dataset("npz:")
+        load("npz:")
+    with pytest.raises(DataError, match="read 'npz:.*' with fedjax_sparse.data.load"):
+        load_dataset("npz:" + path)
 
 
 # --------------------------------------------------------------------------- digest / describe

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from fedjax_sparse.data import datasets as ds
-from fedjax_sparse.data.datasets import DataError, load_dataset
+from fedjax_sparse.data.datasets import load_dataset
+from fedjax_sparse.errors import DataError
 
 SHARED_DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fedjax_sparse import distributed
-from fedjax_sparse.config import RunError
+from fedjax_sparse.errors import RunError
 
 RUN = ["run", "--algorithm", "spafl", "--dataset", "digits", "--num-clients", "8", "--clients-per-round", "4",
        "--local-epochs", "1", "--batch-size", "16", "--eval-every", "1", "--partition", "iid", "--quiet"]

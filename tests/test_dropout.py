@@ -1,4 +1,4 @@
-"""SyncDrop, the sparse FLOPs model and the dropout-aware init (fedjax_sparse.dropout)."""
+"""SyncDrop, the sparse FLOPs model and the dropout-aware init (fedjax_sparse.mechanisms.syncdrop)."""
 import math
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_sparse.dropout import (ChannelLayout, SparseFlopsModel, channel_scale_hooks, channel_uniforms,
+from fedjax_sparse.mechanisms.syncdrop import (ChannelLayout, SparseFlopsModel, channel_scale_hooks, channel_uniforms,
                                    dropout_aware_init, dropout_scale, keep_mask, solve_scaling, syncdrop)
 from fedjax_sparse.models import make_model
 from fedjax_sparse.models.base import Conv, Dense, Flatten, sequential

@@ -13,7 +13,7 @@ from fedjax_sparse.algorithms.feddrop import (channel_trajectories, dropout_obje
                                               shift_to_psd, trajectory_similarity)
 from fedjax_sparse.algorithms.base import ClientContext
 from fedjax_sparse.data.federated import ClientData, build_federated_data
-from fedjax_sparse.dropout import ChannelLayout, SparseFlopsModel
+from fedjax_sparse.mechanisms.syncdrop import ChannelLayout, SparseFlopsModel
 from fedjax_sparse.engine import Engine
 from fedjax_sparse.models.base import Conv, Dense, Flatten, sequential
 

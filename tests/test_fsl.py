@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_sparse import supermask as sm
+from fedjax_sparse.mechanisms import supermask as sm
 from fedjax_sparse.algorithms import ServerContext, Task, make_algorithm
-from fedjax_sparse.algorithms.fsl import reverse_attack
+from fedjax_sparse.mechanisms.attacks import reverse_attack
 from fedjax_sparse.engine import Engine
 from fedjax_sparse.models import Conv, Dense, Flatten, sequential
 

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from fedjax_sparse import supermask as sm
+from fedjax_sparse.mechanisms import supermask as sm
 from fedjax_sparse.algorithms.robust import topk_uplink_bits
 from fedjax_sparse.models import make_model
 

@@ -8,7 +8,7 @@ import pytest
 
 from fedjax_sparse import runner
 from fedjax_sparse.cli import main
-from fedjax_sparse.config import RunError
+from fedjax_sparse.errors import RunError
 
 # 10 clients, 3 per round, evaluation every 3 rounds in host chunks of 2: chunks share clients and
 # an evaluation chunk (3 rounds) is split into device programs of 2 and 1 rounds.

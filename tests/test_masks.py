@@ -1,10 +1,10 @@
-"""Row masks and straight-through estimators (fedjax_sparse.masks) against hand-derived values."""
+"""Row masks and straight-through estimators (fedjax_sparse.mechanisms.threshold_masks) against hand-derived values."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_sparse import masks
+from fedjax_sparse.mechanisms import threshold_masks as masks
 
 
 def test_step_forward_is_strict_heaviside():

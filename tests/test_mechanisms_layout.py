@@ -1,5 +1,4 @@
-"""fedjax_sparse.mechanisms: pure mechanism modules that import no engine types, and
-the old import paths still give the very same objects."""
+"""fedjax_sparse.mechanisms: pure mechanism modules that import no engine types, used by the algorithms."""
 import ast
 import importlib
 import pathlib
@@ -57,56 +56,11 @@ def test_importing_mechanisms_loads_no_engine_module():
     assert not [m for m in out if _forbidden(m)], out
 
 
-# (old module, new mechanisms module, names that must be the same objects; None: all of __all__)
-OLD_PATHS = [
-    ("fedjax_sparse.masks", "threshold_masks", None),
-    ("fedjax_sparse.dropout", "syncdrop", None),
-    ("fedjax_sparse.supermask", "supermask", None),
-    ("fedjax_sparse.algorithms.robust", "robust_aggregation", [
-        "masked_mean", "_keys_to_floats", "sort_rows", "trimmed_mean", "pairwise_sq_distances",
-        "multi_krum_select", "krum_count", "multi_krum", "sign_majority", "topk_sparsify"]),
-    ("fedjax_sparse.algorithms.robust", "attacks", [
-        "DEVIATIONS", "malicious_clients", "deviation", "halving_search", "min_max_attack",
-        "_trimmed_mean_with_copies", "tailored_trimmed_mean_attack", "tailored_multi_krum_attack",
-        "sign_reverse_attack"]),
-    ("fedjax_sparse.algorithms.robust", "supermask", ["order_keys", "kept_count"]),
-    ("fedjax_sparse.algorithms.fsl", "attacks", ["reverse_attack"]),
-]
-
-
-@pytest.mark.parametrize("old, new, names", OLD_PATHS, ids=[f"{o}->{n}" for o, n, _ in OLD_PATHS])
-def test_old_import_paths_give_the_same_objects(old, new, names):
-    old_module = importlib.import_module(old)
-    new_module = importlib.import_module(f"fedjax_sparse.mechanisms.{new}")
-    if names is None:   # a whole module moved: the same public names, the same objects
-        names = list(new_module.__all__)
-        assert list(old_module.__all__) == names
-    for name in names:
-        obj = getattr(new_module, name)
-        assert getattr(old_module, name) is obj, f"{old}.{name}"
-        if callable(obj):   # defined in the mechanisms module, not just passed through it
-            assert obj.__module__ == new_module.__name__, f"{name} defined in {obj.__module__}"
-
-
-def test_whole_module_shims_export_every_public_name():
-    for old, new in (("masks", "threshold_masks"), ("dropout", "syncdrop"), ("supermask", "supermask")):
-        new_module = importlib.import_module(f"fedjax_sparse.mechanisms.{new}")
-        defined = {n for n, v in vars(new_module).items()
-                   if not n.startswith("_") and getattr(v, "__module__", new_module.__name__) == new_module.__name__
-                   and not isinstance(v, type(sys))}
-        assert defined <= set(new_module.__all__), (new, sorted(defined - set(new_module.__all__)))
-        namespace: dict = {}
-        exec(f"from fedjax_sparse.{old} import *", namespace)
-        assert {n for n in namespace if n != "__builtins__"} == set(new_module.__all__)
-
-
 def test_algorithms_use_the_mechanisms():
     import importlib
-    from fedjax_sparse.algorithms import robust
     # The package attributes feddrop, fsl, spafl are the builder functions; the modules by path:
     feddrop, fsl, spafl = (importlib.import_module(f"fedjax_sparse.algorithms.{m}") for m in ("feddrop", "fsl", "spafl"))
 
     assert spafl.masks_lib is mechanisms.threshold_masks
     assert fsl.sm is mechanisms.supermask
     assert feddrop.SparseFlopsModel is mechanisms.syncdrop.SparseFlopsModel
-    assert robust.trimmed_mean is mechanisms.robust_aggregation.trimmed_mean

@@ -13,9 +13,10 @@ import pytest
 
 from fedjax_sparse import memory, runner
 from fedjax_sparse import population as host_population
-from fedjax_sparse.config import RunConfig, RunError
+from fedjax_sparse.config import RunConfig
 
 # Digits (8x8x1 inputs, 10 classes), iid, small and quick to build.
+from fedjax_sparse.errors import RunError
 DIGITS = dict(dataset="digits", partition="iid", rounds=3, local_epochs=1, batch_size=16)
 # McMahan's 2NN on 8x8 digits, counted by hand: fc1 64x200 + 200, fc2 200x200 + 200, fc3 200x10 + 10.
 MLP_PARAMS = 64 * 200 + 200 + 200 * 200 + 200 + 200 * 10 + 10

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_sparse import supermask as sm
+from fedjax_sparse.mechanisms import supermask as sm
 from fedjax_sparse.mechanisms import supermask as sm_impl
 
 

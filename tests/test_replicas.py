@@ -9,7 +9,8 @@ import pytest
 
 from fedjax_sparse import replicas, runner
 from fedjax_sparse.cli import main
-from fedjax_sparse.config import RunConfig, RunError
+from fedjax_sparse.config import RunConfig
+from fedjax_sparse.errors import RunError
 from fedjax_sparse.evaluation import Evaluator
 
 # Dirichlet partitions differ by seed, so the replicas' client index rows have different widths.

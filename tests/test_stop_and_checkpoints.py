@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from fedjax_sparse import runner
-from fedjax_sparse.runner import ChunkClock, RunStopped
+from fedjax_sparse.runner import ChunkClock
+from fedjax_sparse.errors import RunStopped
 
 BASE = dict(algorithm="fedavg", dataset="digits", model="cnn_small", num_clients=6, clients_per_round=3,
             local_epochs=1, batch_size=32, lr=0.1, partition="iid", checkpoint_seconds=0.0)

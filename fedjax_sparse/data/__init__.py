@@ -7,7 +7,8 @@ over clients by a spec), each giving what ``fedjax_sparse.run(..., data=...)`` t
 module's contents with ``from fedjax_sparse.data.partition import ...``.
 """
 from fedjax_sparse.data.arrays import PartitionedData, from_arrays, load, load_npz, partition
-from fedjax_sparse.data.datasets import DATASETS, DataError, Dataset, load_dataset
+from fedjax_sparse.data.datasets import DATASETS, Dataset, load_dataset
+from fedjax_sparse.errors import DataError
 from fedjax_sparse.data.federated import ClientData, FederatedData, build_federated_data
 from fedjax_sparse.data.partition import Partition, partition_dataset, partition_report
 

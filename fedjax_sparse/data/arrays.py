@@ -59,7 +59,9 @@ from typing import Any
 
 import numpy as np
 
-from fedjax_sparse.data.datasets import DataError, Dataset, load_dataset
+from fedjax_sparse.data.datasets import NPZ_PREFIX, Dataset, load_dataset
+
+from fedjax_sparse.errors import DataError
 from fedjax_sparse.data.federated import FederatedData, build_federated_data
 from fedjax_sparse.data.partition import Partition, partition_dataset
 
@@ -486,9 +488,19 @@ def partition(dataset: Dataset, spec: str, num_clients: int, seed: int = 0, *,
     return PartitionedData(dataset, part)
 
 
-def load(name: str, data_dir: str | os.PathLike | None = None, **options) -> Dataset:
-    """`load_dataset` (a built-in name, or ``"npz:PATH"`` for `load_npz`)."""
-    return load_dataset(name, data_dir, **options)
+def load(name: str, data_dir: str | os.PathLike | None = None, *, download: bool = False, **options) -> Dataset:
+    """A built-in data set by name (`load_dataset`), or your own ``.npz`` file as ``"npz:PATH"`` (the
+    path as given, relative to the current directory; `data_dir` is ignored; `load_npz`; no options)."""
+    if isinstance(name, str) and name.startswith(NPZ_PREFIX):
+        if options:
+            raise DataError(f"{name}: unknown option(s) {', '.join(sorted(options))}; valid options: none")
+        if download:
+            raise DataError(f"{name}: --download does not apply to a local .npz file; drop --download")
+        path = name[len(NPZ_PREFIX):]
+        if not path:
+            raise DataError(f"'{name}' names no file; pass npz:PATH, e.g. npz:/data/mine.npz")
+        return load_npz(path)
+    return load_dataset(name, data_dir, download=download, **options)
 
 
 def load_npz(path: str | os.PathLike) -> Dataset:

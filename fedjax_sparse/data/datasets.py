@@ -43,21 +43,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+from fedjax_sparse.errors import DataError
 
 __all__ = [
     "DATASETS",
     "DEFAULT_DATA_DIR_ENV",
     "KNOWN_MD5",
     "NPZ_PREFIX",
-    "DataError",
     "Dataset",
     "load_dataset",
     "read_idx",
 ]
-
-
-class DataError(ValueError):
-    """User-facing data problem; the message names the file/problem and the fix (one line)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -782,23 +778,14 @@ def load_dataset(name: str, data_dir: str | os.PathLike | None = None, *, downlo
         ``synthetic``: ``alpha=1.0, beta=1.0, num_clients=30, seed=0, iid=False,
         dimension=60, num_classes=10, train_fraction=0.8``.
 
-    Your own data: ``name="npz:PATH"`` reads the ``.npz`` file at PATH (as
-    given, relative to the current directory; `data_dir` is ignored) with
-    `fedjax_sparse.data.arrays.load_npz`; it takes no options.
+    Your own ``.npz`` files are read by `fedjax_sparse.data.load` (``"npz:PATH"``).
 
     Raises:
       DataError: unknown name or option, missing/corrupt/mismatching files.
     """
     if isinstance(name, str) and name.startswith(NPZ_PREFIX):
-        _check_options(name, options, ())
-        if download:
-            raise DataError(f"{name}: --download does not apply to a local .npz file; drop --download")
-        path = name[len(NPZ_PREFIX):]
-        if not path:
-            raise DataError(f"'{name}' names no file; pass npz:PATH, e.g. npz:/data/mine.npz")
-        from fedjax_sparse.data.arrays import load_npz  # arrays.py imports this module
-
-        return load_npz(path)
+        raise DataError(f"load_dataset loads the built-in data sets; read '{name}' with "
+                        "fedjax_sparse.data.load (or load_npz)")
     if name not in DATASETS:
         raise DataError(
             f"unknown dataset '{name}'; valid names: {', '.join(DATASETS)}, or npz:PATH for your own .npz file"
