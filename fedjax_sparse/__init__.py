@@ -46,8 +46,8 @@ _EXPORTS = {
     "Engine": "fedjax_sparse.engine", "EngineState": "fedjax_sparse.engine",
     "Hooks": "fedjax_sparse.models.base", "Model": "fedjax_sparse.models.base",
     "plot_runs": "fedjax_sparse.reporting", "report_table": "fedjax_sparse.reporting",
-    "Experiment": "fedjax_sparse.runner", "RunResult": "fedjax_sparse.runner", "RunStopped": "fedjax_sparse.errors",
-    "build": "fedjax_sparse.runner", "format_summary": "fedjax_sparse.runner", "run": "fedjax_sparse.runner",
+    "Experiment": "fedjax_sparse.experiment", "RunResult": "fedjax_sparse.runner", "RunStopped": "fedjax_sparse.errors",
+    "build": "fedjax_sparse.experiment", "format_summary": "fedjax_sparse.progress", "run": "fedjax_sparse.runner",
 }
 _NAMESPACES = ("algorithms", "data", "mechanisms", "models")
 
@@ -79,4 +79,6 @@ if TYPE_CHECKING:  # what type checkers and the API reference see
     from fedjax_sparse.models.base import Hooks, Model  # noqa: F401
     from fedjax_sparse.reporting import plot_runs, report_table  # noqa: F401
     from fedjax_sparse.errors import RunError, RunStopped  # noqa: F401
-    from fedjax_sparse.runner import Experiment, RunResult, build, format_summary, run  # noqa: F401
+    from fedjax_sparse.experiment import Experiment, build  # noqa: F401
+    from fedjax_sparse.progress import format_summary  # noqa: F401
+    from fedjax_sparse.runner import RunResult, run  # noqa: F401

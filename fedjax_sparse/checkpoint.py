@@ -8,7 +8,8 @@ Crash safety, in the order a run touches its directory:
 * Checkpoints go through orbax's ``CheckpointManager`` in ``OUT/checkpoints/<round>/``: each
   is written to a temporary folder and renamed when complete, and the previous generation is
   kept, so a crash while saving (or a corrupt latest checkpoint) falls back to the one before.
-  Checkpoints of earlier versions (``OUT/checkpoint.npz``) are still read.
+  Arrays are restored by key (NamedTuple and dataclass field names, dict keys), not by position.
+  The first format (``OUT/checkpoint.npz``, leaves by position) is refused in one line.
 * ``metrics.jsonl`` is appended one row per evaluation; a torn last line (a kill mid-write) is
   dropped on resume, as are rows past the checkpoint's round.
 """
@@ -30,7 +31,6 @@ from fedjax_sparse.errors import RunError
 from fedjax_sparse.engine import EngineState
 
 LEGACY_CHECKPOINT = "checkpoint.npz"
-CHECKPOINT = LEGACY_CHECKPOINT  # the old name, still importable
 CHECKPOINT_DIR = "checkpoints"
 LOCK = ".lock"
 # Generations kept: the newest plus the one before (the fallback when the newest is damaged).
@@ -166,7 +166,8 @@ def write_metrics(out: str | Path, rows: list[dict]) -> None:
 
 # ---------------------------------------------------------------- checkpoints
 def has_checkpoint(out: str | Path) -> bool:
-    """Whether ``out`` holds a checkpoint to resume from (either format)."""
+    """Whether ``out`` holds a checkpoint to resume from (a first-format ``checkpoint.npz`` counts, so
+    that ``--resume`` reaches the line refusing it)."""
     out = Path(out)
     if (out / LEGACY_CHECKPOINT).exists():
         return True
@@ -241,17 +242,22 @@ def save_checkpoint(out: Path, state: EngineState, totals: dict, population=None
 
 def load_checkpoint(out: Path, template: EngineState, population=None) -> tuple[EngineState, dict]:
     """The newest readable checkpoint of ``out`` (falling back to the previous generation, with
-    a notice, when the newest is damaged), or a legacy ``checkpoint.npz``. ``population``: the
+    a notice, when the newest is damaged), matched to ``template`` by key (field names), so a state's
+    fields may be reordered between versions. ``population``: the
     host population to load the saved one into (checkpoints of --client-state host runs)."""
     import orbax.checkpoint as ocp
     out = Path(out)
     if (out.suffix == ".npz" or not (out / CHECKPOINT_DIR).is_dir()) and population is not None:
         raise RunError(f"{out} holds no checkpoint of a --client-state host run; resume it with --client-state "
                        "device, or start a fresh run in a new --out")
-    if out.suffix == ".npz":
-        return _load_legacy(out, template)
-    if not (out / CHECKPOINT_DIR).is_dir():
-        return _load_legacy(out / LEGACY_CHECKPOINT, template)
+    if out.suffix == ".npz" or not (out / CHECKPOINT_DIR).is_dir():
+        legacy = out if out.suffix == ".npz" else out / LEGACY_CHECKPOINT
+        if legacy.exists():
+            # That format stored the leaves by position: it cannot follow a state whose fields moved.
+            raise RunError(f"{legacy} is a checkpoint of fedjax_sparse before its orbax checkpoints (leaves by "
+                           "position), no longer read; finish that run with the version that started it, or "
+                           "start a fresh run in a new --out")
+        raise RunError(f"no checkpoint in {out}; start a fresh run (without --resume)")
     manager = _manager(out)
     steps = sorted(manager.all_steps(), reverse=True)
     problems = []
@@ -279,9 +285,9 @@ def load_checkpoint(out: Path, template: EngineState, population=None) -> tuple[
             if problems:
                 print(f"notice: checkpoint(s) {', '.join(problems)} unreadable; resuming from round {step}",
                       file=sys.stderr)
-            state = jax.tree_util.tree_map(jnp.asarray, restored.state)
-            return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template),
-                                                jax.tree_util.tree_leaves(state)), dict(restored.totals)
+            # orbax matched the saved arrays to the template by their keys (NamedTuple and dataclass
+            # field names, dict keys), so a state's fields may be reordered between versions.
+            return jax.tree_util.tree_map(jnp.asarray, restored.state), dict(restored.totals)
     finally:
         manager.close()
     raise RunError(f"no readable checkpoint in {out / CHECKPOINT_DIR} ({'; '.join(problems) or 'none found'}); "
@@ -293,22 +299,6 @@ def _check_structure(out: Path, restored: Any, template: EngineState) -> None:
     old_leaves = jax.tree_util.tree_leaves(template)
     if len(new_leaves) != len(old_leaves) or any(np.shape(a) != np.shape(b) for a, b in zip(new_leaves, old_leaves)):
         raise RunError(f"the checkpoint in {out} is from another configuration; use a new --out directory")
-
-
-def _load_legacy(path: Path, template: EngineState) -> tuple[EngineState, dict]:
-    leaves, treedef = jax.tree_util.tree_flatten(template)
-    try:
-        with np.load(path) as f:
-            loaded = [f[f"arr_{i}"] for i in range(len(leaves))]
-            totals = json.loads(str(f["totals"]))
-    except (OSError, KeyError, ValueError, EOFError) as e:
-        raise RunError(f"checkpoint {path} is unreadable or from another configuration ({type(e).__name__}); "
-                       "start a fresh run in a new --out directory") from None
-    for new, old in zip(loaded, leaves):
-        if new.shape != old.shape:
-            raise RunError(f"checkpoint {path} does not match this configuration (a leaf of shape "
-                           f"{new.shape} where {old.shape} is expected); use a new --out directory")
-    return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(x) for x in loaded]), totals
 
 
 # ---------------------------------------------------------------- the folder

@@ -90,13 +90,14 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a federated experiment")
     run.add_argument("--config", help="JSON config file (RunConfig fields); flags given override it")
-    from fedjax_sparse.config import RunConfig
+    from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig
     defaults = RunConfig()
     for flag, dest, typ, text in RUN_FLAGS:
         if "default" not in text:
             # The flag's default is the RunConfig field's (argparse's own default stays None so that the
             # flags given can be told apart from a config file's values).
-            text = f"{text} (default: {getattr(defaults, dest)})"
+            default = getattr(defaults.execution if dest in EXECUTION_FIELDS else defaults, dest)
+            text = f"{text} (default: {default})"
         run.add_argument(flag, dest=dest, type=typ, default=None, help=text)
     run.add_argument("--option", action="append", metavar="KEY=VALUE", help="algorithm option (repeatable)")
     run.add_argument("--model-option", action="append", metavar="KEY=VALUE", help="model option (repeatable)")
@@ -188,6 +189,8 @@ def enable_compile_cache(flag: str | None) -> None:
 
 def cmd_run(args) -> int:
     from fedjax_sparse import distributed, runner
+    from fedjax_sparse.config import EXECUTION_FIELDS
+    from fedjax_sparse.progress import format_summary
     enable_compile_cache(args.compile_cache)
     processes = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     base = {}
@@ -203,11 +206,12 @@ def cmd_run(args) -> int:
         raise ValueError(f"config file {args.config} must hold a JSON object of RunConfig fields "
                          f"(e.g. {{\"algorithm\": \"fedavg\", \"rounds\": 10}}), not a {type(base).__name__}")
     config = runner.RunConfig.from_json(base)
-    given = set(base)  # what the user set: the config file's keys and the flags below
+    # What the user set: the config file's keys (execution's by their own names) and the flags below.
+    given = set(base) - {"execution"} | set(base.get("execution") or {})
     for _, dest, _, _ in RUN_FLAGS:
         value = getattr(args, dest)
         if value is not None:
-            setattr(config, dest, value)
+            setattr(config.execution if dest in EXECUTION_FIELDS else config, dest, value)
             given.add(dest)
     if args.download:
         config.download = True
@@ -235,7 +239,7 @@ def cmd_run(args) -> int:
                          given=given).summary
     if not distributed.is_primary():
         return 0  # process 0 reports
-    print(runner.format_summary(summary))
+    print(format_summary(summary))
     if config.out:
         print(f"outputs: {config.out}/{{config.json,metrics.jsonl,summary.json}}")
     return 0

@@ -29,6 +29,36 @@ DEFAULT_MODELS = {
 
 
 @dataclasses.dataclass
+class Execution:
+    """How a run executes: client schedules, round programs, evaluation mode, where the clients' state
+    lives, checkpoint cadence, extra logs. None of it changes what is computed (bitwise, tested;
+    ``client_storage="bfloat16"`` is the one lossy choice and says so), so every field may change when
+    a run is resumed. Flags of the same names set it (``--client-parallelism`` ...); ``config.json``
+    holds it as ``"execution"``. Which mode wins where: docs/design.md."""
+    client_parallelism: str = "auto"    # auto (map on CPU, vmap elsewhere) | vmap | map | bucketed | measure
+    client_bucket_size: int = 0         # bucketed mode: clients per lockstep bucket (0: a quarter of K)
+    round_mode: str = "scan"            # scan (rounds in one lax.scan per chunk) | per_round
+    eval_batch_size: int | None = None  # None: auto (see fedjax_sparse.experiment.auto_eval_batch_size)
+    personal_eval: str = "auto"         # auto (per_client on CPU, batched elsewhere) | batched | per_client | loop
+    # Where the clients' persistent state lives (fedjax_sparse.population): device (all N rows) | host
+    # (host memory, copy-on-write; only each chunk's cohort rows go to the device).
+    client_state: str = "device"
+    client_storage: str = "float32"     # host: float32 (exact) | bfloat16 (half the memory, lossy)
+    host_chunk_rounds: int = 25         # host: rounds per device program (device rows: this x K)
+    # Checkpoints on their own cadence (besides the end and a stop): every N rounds (0: no round
+    # cadence) and at the first chunk end this many seconds after the previous one (0: off).
+    checkpoint_every: int = 0
+    checkpoint_seconds: float = 60.0
+    # The host regains control after at most about this many seconds of device work (chunks of
+    # rounds sized from the measured round time), to serve progress, checkpoints and signals.
+    max_chunk_seconds: float = 5.0
+    log: str = ""                       # extra logs beside metrics.jsonl: csv, tensorboard (comma-separated)
+
+
+EXECUTION_FIELDS = tuple(f.name for f in dataclasses.fields(Execution))
+
+
+@dataclasses.dataclass
 class RunConfig:
     algorithm: str = "fedavg"
     dataset: str = "digits"
@@ -46,26 +76,8 @@ class RunConfig:
     min_client_samples: int = 1  # the partition is redrawn until every client has this many
     seed: int = 0
     eval_every: int = 1
-    # Checkpoints on their own cadence (besides every evaluation and the end): every N rounds (0: no
-    # round cadence) and at the first chunk end this many seconds after the previous one (0: off).
-    checkpoint_every: int = 0
-    checkpoint_seconds: float = 60.0
-    # The host regains control after at most about this many seconds of device work (chunks of
-    # rounds sized from the measured round time), to serve progress, checkpoints and signals.
-    max_chunk_seconds: float = 5.0
     out: str | None = None
     preprocess: str = "unit"
-    client_parallelism: str = "auto"
-    client_bucket_size: int = 0         # bucketed mode: clients per lockstep bucket (0: a quarter of K)
-    round_mode: str = "scan"
-    # Where the clients' persistent state lives (fedjax_sparse.population): device (all N rows) | host
-    # (host memory, copy-on-write; only each chunk's cohort rows go to the device).
-    client_state: str = "device"
-    client_storage: str = "float32"     # host: float32 (exact) | bfloat16 (half the memory, lossy)
-    host_chunk_rounds: int = 25         # host: rounds per device program (device rows: this x K)
-    eval_batch_size: int | None = None  # None: auto (see auto_eval_batch_size)
-    personal_eval: str = "auto"         # auto (per_client on CPU, batched elsewhere) | batched | per_client | loop
-    log: str = ""                       # extra logs beside metrics.jsonl: csv, tensorboard (comma-separated)
     # Composition (fedjax_sparse.algorithms.compose): a robust aggregator and/or a model-poisoning attack
     # around the algorithm's server side.
     aggregator: str | None = None       # mean | trimmed_mean | multi_krum
@@ -79,24 +91,47 @@ class RunConfig:
     options: dict = dataclasses.field(default_factory=dict)
     model_options: dict = dataclasses.field(default_factory=dict)
     dataset_options: dict = dataclasses.field(default_factory=dict)
+    execution: Execution = dataclasses.field(default_factory=Execution)
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields as ``config.json`` holds them: flat, execution's among the others (the file's keys
+        are those of every version; `from_json` reads both forms)."""
+        fields = dataclasses.asdict(self)
+        return {**fields, **fields.pop("execution")}
 
     @classmethod
     def from_json(cls, data: dict) -> "RunConfig":
+        """From ``config.json`` / a config file: the fields, ``"execution"`` an object of `Execution`
+        fields; execution fields at the top level (config files and runs of earlier versions, the
+        flags' names) are read into ``execution`` too."""
         if not isinstance(data, dict):
             raise RunError(f"a configuration must be a JSON object of RunConfig fields, not a {type(data).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
+        data = dict(data)
+        execution = data.pop("execution", None) or {}
+        if not isinstance(execution, dict):
+            raise RunError(f"config key 'execution' expects an object of {', '.join(EXECUTION_FIELDS)}, got "
+                           f"{execution!r}")
+        unknown = sorted(set(execution) - set(EXECUTION_FIELDS))
+        if unknown:
+            raise RunError(f"unknown execution key(s) {unknown}; valid keys: {list(EXECUTION_FIELDS)}")
+        execution = dict(execution)
+        for name in EXECUTION_FIELDS:
+            if name in data:
+                value = data.pop(name)
+                if name in execution and execution[name] != value:
+                    raise RunError(f"config key {name!r} is given twice, as {value!r} and as execution.{name} "
+                                   f"{execution[name]!r}; keep one")
+                execution[name] = value
+        names = {f.name for f in dataclasses.fields(cls)} - {"execution"}
         unknown = sorted(set(data) - names)
         if unknown:
-            raise RunError(f"unknown config key(s) {unknown}; valid keys: {sorted(names)}")
-        hints = typing.get_type_hints(cls)
-        for key, value in data.items():
-            if not _matches(value, hints[key]):
+            raise RunError(f"unknown config key(s) {unknown}; valid keys: {sorted(names | set(EXECUTION_FIELDS))}")
+        for key, value in [*data.items(), *execution.items()]:
+            hint = typing.get_type_hints(Execution if key in EXECUTION_FIELDS else cls)[key]
+            if not _matches(value, hint):
                 raise RunError(f"config key {key!r} (flag --{key.replace('_', '-')}) expects "
-                               f"{_describe(hints[key])}, got {value!r}")
-        return cls(**data)
+                               f"{_describe(hint)}, got {value!r}")
+        return cls(**data, execution=Execution(**execution))
 
 
 def _matches(value, hint) -> bool:
@@ -129,20 +164,21 @@ def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()
     """Raises RunError naming the problem and the fix; returns the algorithm's typed options (None
     when the algorithm is an object). ``objects``: the fields among ``algorithm``, ``model`` and
     ``dataset`` that a library user gave as objects (their names are labels, not registry keys)."""
+    ex = config.execution
     positive = dict(num_clients=config.num_clients, clients_per_round=config.clients_per_round,
                     resample_every=config.resample_every,
                     rounds=config.rounds, local_epochs=config.local_epochs,
                     batch_size=config.batch_size, eval_every=config.eval_every,
-                    eval_batch_size=config.eval_batch_size if config.eval_batch_size is not None else 1)
+                    eval_batch_size=ex.eval_batch_size if ex.eval_batch_size is not None else 1)
     for name, value in positive.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise RunError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-    if not isinstance(config.checkpoint_every, int) or isinstance(config.checkpoint_every, bool) \
-            or config.checkpoint_every < 0:
+    if not isinstance(ex.checkpoint_every, int) or isinstance(ex.checkpoint_every, bool) \
+            or ex.checkpoint_every < 0:
         raise RunError(f"--checkpoint-every must be a non-negative integer (0: only at evaluations and by the clock), "
-                       f"got {config.checkpoint_every!r}")
+                       f"got {ex.checkpoint_every!r}")
     for name in ("checkpoint_seconds", "max_chunk_seconds"):
-        value = getattr(config, name)
+        value = getattr(config.execution, name)
         if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
                 and value >= 0):
             raise RunError(f"--{name.replace('_', '-')} must be a non-negative number of seconds (0: off), "
@@ -173,12 +209,12 @@ def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()
                        "or npz:PATH for your own .npz file")
     if config.preprocess not in PREPROCESSING:
         raise RunError(f"unknown --preprocess {config.preprocess!r}; valid: {', '.join(PREPROCESSING)}")
-    if config.client_parallelism not in CLIENT_PARALLELISM + ("measure",):
-        raise RunError(f"unknown --client-parallelism {config.client_parallelism!r}; valid: "
+    if ex.client_parallelism not in CLIENT_PARALLELISM + ("measure",):
+        raise RunError(f"unknown --client-parallelism {ex.client_parallelism!r}; valid: "
                        f"{', '.join(CLIENT_PARALLELISM + ('measure',))}")
-    if config.client_bucket_size < 0:
+    if ex.client_bucket_size < 0:
         raise RunError(f"--client-bucket-size must be >= 0 (0 = a quarter of --clients-per-round), got "
-                       f"{config.client_bucket_size}")
+                       f"{ex.client_bucket_size}")
     from fedjax_sparse.algorithms.compose import WRAPPER_AGGREGATORS, WRAPPER_ATTACKS
     if config.aggregator is not None and config.aggregator not in WRAPPER_AGGREGATORS:
         raise RunError(f"unknown --aggregator {config.aggregator!r}; valid: {', '.join(WRAPPER_AGGREGATORS)}")
@@ -191,26 +227,26 @@ def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()
                        f"makes no client malicious; raise it to at least {1 / config.num_clients:.3g}")
     if not 0.0 <= config.trim_fraction < 0.5:
         raise RunError(f"--trim-fraction must be in [0, 0.5), got {config.trim_fraction}")
-    if config.personal_eval not in PERSONAL_EVAL_MODES:
-        raise RunError(f"unknown --personal-eval {config.personal_eval!r}; valid: {', '.join(PERSONAL_EVAL_MODES)}")
+    if ex.personal_eval not in PERSONAL_EVAL_MODES:
+        raise RunError(f"unknown --personal-eval {ex.personal_eval!r}; valid: {', '.join(PERSONAL_EVAL_MODES)}")
     from fedjax_sparse.sinks import parse_log
-    parse_log(config.log)
-    if config.round_mode not in ROUND_MODES:
-        raise RunError(f"unknown --round-mode {config.round_mode!r}; valid: {', '.join(ROUND_MODES)}")
-    if config.client_state not in CLIENT_STATES:
-        raise RunError(f"unknown --client-state {config.client_state!r}; valid: {', '.join(CLIENT_STATES)}")
-    if config.client_storage not in CLIENT_STORAGE:
-        raise RunError(f"unknown --client-storage {config.client_storage!r}; valid: {', '.join(CLIENT_STORAGE)}")
-    if config.client_storage != "float32" and config.client_state != "host":
-        raise RunError(f"--client-storage {config.client_storage} stores the clients' rows on the host: add "
+    parse_log(ex.log)
+    if ex.round_mode not in ROUND_MODES:
+        raise RunError(f"unknown --round-mode {ex.round_mode!r}; valid: {', '.join(ROUND_MODES)}")
+    if ex.client_state not in CLIENT_STATES:
+        raise RunError(f"unknown --client-state {ex.client_state!r}; valid: {', '.join(CLIENT_STATES)}")
+    if ex.client_storage not in CLIENT_STORAGE:
+        raise RunError(f"unknown --client-storage {ex.client_storage!r}; valid: {', '.join(CLIENT_STORAGE)}")
+    if ex.client_storage != "float32" and ex.client_state != "host":
+        raise RunError(f"--client-storage {ex.client_storage} stores the clients' rows on the host: add "
                        "--client-state host")
-    if not isinstance(config.host_chunk_rounds, int) or isinstance(config.host_chunk_rounds, bool) \
-            or config.host_chunk_rounds < 1:
-        raise RunError(f"--host-chunk-rounds must be a positive integer, got {config.host_chunk_rounds!r}")
-    if config.client_state == "host":
-        if config.round_mode != "scan":
+    if not isinstance(ex.host_chunk_rounds, int) or isinstance(ex.host_chunk_rounds, bool) \
+            or ex.host_chunk_rounds < 1:
+        raise RunError(f"--host-chunk-rounds must be a positive integer, got {ex.host_chunk_rounds!r}")
+    if ex.client_state == "host":
+        if ex.round_mode != "scan":
             raise RunError("--client-state host runs its rounds in scanned chunks: drop --round-mode per_round")
-        if config.client_parallelism == "measure":
+        if ex.client_parallelism == "measure":
             raise RunError("--client-parallelism measure times rounds on the all-resident state; with "
                            "--client-state host choose auto, vmap, map or bucketed")
     if "algorithm" in objects:

@@ -389,7 +389,7 @@ def estimate(experiment, *, capacity_bytes: int | None = None) -> MemoryEstimate
     ``capacity_bytes`` replaces the device's capacity (tests)."""
     t0 = time.perf_counter()
     config, engine, data = experiment.config, experiment.engine, experiment.data
-    mode = "vmap" if config.client_parallelism == "measure" else engine.mode
+    mode = "vmap" if config.execution.client_parallelism == "measure" else engine.mode
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
     state = jax.eval_shape(engine.init, key)
     n = engine.num_clients
@@ -409,8 +409,9 @@ def estimate(experiment, *, capacity_bytes: int | None = None) -> MemoryEstimate
         backend=backend, num_clients=n, clients_per_round=engine.clients_per_round,
         client_parallelism=mode, client_bucket_size=engine.bucket_size, device_count=jax.device_count(),
         shard_clients=engine.shard_clients, population_devices=population_devices,
-        client_state=config.client_state, client_storage=config.client_storage,
-        chunk_rounds=max(1, min(config.host_chunk_rounds, config.eval_every, config.rounds)), rounds=config.rounds,
+        client_state=config.execution.client_state, client_storage=config.execution.client_storage,
+        chunk_rounds=max(1, min(config.execution.host_chunk_rounds, config.eval_every, config.rounds)),
+        rounds=config.rounds,
         per_client_row_bytes=row_bytes, per_client_row_float_bytes=row_float, message_bytes=message_bytes,
         step_bytes=step_bytes, server_state_bytes=tree_bytes(state.server), data_bytes=data_bytes,
         evaluation_bytes=evaluation, host_evaluation_bytes=host_evaluation,

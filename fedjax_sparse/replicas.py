@@ -41,7 +41,8 @@ from fedjax_sparse.config import RunConfig
 from fedjax_sparse.errors import RunError
 from fedjax_sparse.data.federated import FederatedData, pad_index_rows
 from fedjax_sparse.engine import Engine, metrics_to_host
-from fedjax_sparse.runner import Progress, RunResult, _open_run
+from fedjax_sparse.progress import Progress
+from fedjax_sparse.runner import RunResult, open_run
 
 REPLICA_PARALLELISM = ("auto", "vmap", "sequential")
 
@@ -117,7 +118,7 @@ def run_replicas(config: RunConfig, seeds: Sequence[int], *, parallelism: str = 
         raise RunError(f"--seeds lists a seed twice: {seeds}; each seed is one replica")
     if any(s < 0 for s in seeds):
         raise RunError(f"--seeds must be non-negative integers, got {seeds}")
-    if config.client_state == "host":
+    if config.execution.client_state == "host":
         raise RunError("--seeds stacks every replica's clients on the device; run --client-state host one --seed "
                        "at a time")
     mode = resolve_replica_parallelism(parallelism)
@@ -128,16 +129,17 @@ def run_replicas(config: RunConfig, seeds: Sequence[int], *, parallelism: str = 
         opened: list = []
         for seed in seeds:
             cfg = replica_config(config, seed)
-            if cfg.client_parallelism == "measure" and opened and not isinstance(opened[0], RunResult):
+            if cfg.execution.client_parallelism == "measure" and opened and not isinstance(opened[0], RunResult):
                 # Measured once, on the first seed: the others run the schedule it chose.
-                cfg = dataclasses.replace(cfg, client_parallelism=opened[0].exp.engine.mode)
+                cfg = dataclasses.replace(cfg, execution=dataclasses.replace(
+                    cfg.execution, client_parallelism=opened[0].exp.engine.mode))
             if cfg.out is not None:
                 stack.enter_context(locked_out_dir(Path(cfg.out)))
             out_r = Path(cfg.out) if cfg.out else None
             # --resume continues every seed that has a checkpoint and starts the others (a seed killed
             # before its first checkpoint has nothing a resume would keep).
             resume_r = resume and out_r is not None and has_checkpoint(out_r)
-            opened.append(_open_run(cfg, out_r, resume=resume_r, overwrite=overwrite or (resume and not resume_r),
+            opened.append(open_run(cfg, out_r, resume=resume_r, overwrite=overwrite or (resume and not resume_r),
                                     experiment=None, given=given))
         results: dict[int, RunResult] = {s: r for s, r in zip(seeds, opened) if isinstance(r, RunResult)}
         runs = [r for r in opened if not isinstance(r, RunResult)]
@@ -203,7 +205,7 @@ class _Group:
     def _advance_one(self, i: int, n: int, first: bool) -> None:
         run = self.runs[i]
         t = time.perf_counter()
-        state, metrics = self._engine_of(i).advance(run.state, self._data_of(i), n, run.config.round_mode)
+        state, metrics = self._engine_of(i).advance(run.state, self._data_of(i), n, run.config.execution.round_mode)
         run.record(state, metrics, n, chunk_started=t if first else None)
 
     def run(self) -> list:

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import platform
-import resource
 import signal
 import sys
 import threading
@@ -33,213 +31,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse import distributed, memory, pinning, timing
+from fedjax_sparse import distributed, memory
 from fedjax_sparse import population as host_population
-from fedjax_sparse.algorithms import Algorithm, Task, compose, make_algorithm
-# The config and checkpoint modules' names stay importable from here (scripts use runner.RunConfig).
-from fedjax_sparse.checkpoint import (CHECKPOINT, Checkpointer, OutputLock, clear_outputs,  # noqa: F401
-                                      has_checkpoint,
+from fedjax_sparse.checkpoint import (Checkpointer, clear_outputs,
                                       load_checkpoint, locked_out_dir, prepare_out_dir, read_metrics,
-                                      save_checkpoint, write_metrics)
-from fedjax_sparse.config import DEFAULT_MODELS, ROUND_MODES, RunConfig, validate  # noqa: F401
-from fedjax_sparse.errors import DataError, RunError, RunStopped
-from fedjax_sparse.data.federated import FederatedData, build_federated_data
+                                      write_metrics)
+from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig
+from fedjax_sparse.errors import RunError, RunStopped
+from fedjax_sparse.data.federated import FederatedData
 from fedjax_sparse.engine import STEP_METRICS, Engine, EngineState
-from fedjax_sparse.models import Model, make_model
-from fedjax_sparse.models.flax_adapter import from_flax
 from fedjax_sparse.sinks import MetricSinks
 
-@dataclasses.dataclass
-class Experiment:
-    """Everything built from a config, ready to run (also handy in notebooks)."""
-    config: RunConfig
-    dataset: Any
-    partition: Any
-    data: FederatedData
-    task: Task
-    engine: Engine
-
-    # Paths and sha256 of the pinned-draw files used ({} when none).
-    pinned: dict = dataclasses.field(default_factory=dict)
-    # The data's name, shapes and content digest (config.json "data"; a resume must match it).
-    data_record: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def algorithm(self):
-        return self.engine.algorithm
-
-    @property
-    def model(self):
-        return self.task.model
-
-
-@dataclasses.dataclass(frozen=True)
-class Components:
-    """What a library user hands ``run``/``build`` as objects instead of names (None: use the name
-    in the config): a :class:`Model` or Flax module, a dataset (``PartitionedData`` from
-    ``fedjax_sparse.data.from_arrays``, or a ``Dataset`` partitioned by the config), and an
-    :class:`Algorithm` or a builder ``task -> Algorithm``."""
-    model: Any = None
-    data: Any = None
-    algorithm: Any = None
-
-
-def with_components(config: RunConfig, model=None, data=None, algorithm=None) -> tuple[RunConfig, Components]:
-    """Splits objects out of ``config`` (``RunConfig(algorithm=my_algorithm)`` works too) and puts
-    their names in their place, so config.json records what ran: the algorithm's name, the model's
-    name, the data's name, and a partitioned dataset's client count and partition."""
-    from fedjax_sparse.algorithms import Algorithm
-    from fedjax_sparse.data.arrays import PartitionedData
-    from fedjax_sparse.data.datasets import Dataset
-    if not isinstance(config.algorithm, str):
-        if algorithm is not None:
-            raise RunError("give the algorithm once: in RunConfig(algorithm=...) or as run(..., algorithm=...)")
-        algorithm = config.algorithm
-    if config.model is not None and not isinstance(config.model, str):
-        if model is not None:
-            raise RunError("give the model once: in RunConfig(model=...) or as run(..., model=...)")
-        model = config.model
-    changes: dict[str, Any] = {}
-    if algorithm is not None:
-        if isinstance(algorithm, Algorithm):
-            changes["algorithm"] = algorithm.name
-        elif callable(algorithm):
-            changes["algorithm"] = getattr(algorithm, "__name__", type(algorithm).__name__)
-        else:
-            raise RunError(f"algorithm must be a name, an Algorithm or a function task -> Algorithm, not "
-                           f"{type(algorithm).__name__}")
-    if model is not None:
-        changes["model"] = model.name if isinstance(model, Model) else type(model).__name__
-    if data is not None:
-        if isinstance(data, PartitionedData):
-            changes.update(dataset=data.name, num_clients=data.num_clients, partition=data.partition.spec)
-        elif isinstance(data, Dataset):
-            changes["dataset"] = data.name
-        else:
-            raise RunError(f"data must come from fedjax_sparse.data (from_arrays, partition or load), not "
-                           f"{type(data).__name__}")
-    return dataclasses.replace(config, **changes), Components(model, data, algorithm)
-
-
-def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experiment:
-    """Data, model, algorithm and engine from ``config``; ``model``, ``data`` and ``algorithm``
-    objects replace the config's names (see :class:`Components`)."""
-    config, parts = with_components(config, model, data, algorithm)
-    options = validate(config, objects={name for name, value in (("model", parts.model), ("dataset", parts.data),
-                                                                  ("algorithm", parts.algorithm))
-                                        if value is not None})
-    from fedjax_sparse.data.arrays import load as load_data
-    from fedjax_sparse.data.arrays import PartitionedData
-    from fedjax_sparse.data.partition import partition_dataset
-    pinned = {}
-    if isinstance(parts.data, PartitionedData):
-        dataset, partition = parts.data.dataset, parts.data.partition
-        if config.partition_file:
-            raise RunError("--partition-file pins a partition, but the data given is already partitioned; drop one")
-    else:
-        if parts.data is not None:
-            dataset = parts.data
-        else:
-            dataset_options = dict(config.dataset_options)
-            if config.dataset == "synthetic":
-                dataset_options.setdefault("num_clients", config.num_clients)
-                dataset_options.setdefault("seed", config.seed)
-            dataset = load_data(config.dataset, config.data_dir, download=config.download, **dataset_options)
-        try:
-            if config.partition_file:
-                partition = pinning.load_partition_file(config.partition_file, dataset, config.num_clients)
-                pinned["partition_file"] = {"path": config.partition_file,
-                                            "sha256": pinning.file_digest(config.partition_file)}
-            else:
-                partition = partition_dataset(dataset, config.partition, config.num_clients,
-                                                            config.seed, min_train_samples=config.min_client_samples)
-        except DataError:
-            raise
-        except ValueError as e:
-            raise RunError(str(e)) from None
-    try:
-        data = build_federated_data(dataset, partition, preprocess=config.preprocess)
-    except DataError:
-        raise
-    except ValueError as e:
-        raise RunError(str(e)) from None
-    data_record = PartitionedData(dataset, partition).describe()
-    if parts.model is None:
-        model_name = config.model or DEFAULT_MODELS.get(config.dataset, "mlp")
-        try:
-            model = make_model(model_name, data.input_shape, data.num_classes, **config.model_options)
-        except (ValueError, TypeError, ImportError, AttributeError) as e:
-            raise RunError(str(e)) from None
-    elif isinstance(parts.model, Model):
-        model = parts.model
-        if tuple(model.input_shape) != tuple(data.input_shape) or model.num_classes != data.num_classes:
-            raise RunError(f"model {model.name} takes {tuple(model.input_shape)} inputs and gives {model.num_classes} "
-                           f"logits, but the data has {tuple(data.input_shape)} inputs and {data.num_classes} "
-                           "classes; build the model for the data's shapes")
-    else:
-        try:
-            model = from_flax(parts.model, data.input_shape, num_classes=data.num_classes)
-        except (ValueError, TypeError) as e:
-            raise RunError(str(e)) from None
-    initial_variables = None
-    if config.init_params:
-        if getattr(options, "init", "model") != "model":
-            raise RunError(f"--init-params gives the initial weights, but {config.algorithm} re-initialises "
-                           f"them (option init={options.init!r}); add --option init=model")
-        template = jax.eval_shape(model.init, jax.random.PRNGKey(0))
-        try:
-            variables, extras = pinning.load_init_params(config.init_params, template)
-        except ValueError as e:
-            raise RunError(str(e)) from None
-        model = dataclasses.replace(model, init_fn=_constant_init(variables))
-        initial_variables = dict(variables)
-        if extras:
-            initial_variables["scores"] = {k.split("/")[1]: v for k, v in extras.items()}
-        pinned["init_params"] = {"path": config.init_params, "sha256": pinning.file_digest(config.init_params)}
-    schedule = None
-    if config.cohort_schedule:
-        if config.resample_every != 1:
-            raise RunError("--cohort-schedule fixes every round's cohort; drop --resample-every")
-        try:
-            schedule = pinning.load_cohort_schedule(config.cohort_schedule, num_clients=config.num_clients,
-                                                    clients_per_round=config.clients_per_round,
-                                                    rounds=config.rounds)
-        except ValueError as e:
-            raise RunError(str(e)) from None
-        pinned["cohort_schedule"] = {"path": config.cohort_schedule,
-                                     "sha256": pinning.file_digest(config.cohort_schedule)}
-    task = Task(model=model, num_clients=config.num_clients, clients_per_round=config.clients_per_round,
-                local_epochs=config.local_epochs, batch_size=config.batch_size, lr=float(config.lr),
-                rounds=config.rounds, preprocess=data.preprocess, seed=config.seed,
-                initial_variables=initial_variables)
-    if parts.algorithm is None:
-        try:
-            algorithm = make_algorithm(config.algorithm, task, options)
-        except ValueError as e:  # the algorithm refuses the model or the setting (one line, with the fix)
-            raise RunError(str(e)) from None
-    else:
-        algorithm = parts.algorithm if isinstance(parts.algorithm, Algorithm) else parts.algorithm(task)
-        if not isinstance(algorithm, Algorithm):
-            raise RunError(f"the algorithm builder {config.algorithm} returned a {type(algorithm).__name__}, "
-                           "not an Algorithm")
-    try:
-        if config.aggregator is not None:
-            algorithm = compose.with_aggregator(algorithm, config.aggregator, trim_fraction=config.trim_fraction)
-        if config.attack is not None:
-            algorithm = compose.with_attack(algorithm, config.attack, num_clients=config.num_clients,
-                                            malicious_fraction=config.malicious_fraction, seed=config.seed)
-    except ValueError as e:
-        raise RunError(str(e)) from None
-    engine = Engine(algorithm, config.num_clients, config.clients_per_round,
-                    # ``measure`` is decided by the run (measure_client_parallelism); "auto" until then.
-                    client_parallelism="auto" if config.client_parallelism == "measure" else config.client_parallelism,
-                    resample_every=config.resample_every,
-                    bucket_size=config.client_bucket_size, local_epochs=config.local_epochs,
-                    batch_size=config.batch_size,
-                    eval_batch_size=config.eval_batch_size or auto_eval_batch_size(data),
-                    personal_eval=config.personal_eval,
-                    cohort_schedule=None if schedule is None else tuple(map(tuple, schedule.tolist())))
-    return Experiment(config, dataset, partition, data, task, engine, pinned, data_record)
+from fedjax_sparse.experiment import Experiment, build, with_components
+from fedjax_sparse.progress import COST_KEYS, Progress, exact_number, jsonable, summarize
 
 
 MEASURED_SCHEDULES = ("map", "vmap", "bucketed")
@@ -264,112 +68,6 @@ def measure_client_parallelism(engine: Engine, state: EngineState, data: Federat
     return min(seconds, key=seconds.__getitem__), seconds
 
 
-def _constant_init(variables: dict):
-    """model.init replacement returning the pinned variables whatever the key."""
-    def init(key):
-        return jax.tree_util.tree_map(jnp.asarray, variables)
-    return init
-
-
-
-
-def auto_eval_batch_size(data: FederatedData, cap: int = 512) -> int:
-    """Smallest power of two >= the mean client test-set size (at most ``cap``):
-    each client's test set is cut into ceil(n / B) batches, so a batch much
-    larger than a client's test set is mostly padding."""
-    counts = np.asarray(data.test_count)
-    mean = float(counts[counts > 0].mean()) if (counts > 0).any() else 1.0
-    return int(min(cap, max(16, 2 ** math.ceil(math.log2(max(mean, 1.0))))))
-
-
-# ---------------------------------------------------------------- progress
-class Progress:
-    """Run progress on stderr: a ``rich`` bar (round, accuracy, rounds/s, ETA) on a terminal; off
-    a terminal (CI logs, files) one plain line per tenth of the run, so logs stay short. Rates and
-    the ETA count from :meth:`restart` (after compilation)."""
-
-    def __init__(self, total: int, start_round: int, enabled: bool):
-        self.total, self.start_round, self.enabled = total, start_round, enabled
-        self.t0 = time.perf_counter()
-        self.tty = sys.stderr.isatty()
-        self._bar = None
-        self._last_tenth = -1
-        if enabled and self.tty:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn
-            self._bar = RichProgress(TextColumn("round"), MofNCompleteColumn(), BarColumn(),
-                                     TextColumn("acc {task.fields[acc]}"), TextColumn("{task.fields[rate]} rounds/s"),
-                                     TextColumn("ETA {task.fields[eta]}"), console=Console(stderr=True),
-                                     transient=False)
-            self._task = self._bar.add_task("run", total=total, completed=start_round, acc="  n/a ",
-                                            rate="  –  ", eta="--:--:--")
-            self._bar.start()
-
-    def note(self, text: str) -> None:
-        """A line of its own (compilation start and end), quiet when progress is off."""
-        if not self.enabled:
-            return
-        if self._bar is not None:
-            self._bar.console.print(text)
-        else:
-            print(text, file=sys.stderr, flush=True)
-
-    def restart(self, round_: int) -> None:
-        """Rates and ETA count from here (after compilation)."""
-        self.t0, self.start_round = time.perf_counter(), round_
-
-    def update(self, round_: int, accuracy: float | None) -> None:
-        if not self.enabled:
-            return
-        done = round_ - self.start_round
-        elapsed = time.perf_counter() - self.t0
-        rate = done / elapsed if elapsed > 0 and done > 0 else 0.0
-        eta = (self.total - round_) / rate if rate > 0 else float("nan")
-        acc = "  n/a " if accuracy is None else f"{100 * accuracy:5.2f}%"
-        eta_s = "--:--:--" if not math.isfinite(eta) else time.strftime("%H:%M:%S", time.gmtime(eta))
-        rate_s = f"{rate:6.2f}" if rate > 0 else "  –  "
-        if self._bar is not None:
-            self._bar.update(self._task, completed=round_, acc=acc, rate=rate_s, eta=eta_s)
-            return
-        tenth = 10 * round_ // max(self.total, 1)
-        if tenth != self._last_tenth or round_ == self.total:
-            self._last_tenth = tenth
-            print(f"round {round_}/{self.total} | acc {acc} | {rate_s} rounds/s | ETA {eta_s}", file=sys.stderr,
-                  flush=True)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-            self._bar = None
-
-
-# ---------------------------------------------------------------- the run
-COST_KEYS = ("uplink_bits", "downlink_bits", "flops")
-
-
-def _exact_number(value):
-    """A recorded cost as an exact Python int when it is integral (older checkpoints stored floats)."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-def _jsonable(value):
-    """JSON-ready: numpy scalars and arrays as Python numbers and lists, NaN and inf as None
-    (``null``: bare NaN is not valid JSON for most readers)."""
-    if isinstance(value, (np.floating, np.integer)):
-        value = value.item()
-    if isinstance(value, np.ndarray):
-        value = value.tolist()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
-
-
 @dataclasses.dataclass(frozen=True)
 class RunResult:
     """What ``run`` returns.
@@ -384,11 +82,9 @@ class RunResult:
     population: "host_population.HostPopulation | None" = None
 
 
-# Fields a resumed run may change: they decide how long and how fast it runs and where it reads its
-# data (checksummed), not what it computes. Every other field is the experiment.
-RESUMABLE_CHANGES = ("rounds", "eval_every", "out", "data_dir", "download", "client_parallelism",
-                     "client_bucket_size", "round_mode", "eval_batch_size", "personal_eval", "log",
-                     "host_chunk_rounds", "checkpoint_every", "checkpoint_seconds", "max_chunk_seconds")
+# Fields a resumed run may change besides ``execution`` (all of which may): they decide how long it
+# runs and where it reads its data (checksummed), not what it computes. Every other field is the experiment.
+RESUMABLE_CHANGES = ("rounds", "eval_every", "out", "data_dir", "download")
 
 
 def _flag(name: str) -> str:
@@ -400,7 +96,7 @@ def resumed_config(config: RunConfig, saved: RunConfig, given: set[str] | None) 
     user asked for (``RESUMABLE_CHANGES``). ``given``: the fields the user set (CLI flags and config
     file keys); None compares every field (API use: pass the run's own config). Any other
     difference is refused in one line listing them. Returns (config, accepted changes)."""
-    fields = [f.name for f in dataclasses.fields(RunConfig)]
+    fields = [f.name for f in dataclasses.fields(RunConfig) if f.name != "execution"]
     asked = fields if given is None else [f for f in fields if f in given]
     def differs(name: str) -> bool:
         mine, recorded = getattr(config, name), getattr(saved, name)
@@ -416,13 +112,23 @@ def resumed_config(config: RunConfig, saved: RunConfig, given: set[str] | None) 
                        f"{'; '.join(refused)}; drop them to resume, or start a new run in another --out")
     changes = {f: getattr(config, f) for f in asked
                if f in RESUMABLE_CHANGES and f != "out" and getattr(config, f) != getattr(saved, f)}
+    execution_asked = EXECUTION_FIELDS if given is None else [f for f in EXECUTION_FIELDS if f in given]
+    execution_changes = {f: getattr(config.execution, f) for f in execution_asked
+                         if getattr(config.execution, f) != getattr(saved.execution, f)}
+    # The checkpoint's layout follows where the clients' state lives: that cannot change mid-run.
+    layout = [f"{_flag(f)} {execution_changes[f]!r} (recorded: {getattr(saved.execution, f)!r})"
+              for f in ("client_state", "client_storage") if f in execution_changes]
+    if layout:
+        raise RunError(f"--resume reads the recorded run's checkpoint, laid out for its own clients' state: "
+                       f"{'; '.join(layout)}; drop them to resume, or start a new run in another --out")
     if given is None and config.rounds < saved.rounds:
         changes.pop("rounds", None)  # the API's default: continue to the recorded length
     if "rounds" in changes and changes["rounds"] < saved.rounds:
         raise RunError(f"--rounds {changes['rounds']} is below the recorded run's {saved.rounds} rounds; "
                        "a resumed run can only be extended")
-    merged = dataclasses.replace(saved, **changes, out=config.out)
-    return merged, changes
+    merged = dataclasses.replace(saved, **changes, out=config.out,
+                                 execution=dataclasses.replace(saved.execution, **execution_changes))
+    return merged, {**changes, **execution_changes}
 
 
 def run(config: RunConfig, *, model=None, data=None, algorithm=None, resume: bool = False,
@@ -527,14 +233,14 @@ class ChunkClock:
 def _run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool, progress: bool, on_eval,
          experiment: Experiment | None, given: set[str] | None) -> RunResult:
     with StopSignals() as signals:
-        opened = _open_run(config, out, resume=resume, overwrite=overwrite, experiment=experiment, given=given,
+        opened = open_run(config, out, resume=resume, overwrite=overwrite, experiment=experiment, given=given,
                            quiet=not progress)
         if isinstance(opened, RunResult):
             return opened
         bar = Progress(opened.config.rounds, opened.round, progress)
         opened.start(bar, on_eval)
         # Several processes must run chunks of the same length: no clock there.
-        clock = ChunkClock.for_experiment(0.0 if distributed.multi_process() else opened.config.max_chunk_seconds,
+        clock = ChunkClock.for_experiment(0.0 if distributed.multi_process() else opened.execution.max_chunk_seconds,
                                           opened.exp)
         try:
             state = opened.state
@@ -547,9 +253,9 @@ def _run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool, 
                     bar.note(f"compiling and running rounds {opened.round + 1}-{opened.round + n} ...")
                 if opened.population is not None:
                     state, metrics = host_population.advance(opened.exp.engine, state, opened.population,
-                                                             opened.exp.data, n, opened.config.host_chunk_rounds)
+                                                             opened.exp.data, n, opened.execution.host_chunk_rounds)
                 else:
-                    state, metrics = opened.exp.engine.advance(state, opened.exp.data, n, opened.config.round_mode)
+                    state, metrics = opened.exp.engine.advance(state, opened.exp.data, n, opened.execution.round_mode)
                 t_rounds = time.perf_counter() - t_chunk
                 opened.record(state, metrics, n, chunk_started=t_chunk if first_chunk else None,
                               stopping=signals.received is not None)
@@ -565,7 +271,7 @@ def _run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool, 
             opened.close()
 
 
-def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool,
+def open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool,
               experiment: Experiment | None, given: set[str] | None, quiet: bool = False) -> "OpenRun | RunResult":
     """Prepares ``out`` (resume or fresh), builds the experiment, restores the checkpoint and writes
     config.json. Returns the :class:`OpenRun`, or the finished run's result when a resumed run is
@@ -610,11 +316,11 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
                        "resume with the same data, or start a new run in another --out")
     population = None
     if distributed.multi_process():
-        _check_multi_process(config, engine)
+        check_multi_process(config, engine)
         # Built in place: the population's rows land in their processes' shards (no full copy anywhere).
         state = jax.jit(engine.init, out_shardings=engine.state_shardings)(jax.random.PRNGKey(config.seed))
         exp.data = distributed.to_global(exp.data)
-    elif config.client_state == "host":
+    elif config.execution.client_state == "host":
         state, population = _host_population(config, engine)
     else:
         state = engine.init(jax.random.PRNGKey(config.seed))
@@ -628,7 +334,7 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
             state, totals = load_checkpoint(out, state, population=population)
             totals.setdefault("client_steps", None)
             totals.setdefault("client_steps_executed", None)
-            totals = {k: _exact_number(v) if k in COST_KEYS else v for k, v in totals.items()}
+            totals = {k: exact_number(v) if k in COST_KEYS else v for k, v in totals.items()}
             rows = [r for r in read_metrics(out, repair=writes) if r["round"] <= totals["round"]]  # drop rows past it
             # Every process has read the recorded run before process 0 rewrites any of it.
             distributed.barrier("fedjax_sparse:resume-read")
@@ -645,12 +351,12 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
                 # Killed between its last checkpoint and its summary: write the summary now.
                 summary = summarize(config, exp, rows, totals, build_seconds, 0.0)
                 if writes:
-                    summary_path.write_text(json.dumps(_jsonable(summary), indent=2, allow_nan=False))
+                    summary_path.write_text(json.dumps(jsonable(summary), indent=2, allow_nan=False))
                 return RunResult(summary, state, population)
         elif overwrite and writes:
             clear_outputs(out)  # only now that the new run has built
     measured = None
-    if config.client_parallelism == "measure":
+    if config.execution.client_parallelism == "measure":
         if recorded.get("client_parallelism_measured"):
             # A resumed run keeps the schedule it measured (same program, same numbers).
             measured = recorded["client_parallelism_measured"]
@@ -679,7 +385,7 @@ def _open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: b
             **({"client_bucket_size": engine.clients_per_bucket} if engine.mode == "bucketed" else {}),
             **({"client_parallelism_measured": measured} if measured else {}),
             # --client-state host: bytes of one client's stored row (clients never trained cost none).
-            **({"host_population": {"row_bytes": population.row_bytes, "storage": config.client_storage}}
+            **({"host_population": {"row_bytes": population.row_bytes, "storage": config.execution.client_storage}}
                if population is not None else {}),
             **({"resumed": history} if history else {})}, indent=2))
     return OpenRun(config, exp, out, state, totals, rows, build_seconds, population)
@@ -690,26 +396,27 @@ def _host_population(config: RunConfig, engine: Engine) -> tuple[EngineState, "h
     if engine.algorithm.extra_clients is not None:
         raise RunError(f"{config.algorithm} trains extra clients chosen inside each round, whose rows cannot be "
                        "brought to the device ahead: use --client-state device")
-    storage = jnp.bfloat16 if config.client_storage == "bfloat16" else None
+    storage = jnp.bfloat16 if config.execution.client_storage == "bfloat16" else None
     try:
         return host_population.init(engine, jax.random.PRNGKey(config.seed), storage_dtype=storage)
     except ValueError as e:
         raise RunError(f"{e} (--client-state device)") from None
 
 
-def _check_multi_process(config: RunConfig, engine: Engine) -> None:
+def check_multi_process(config: RunConfig, engine: Engine) -> None:
     """The settings a multi-process run needs: every process must run the same program, and the
     cohort must split evenly over all devices (otherwise no process would share the work)."""
     devices = jax.device_count()
-    if config.client_state == "host":
+    if config.execution.client_state == "host":
         raise RunError("--client-state host keeps the population in one process's memory; a multi-process run "
                        "shards it over the processes' devices: use --client-state device")
-    if config.client_parallelism == "measure":
+    if config.execution.client_parallelism == "measure":
         raise RunError("--client-parallelism measure times each process on its own and could pick different "
                        "programs; a multi-process run uses vmap: drop the flag or pass --client-parallelism vmap")
     if engine.mode != "vmap":
         raise RunError(f"a multi-process run splits the cohort through vmap; --client-parallelism "
-                       f"{config.client_parallelism} would repeat all the work on every process: use auto or vmap")
+                       f"{config.execution.client_parallelism} would repeat all the work on every process: use auto "
+                       "or vmap")
     if engine.client_sharding is None:
         raise RunError(f"a multi-process run splits each round's {engine.clients_per_round} clients over all "
                        f"{devices} devices ({jax.process_count()} processes): --clients-per-round must be a "
@@ -727,6 +434,7 @@ class OpenRun:
     def __init__(self, config: RunConfig, exp: Experiment, out: Path | None, state: EngineState, totals: dict,
                  rows: list, build_seconds: float, population: "host_population.HostPopulation | None" = None):
         self.config, self.exp, self.out, self.state = config, exp, out, state
+        self.execution = config.execution
         self.population = population
         # Process 0 writes the files (every process checkpoints: orbax coordinates them).
         self.writes = out is not None and distributed.is_primary()
@@ -749,7 +457,7 @@ class OpenRun:
     def start(self, bar: "Progress | None", on_eval=None) -> None:
         """Opens the extra logs and starts the clock (``bar``: this run's progress, or None)."""
         self.bar, self.on_eval = bar, on_eval
-        self.sinks = MetricSinks(self.out if self.writes else None, self.config.log)
+        self.sinks = MetricSinks(self.out if self.writes else None, self.config.execution.log)
         self.t0 = time.perf_counter() - float(self.totals["seconds"])
 
     def close(self) -> None:
@@ -767,18 +475,18 @@ class OpenRun:
         if done >= config.rounds:
             return 0
         n = min(config.eval_every - done % config.eval_every, config.rounds - done)
-        if config.checkpoint_every:
-            n = min(n, config.checkpoint_every - done % config.checkpoint_every)
+        if config.execution.checkpoint_every:
+            n = min(n, config.execution.checkpoint_every - done % config.execution.checkpoint_every)
         return min(n, cap) if cap else n
 
     def _checkpoint_due(self) -> bool:
         """A checkpoint between evaluations: on the round cadence, or by the clock."""
         config = self.config
-        if config.checkpoint_every and self.round % config.checkpoint_every == 0:
+        if config.execution.checkpoint_every and self.round % config.execution.checkpoint_every == 0:
             return True
         # Several processes must agree on every checkpoint (orbax saves together): no clock there.
-        return bool(config.checkpoint_seconds) and not distributed.multi_process() and \
-            time.perf_counter() - self.last_checkpoint >= config.checkpoint_seconds
+        return bool(config.execution.checkpoint_seconds) and not distributed.multi_process() and \
+            time.perf_counter() - self.last_checkpoint >= config.execution.checkpoint_seconds
 
     def record(self, state: EngineState, metrics: dict, n: int, chunk_started: float | None = None,
                stopping: bool = False) -> dict | None:
@@ -861,7 +569,7 @@ class OpenRun:
             # Clients trained at least once so far (the others still hold the initial row).
             row["clients_touched"] = self.population.touched
             row["host_population_bytes"] = self.population.nbytes
-        row = {k: _jsonable(v) for k, v in row.items()}
+        row = {k: jsonable(v) for k, v in row.items()}
         self.rows.append(row)
         if self.writes and out is not None:
             with open(out / "metrics.jsonl", "a") as f:
@@ -881,60 +589,5 @@ class OpenRun:
         """The summary (also written to OUT/summary.json)."""
         summary = summarize(self.config, self.exp, self.rows, self.totals, self.build_seconds, self.compile_seconds)
         if self.writes and self.out is not None:
-            (self.out / "summary.json").write_text(json.dumps(_jsonable(summary), indent=2, allow_nan=False))
+            (self.out / "summary.json").write_text(json.dumps(jsonable(summary), indent=2, allow_nan=False))
         return summary
-
-
-def summarize(config, exp, rows, totals, build_seconds, compile_seconds) -> dict:
-    best = max(rows, key=lambda r: r["accuracy"]) if rows else None
-    final = rows[-1] if rows else {}
-    train_seconds = float(totals["seconds"])
-    all_compile = float(totals.get("compile_seconds", compile_seconds))
-    steady = max(train_seconds - all_compile, 1e-9)
-    steady_rounds = max(int(totals["round"]) - int(totals.get("first_chunk_rounds", 0)), 0)
-    return {
-        "algorithm": config.algorithm, "dataset": config.dataset, "model": exp.model.name,
-        "rounds": int(totals["round"]),
-        "final_accuracy": final.get("accuracy"), "final_accuracy_std": final.get("accuracy_std"),
-        "final_global_accuracy": final.get("global_accuracy"),
-        "best_accuracy": best["accuracy"] if best else None, "best_round": best["round"] if best else None,
-        "final_density": final.get("density"),
-        "total_uplink_bits": totals["uplink_bits"], "total_downlink_bits": totals["downlink_bits"],
-        "total_gbit": (None if totals["uplink_bits"] is None or totals["downlink_bits"] is None
-                       else (totals["uplink_bits"] + totals["downlink_bits"]) / 1e9),
-        "total_flops": totals["flops"],
-        # Local steps the sampled clients needed, and what the client schedule ran (padding included).
-        "total_client_steps": totals.get("client_steps"),
-        "total_client_steps_executed": totals.get("client_steps_executed"),
-        "seconds": train_seconds, "build_seconds": build_seconds,
-        "first_chunk_seconds_incl_compile": compile_seconds,
-        "rounds_per_second_after_first_chunk": (steady_rounds / steady) if steady_rounds else None,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        # The accelerator's allocator peak (null on CPU, which keeps no such statistics).
-        "peak_device_memory_mib": timing.device_peak_memory_mib(),
-        "backend": jax.default_backend(), "client_parallelism": exp.engine.mode,
-    }
-
-
-def format_summary(summary: dict) -> str:
-    """A small readable result table."""
-    def pct(x):
-        return "n/a" if x is None else f"{100 * x:.2f}%"
-    lines = [
-        ("algorithm / dataset / model", f"{summary['algorithm']} / {summary['dataset']} / {summary['model']}"),
-        ("rounds", str(summary["rounds"])),
-        ("final accuracy (personalised, mean ± std)",
-         f"{pct(summary['final_accuracy'])} ± {pct(summary['final_accuracy_std'])}"),
-        ("final global accuracy", pct(summary["final_global_accuracy"])),
-        ("best accuracy (round)", f"{pct(summary['best_accuracy'])} ({summary['best_round']})"),
-        ("density", "n/a" if summary["final_density"] is None else f"{summary['final_density']:.3f}"),
-        ("communication (up + down)",
-         "not counted" if summary["total_gbit"] is None else f"{summary['total_gbit']:.4f} Gbit"),
-        ("training compute",
-         "not counted" if summary["total_flops"] is None else f"{summary['total_flops'] / 1e12:.3f} TFLOPs"),
-        ("wall time", f"{summary['seconds']:.1f} s (first chunk incl. compile "
-                      f"{summary['first_chunk_seconds_incl_compile']:.1f} s)"),
-    ]
-    width = max(len(k) for k, _ in lines)
-    rule = "-" * (width + 3 + max(len(v) for _, v in lines))
-    return "\n".join([rule] + [f"{k:<{width}} | {v}" for k, v in lines] + [rule])

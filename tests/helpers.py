@@ -124,3 +124,26 @@ def fake_run(path: Path, config: dict, rows: list[dict], summary: dict | None = 
     if summary is not None:
         (path / "summary.json").write_text(json.dumps(summary))
     return path
+
+
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+
+
+def load_script(path: str):
+    """The experiment script ``experiments/<path>`` as a module, for tests of its functions (scripts are
+    no package and never import one another; tests load them by path, once per session)."""
+    import importlib.util
+    import sys
+    name = "experiments." + path.removesuffix(".py").replace("/", ".")
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def flat_config(**fields):
+    """A RunConfig from flat keys, execution's among them, as config.json and config files give them."""
+    from fedjax_sparse.config import RunConfig
+    return RunConfig.from_json(fields)

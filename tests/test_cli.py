@@ -10,6 +10,8 @@ import pytest
 from fedjax_sparse import runner
 from fedjax_sparse.cli import main
 
+from helpers import flat_config
+
 QUICK = ["--dataset", "digits", "--num-clients", "6", "--clients-per-round", "3", "--local-epochs", "1",
          "--batch-size", "32", "--lr", "0.1", "--partition", "iid", "--quiet"]
 METRIC_KEYS = {"round", "accuracy", "accuracy_std", "global_accuracy", "loss", "uplink_bits", "downlink_bits",
@@ -155,20 +157,20 @@ def test_compile_cache_is_written_once_and_reused_by_a_rerun(tmp_path):
 def test_measured_client_parallelism_is_recorded_kept_on_resume_and_changes_no_number(tmp_path, capsys):
     base = dict(algorithm="fedavg", dataset="digits", num_clients=6, clients_per_round=3, local_epochs=1,
                 batch_size=32, lr=0.1, partition="iid", eval_every=1)
-    runner.run(runner.RunConfig(**base, rounds=1, client_parallelism="measure", out=str(tmp_path / "m")),
+    runner.run(flat_config(**base, rounds=1, client_parallelism="measure", out=str(tmp_path / "m")),
                progress=False)
     recorded = json.loads((tmp_path / "m" / "config.json").read_text())
     chosen, seconds = recorded["client_parallelism"], recorded["client_parallelism_measured"]["seconds_per_round"]
     assert set(seconds) == {"map", "vmap", "bucketed"} and all(t > 0 for t in seconds.values())
     assert chosen == min(seconds, key=seconds.get)
     assert "using " + chosen in capsys.readouterr().err
-    runner.run(runner.RunConfig(**base, rounds=2, client_parallelism="measure", out=str(tmp_path / "m")),
+    runner.run(flat_config(**base, rounds=2, client_parallelism="measure", out=str(tmp_path / "m")),
                resume=True, progress=False)
     resumed = json.loads((tmp_path / "m" / "config.json").read_text())
     assert resumed["client_parallelism"] == chosen and resumed["client_parallelism_measured"]["seconds_per_round"] \
         == seconds
     # The measurement ran on a copy: the run equals one started with the chosen schedule.
-    runner.run(runner.RunConfig(**base, rounds=2, client_parallelism=chosen, out=str(tmp_path / "fixed")),
+    runner.run(flat_config(**base, rounds=2, client_parallelism=chosen, out=str(tmp_path / "fixed")),
                progress=False)
     strip = lambda path: [{k: v for k, v in json.loads(l).items() if k != "seconds"}  # noqa: E731
                           for l in path.read_text().splitlines()]

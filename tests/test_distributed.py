@@ -11,6 +11,8 @@ import pytest
 from fedjax_sparse import distributed
 from fedjax_sparse.errors import RunError
 
+from helpers import flat_config
+
 RUN = ["run", "--algorithm", "spafl", "--dataset", "digits", "--num-clients", "8", "--clients-per-round", "4",
        "--local-epochs", "1", "--batch-size", "16", "--eval-every", "1", "--partition", "iid", "--quiet"]
 
@@ -132,10 +134,10 @@ def test_a_multi_process_run_refuses_a_cohort_that_does_not_split_over_the_devic
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(jax, "device_count", lambda: 4)
     with pytest.raises(RunError, match="--clients-per-round must be a multiple of 4"):
-        runner._check_multi_process(config, exp.engine)
+        runner.check_multi_process(config, exp.engine)
     with pytest.raises(RunError, match="measure"):
-        runner._check_multi_process(runner.RunConfig(**{**config.__dict__, "client_parallelism": "measure"}),
+        runner.check_multi_process(flat_config(**{**config.to_json(), "client_parallelism": "measure"}),
                                     exp.engine)
-    mapped = runner.RunConfig(**{**config.__dict__, "client_parallelism": "map", "clients_per_round": 4})
+    mapped = flat_config(**{**config.to_json(), "client_parallelism": "map", "clients_per_round": 4})
     with pytest.raises(RunError, match="would repeat all the work"):
-        runner._check_multi_process(mapped, runner.build(mapped).engine)
+        runner.check_multi_process(mapped, runner.build(mapped).engine)

@@ -11,6 +11,7 @@ import pytest
 from fedjax_sparse.algorithms import Algorithm, ClientContext, Task, client_metrics, make_algorithm
 from fedjax_sparse.data.federated import ClientData
 from fedjax_sparse.accounting import Cost
+from fedjax_sparse.progress import format_summary
 from fedjax_sparse.engine import Engine, metrics_to_host, reduce_client_metrics, sample_clients
 from fedjax_sparse.models import make_model
 from fedjax_sparse.training import run_local_epochs
@@ -386,4 +387,4 @@ def test_an_algorithm_without_cost_accounting_reports_unknown_not_zero(tmp_path)
     assert rows[-1]["flops"] is None and rows[-1]["total_flops"] is None and rows[-1]["uplink_bits"] is None
     assert rows[-1]["downlink_bits"] > 0 and rows[-1]["total_downlink_bits"] == 2 * rows[0]["downlink_bits"]
     assert summary["total_flops"] is None and summary["total_gbit"] is None
-    assert "not counted" in runner.format_summary(summary)
+    assert "not counted" in format_summary(summary)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from fedjax_sparse import runner
-from fedjax_sparse.checkpoint import CHECKPOINT_DIR, LOCK, OutputLock
+from fedjax_sparse.checkpoint import CHECKPOINT_DIR, LOCK, OutputLock, has_checkpoint
 from fedjax_sparse.cli import main
 
 QUICK = ["--dataset", "digits", "--num-clients", "6", "--clients-per-round", "3", "--local-epochs", "1",
@@ -84,7 +84,7 @@ def kill_and_resume(out: Path, *, delay: float | None = None, after_rows: int | 
     killed = proc.poll() is None
     proc.kill()
     proc.wait()
-    if runner.has_checkpoint(out):
+    if has_checkpoint(out):
         resumed = cli_process(args + ["--resume"])
     else:  # killed before its first checkpoint: nothing to resume, start again
         resumed = cli_process(args + ["--overwrite"])
@@ -252,24 +252,16 @@ def test_nan_is_written_as_null_and_overwrite_keeps_old_outputs_until_the_new_ru
     assert code == 2 and (out / "metrics.jsonl").read_text() == text
 
 
-def test_a_legacy_npz_checkpoint_still_resumes(tmp_path, capsys, reference):
-    """Runs written before the orbax checkpoints (OUT/checkpoint.npz: the state's leaves in flatten
-    order plus the totals as JSON) resume exactly."""
-    import jax
+def test_a_first_format_npz_checkpoint_is_refused_in_one_line(tmp_path, capsys):
+    """Runs written before the orbax checkpoints (OUT/checkpoint.npz: the state's leaves by position)
+    cannot follow reordered state fields: --resume refuses them, naming the file and the way out."""
     import numpy as np
     out = tmp_path / "old"
-    state = runner.run(runner.RunConfig(algorithm="fedavg", dataset="digits", num_clients=6,
-                                        clients_per_round=3, local_epochs=1, batch_size=32, lr=0.1,
-                                        partition="iid", rounds=3, out=str(out)), progress=False).state
-    totals = json.loads((out / "summary.json").read_text())
-    leaves = jax.tree_util.tree_leaves(jax.device_get(state))
-    np.savez(out / "checkpoint.npz", *[np.asarray(x) for x in leaves], totals=json.dumps({
-        "round": 3, "uplink_bits": totals["total_uplink_bits"], "downlink_bits": totals["total_downlink_bits"],
-        "flops": totals["total_flops"], "seconds": 1.0}))
-    shutil.rmtree(out / CHECKPOINT_DIR)
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(dict(algorithm="fedavg", dataset="digits", num_clients=6,
+                                                     clients_per_round=3, rounds=3, partition="iid")))
+    np.savez(out / "checkpoint.npz", np.zeros(3), totals=json.dumps({"round": 3}))
     code, _, err = run_cli(["run", "--resume", "--out", str(out), "--rounds", "6", "--quiet"], capsys)
-    assert code == 0, err
-    rows = rows_of(out)
-    assert_same_rows([{**r, "total_client_steps": None} for r in rows],
-                     [{**r, "total_client_steps": None} for r in reference])
-    assert not (out / "checkpoint.npz").exists() and runner.has_checkpoint(out)  # now in the new format
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "checkpoint.npz is a checkpoint of fedjax_sparse before its orbax checkpoints" in err
+    assert "start a fresh run in a new --out" in err

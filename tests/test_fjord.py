@@ -8,7 +8,7 @@ import numpy as np
 
 from fedjax_sparse.algorithms import make_algorithm
 from fedjax_sparse.algorithms.fjord import sample_width
-from fedjax_sparse.algorithms.heterofl import WidthLayout
+from fedjax_sparse.mechanisms.widths import WidthLayout
 from fedjax_sparse.cli import main
 from fedjax_sparse.engine import Engine
 from fedjax_sparse.models import make_model
@@ -89,7 +89,7 @@ def test_sliced_p_max_sub_model_equals_the_masked_full_model():
 
 
 def test_resnet_sliced_equals_masked():
-    # Residual width scaling (heterofl.WidthLayout.attached, the ResNet's activation hooks): the p_max
+    # Residual width scaling (mechanisms.widths.WidthLayout.attached, the ResNet's activation hooks): the p_max
     # sub-model with each step's narrower width zeroed inside it, pre-activations included, is the
     # masked full ResNet's computation. Not a check of the pre-activation hook: from a fresh init the
     # untrained channels' BN biases are 0 and relu(0) hides it; test_heterofl's ResNet test, with random

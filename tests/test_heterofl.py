@@ -9,11 +9,12 @@ import pytest
 
 from fedjax_sparse import accounting
 from fedjax_sparse.algorithms import make_algorithm
-from fedjax_sparse.algorithms.heterofl import WidthLayout, kept_channels, parse_rates, per_entry_mean
+from fedjax_sparse.algorithms.heterofl import parse_rates
+from fedjax_sparse.mechanisms.widths import WidthLayout, kept_channels, per_entry_mean
 from fedjax_sparse.cli import main
 from fedjax_sparse.engine import Engine
 from fedjax_sparse.models import make_model
-from helpers import assert_sliced_equals_masked, make_task, tiny_federated
+from helpers import assert_sliced_equals_masked, load_script, make_task, tiny_federated
 
 
 def test_per_entry_mean_by_hand():
@@ -112,11 +113,8 @@ def test_learns_on_digits(tmp_path):
 
 
 def test_table2_gbit_check():
-    # experiments/baseline_costs.py: SpaFL's FMNIST Gbit column (docs/baselines.md)
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-    import baseline_costs
+    # experiments/reproduce/baseline_costs.py: SpaFL's FMNIST Gbit column (docs/baselines.md)
+    baseline_costs = load_script("reproduce/baseline_costs.py")
     table = baseline_costs.costs()
     assert table["heterofl"][0] == pytest.approx(34.88)          # exact 109,000-value sub-model
     assert table["heterofl"][2] == pytest.approx(68.88)          # paper: p x dense, to the digit

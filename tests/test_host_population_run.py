@@ -8,7 +8,10 @@ import pytest
 
 from fedjax_sparse import runner
 from fedjax_sparse.cli import main
+from fedjax_sparse.config import validate
 from fedjax_sparse.errors import RunError
+
+from helpers import flat_config
 
 # 10 clients, 3 per round, evaluation every 3 rounds in host chunks of 2: chunks share clients and
 # an evaluation chunk (3 rounds) is split into device programs of 2 and 1 rounds.
@@ -37,13 +40,13 @@ def _compare(device_rows, host_rows, exact=True):
 def device_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("device")
     for algorithm in ("spafl", "fedavg"):
-        runner.run(runner.RunConfig(algorithm=algorithm, out=str(root / algorithm), **BASE), progress=False)
+        runner.run(flat_config(algorithm=algorithm, out=str(root / algorithm), **BASE), progress=False)
     return root
 
 
 def test_interrupted_host_run_writes_the_device_runs_metrics(tmp_path, device_runs):
     out = tmp_path / "host"
-    config = runner.RunConfig(algorithm="spafl", out=str(out), client_state="host", **BASE)
+    config = flat_config(algorithm="spafl", out=str(out), client_state="host", **BASE)
     runner.run(dataclasses.replace(config, rounds=3), progress=False)
     # Resumed in a new run: the population is read back from the checkpoint, not kept in memory.
     result = runner.run(config, resume=True, progress=False, given={"rounds"})
@@ -76,7 +79,7 @@ def test_host_run_without_personal_models_and_its_cli_flags(tmp_path, device_run
 
 def test_bfloat16_storage_halves_the_rows_and_stays_close(tmp_path, device_runs):
     out = tmp_path / "bf16"
-    result = runner.run(runner.RunConfig(algorithm="spafl", out=str(out), client_state="host",
+    result = runner.run(flat_config(algorithm="spafl", out=str(out), client_state="host",
                                          client_storage="bfloat16", **{**BASE, "rounds": 3}), progress=False)
     row, reference = _rows(out)[0], _rows(device_runs / "spafl")[0]
     assert json.loads((out / "config.json").read_text())["host_population"]["storage"] == "bfloat16"
@@ -90,16 +93,16 @@ def test_bfloat16_storage_halves_the_rows_and_stays_close(tmp_path, device_runs)
 
 def test_host_state_refusals(tmp_path):
     with pytest.raises(RunError, match="--client-state host"):
-        runner.validate(runner.RunConfig(client_storage="bfloat16"))
+        validate(flat_config(client_storage="bfloat16"))
     with pytest.raises(RunError, match="round-mode"):
-        runner.validate(runner.RunConfig(client_state="host", round_mode="per_round"))
+        validate(flat_config(client_state="host", round_mode="per_round"))
     with pytest.raises(RunError, match="unknown --client-state"):
-        runner.validate(runner.RunConfig(client_state="disk"))
+        validate(flat_config(client_state="disk"))
     with pytest.raises(RunError, match="host-chunk-rounds"):
-        runner.validate(runner.RunConfig(client_state="host", host_chunk_rounds=0))
+        validate(flat_config(client_state="host", host_chunk_rounds=0))
     # A device run cannot be resumed as a host run: the checkpoint holds no population.
     out = tmp_path / "device"
-    runner.run(runner.RunConfig(algorithm="fedavg", out=str(out), **{**BASE, "rounds": 3}), progress=False)
+    runner.run(flat_config(algorithm="fedavg", out=str(out), **{**BASE, "rounds": 3}), progress=False)
     with pytest.raises(RunError, match="--client-state"):
-        runner.run(runner.RunConfig(algorithm="fedavg", out=str(out), client_state="host", **BASE), resume=True,
+        runner.run(flat_config(algorithm="fedavg", out=str(out), client_state="host", **BASE), resume=True,
                    progress=False, given={"client_state", "rounds"})

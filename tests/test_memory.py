@@ -23,7 +23,7 @@ MLP_PARAMS = 64 * 200 + 200 + 200 * 200 + 200 + 200 * 10 + 10
 
 
 def _config(**fields) -> RunConfig:
-    return RunConfig(**{**DIGITS, **fields})
+    return RunConfig.from_json({**DIGITS, **fields})
 
 
 def _estimate(**fields):

@@ -19,6 +19,8 @@ from fedjax_sparse import runner
 from fedjax_sparse.runner import ChunkClock
 from fedjax_sparse.errors import RunStopped
 
+from helpers import flat_config
+
 BASE = dict(algorithm="fedavg", dataset="digits", model="cnn_small", num_clients=6, clients_per_round=3,
             local_epochs=1, batch_size=32, lr=0.1, partition="iid", checkpoint_seconds=0.0)
 
@@ -31,7 +33,7 @@ def rows(out: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("straight") / "run"
-    runner.run(runner.RunConfig(**BASE, rounds=6, eval_every=3, out=str(out)), progress=False)
+    runner.run(flat_config(**BASE, rounds=6, eval_every=3, out=str(out)), progress=False)
     return rows(out)
 
 
@@ -64,12 +66,12 @@ def _advances(monkeypatch):
 def test_time_bounded_chunks_give_the_same_metrics(tmp_path, monkeypatch, uninterrupted):
     sizes = _advances(monkeypatch)
     # A bound far below a round's time: every chunk is one round, and nothing else changes.
-    runner.run(runner.RunConfig(**{**BASE, "max_chunk_seconds": 1e-9}, rounds=6, eval_every=3,
+    runner.run(flat_config(**{**BASE, "max_chunk_seconds": 1e-9}, rounds=6, eval_every=3,
                                 out=str(tmp_path / "short")), progress=False)
     assert sizes == [1] * 6
     assert rows(tmp_path / "short") == uninterrupted
     sizes.clear()
-    runner.run(runner.RunConfig(**{**BASE, "max_chunk_seconds": 0.0}, rounds=6, eval_every=3,
+    runner.run(flat_config(**{**BASE, "max_chunk_seconds": 0.0}, rounds=6, eval_every=3,
                                 out=str(tmp_path / "eval")), progress=False)
     assert sizes == [3, 3]
 
@@ -82,12 +84,12 @@ def test_checkpoint_every_and_the_clock_add_checkpoints_between_evaluations(tmp_
         saved.append(int(totals["round"]))
         return real(self, state, totals, population=population)
     monkeypatch.setattr(runner.Checkpointer, "save", save)
-    runner.run(runner.RunConfig(**BASE, rounds=10, eval_every=5, checkpoint_every=2, out=str(tmp_path / "a")),
+    runner.run(flat_config(**BASE, rounds=10, eval_every=5, checkpoint_every=2, out=str(tmp_path / "a")),
                progress=False)
     assert saved == [2, 4, 6, 8, 10]   # evaluations (5, 10) add none: checkpoints keep their own cadence
     saved.clear()
     # By the clock: a checkpoint at every chunk end once the interval has passed (here at once).
-    runner.run(runner.RunConfig(**{**BASE, "checkpoint_seconds": 1e-9, "max_chunk_seconds": 1e-9}, rounds=4,
+    runner.run(flat_config(**{**BASE, "checkpoint_seconds": 1e-9, "max_chunk_seconds": 1e-9}, rounds=4,
                                 eval_every=4, out=str(tmp_path / "b")), progress=False)
     assert saved == [1, 2, 3, 4]
 
@@ -129,7 +131,7 @@ def _signal_at(monkeypatch, where: str, signum=signal.SIGTERM):
 def test_a_signal_stops_with_a_checkpoint_and_resume_ends_exactly_as_uninterrupted(
         tmp_path, monkeypatch, uninterrupted, where, stopped_at):
     out = tmp_path / "run"
-    config = runner.RunConfig(**{**BASE, "max_chunk_seconds": 1e-9}, rounds=6, eval_every=3, checkpoint_every=2,
+    config = flat_config(**{**BASE, "max_chunk_seconds": 1e-9}, rounds=6, eval_every=3, checkpoint_every=2,
                               out=str(out))
     with monkeypatch.context() as patch:
         _signal_at(patch, where)
@@ -151,7 +153,7 @@ def test_a_signal_stops_with_a_checkpoint_and_resume_ends_exactly_as_uninterrupt
 def test_a_long_evaluation_interval_loses_nothing_on_sigterm(tmp_path, monkeypatch, uninterrupted):
     # The case: rare evaluations (here one, at the end); SIGTERM before it used to leave nothing.
     out = tmp_path / "rare"
-    config = runner.RunConfig(**{**BASE, "max_chunk_seconds": 1e-9}, rounds=6, eval_every=6, out=str(out))
+    config = flat_config(**{**BASE, "max_chunk_seconds": 1e-9}, rounds=6, eval_every=6, out=str(out))
     with monkeypatch.context() as patch:
         _signal_at(patch, "round 4")
         with pytest.raises(RunStopped, match="stopped at round 4"):

@@ -3,7 +3,7 @@
 Every local step samples a width p ~ U(p_min, p_max) (SpaFL's setting, appendix
 A.1.1: U(0.4, 0.6)) and trains the sub-model of the first ``ceil(p C)``
 channels of every layer but the last (HeteroFL's nested slices,
-``heterofl.WidthLayout``), so the p = 0.4 sub-model is a prefix of the p = 0.6
+``mechanisms.widths.WidthLayout``), so the p = 0.4 sub-model is a prefix of the p = 0.6
 one and channels beyond the step's width get exactly zero gradient (their
 activations are zeroed; see ``heterofl``). The same p holds for every layer of
 a step; clients and steps draw independently (the client's private key).
@@ -38,8 +38,8 @@ import optax
 
 from fedjax_sparse import accounting
 from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics
-from fedjax_sparse.algorithms.heterofl import (WIDTH_UNWRAPPABLE, HeteroFLMessage, WidthLayout, check_sliceable,
-                                              per_entry_mean)
+from fedjax_sparse.algorithms.heterofl import WIDTH_UNWRAPPABLE, HeteroFLMessage, check_sliceable
+from fedjax_sparse.mechanisms.widths import WidthLayout, per_entry_mean
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import sgd
 from fedjax_sparse.models.base import Model

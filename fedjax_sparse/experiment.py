@@ -1,0 +1,236 @@
+"""Building an experiment: a ``RunConfig`` (and optionally your own model, data or algorithm
+objects) -> data, partition, model, task, algorithm and engine, as one ``Experiment``.
+
+``build`` does everything a run does before its first round; ``fedjax_sparse.runner.run`` drives the
+rounds, ``fedjax_sparse.progress`` reports them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_sparse import pinning
+from fedjax_sparse.algorithms import Algorithm, Task, compose, make_algorithm
+from fedjax_sparse.config import DEFAULT_MODELS, RunConfig, validate
+from fedjax_sparse.errors import DataError, RunError
+from fedjax_sparse.data.federated import FederatedData, build_federated_data
+from fedjax_sparse.engine import Engine
+from fedjax_sparse.models import Model, make_model
+from fedjax_sparse.models.flax_adapter import from_flax
+
+
+@dataclasses.dataclass
+class Experiment:
+    """Everything built from a config, ready to run (also handy in notebooks)."""
+    config: RunConfig
+    dataset: Any
+    partition: Any
+    data: FederatedData
+    task: Task
+    engine: Engine
+
+    # Paths and sha256 of the pinned-draw files used ({} when none).
+    pinned: dict = dataclasses.field(default_factory=dict)
+    # The data's name, shapes and content digest (config.json "data"; a resume must match it).
+    data_record: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def algorithm(self):
+        return self.engine.algorithm
+
+    @property
+    def model(self):
+        return self.task.model
+
+
+@dataclasses.dataclass(frozen=True)
+class Components:
+    """What a library user hands ``run``/``build`` as objects instead of names (None: use the name
+    in the config): a :class:`Model` or Flax module, a dataset (``PartitionedData`` from
+    ``fedjax_sparse.data.from_arrays``, or a ``Dataset`` partitioned by the config), and an
+    :class:`Algorithm` or a builder ``task -> Algorithm``."""
+    model: Any = None
+    data: Any = None
+    algorithm: Any = None
+
+
+def with_components(config: RunConfig, model=None, data=None, algorithm=None) -> tuple[RunConfig, Components]:
+    """Splits objects out of ``config`` (``RunConfig(algorithm=my_algorithm)`` works too) and puts
+    their names in their place, so config.json records what ran: the algorithm's name, the model's
+    name, the data's name, and a partitioned dataset's client count and partition."""
+    from fedjax_sparse.algorithms import Algorithm
+    from fedjax_sparse.data.arrays import PartitionedData
+    from fedjax_sparse.data.datasets import Dataset
+    if not isinstance(config.algorithm, str):
+        if algorithm is not None:
+            raise RunError("give the algorithm once: in RunConfig(algorithm=...) or as run(..., algorithm=...)")
+        algorithm = config.algorithm
+    if config.model is not None and not isinstance(config.model, str):
+        if model is not None:
+            raise RunError("give the model once: in RunConfig(model=...) or as run(..., model=...)")
+        model = config.model
+    changes: dict[str, Any] = {}
+    if algorithm is not None:
+        if isinstance(algorithm, Algorithm):
+            changes["algorithm"] = algorithm.name
+        elif callable(algorithm):
+            changes["algorithm"] = getattr(algorithm, "__name__", type(algorithm).__name__)
+        else:
+            raise RunError(f"algorithm must be a name, an Algorithm or a function task -> Algorithm, not "
+                           f"{type(algorithm).__name__}")
+    if model is not None:
+        changes["model"] = model.name if isinstance(model, Model) else type(model).__name__
+    if data is not None:
+        if isinstance(data, PartitionedData):
+            changes.update(dataset=data.name, num_clients=data.num_clients, partition=data.partition.spec)
+        elif isinstance(data, Dataset):
+            changes["dataset"] = data.name
+        else:
+            raise RunError(f"data must come from fedjax_sparse.data (from_arrays, partition or load), not "
+                           f"{type(data).__name__}")
+    return dataclasses.replace(config, **changes), Components(model, data, algorithm)
+
+
+def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experiment:
+    """Data, model, algorithm and engine from ``config``; ``model``, ``data`` and ``algorithm``
+    objects replace the config's names (see :class:`Components`)."""
+    config, parts = with_components(config, model, data, algorithm)
+    options = validate(config, objects={name for name, value in (("model", parts.model), ("dataset", parts.data),
+                                                                  ("algorithm", parts.algorithm))
+                                        if value is not None})
+    from fedjax_sparse.data.arrays import load as load_data
+    from fedjax_sparse.data.arrays import PartitionedData
+    from fedjax_sparse.data.partition import partition_dataset
+    pinned = {}
+    if isinstance(parts.data, PartitionedData):
+        dataset, partition = parts.data.dataset, parts.data.partition
+        if config.partition_file:
+            raise RunError("--partition-file pins a partition, but the data given is already partitioned; drop one")
+    else:
+        if parts.data is not None:
+            dataset = parts.data
+        else:
+            dataset_options = dict(config.dataset_options)
+            if config.dataset == "synthetic":
+                dataset_options.setdefault("num_clients", config.num_clients)
+                dataset_options.setdefault("seed", config.seed)
+            dataset = load_data(config.dataset, config.data_dir, download=config.download, **dataset_options)
+        try:
+            if config.partition_file:
+                partition = pinning.load_partition_file(config.partition_file, dataset, config.num_clients)
+                pinned["partition_file"] = {"path": config.partition_file,
+                                            "sha256": pinning.file_digest(config.partition_file)}
+            else:
+                partition = partition_dataset(dataset, config.partition, config.num_clients,
+                                                            config.seed, min_train_samples=config.min_client_samples)
+        except DataError:
+            raise
+        except ValueError as e:
+            raise RunError(str(e)) from None
+    try:
+        data = build_federated_data(dataset, partition, preprocess=config.preprocess)
+    except DataError:
+        raise
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    data_record = PartitionedData(dataset, partition).describe()
+    if parts.model is None:
+        model_name = config.model or DEFAULT_MODELS.get(config.dataset, "mlp")
+        try:
+            model = make_model(model_name, data.input_shape, data.num_classes, **config.model_options)
+        except (ValueError, TypeError, ImportError, AttributeError) as e:
+            raise RunError(str(e)) from None
+    elif isinstance(parts.model, Model):
+        model = parts.model
+        if tuple(model.input_shape) != tuple(data.input_shape) or model.num_classes != data.num_classes:
+            raise RunError(f"model {model.name} takes {tuple(model.input_shape)} inputs and gives {model.num_classes} "
+                           f"logits, but the data has {tuple(data.input_shape)} inputs and {data.num_classes} "
+                           "classes; build the model for the data's shapes")
+    else:
+        try:
+            model = from_flax(parts.model, data.input_shape, num_classes=data.num_classes)
+        except (ValueError, TypeError) as e:
+            raise RunError(str(e)) from None
+    initial_variables = None
+    if config.init_params:
+        if getattr(options, "init", "model") != "model":
+            raise RunError(f"--init-params gives the initial weights, but {config.algorithm} re-initialises "
+                           f"them (option init={options.init!r}); add --option init=model")
+        template = jax.eval_shape(model.init, jax.random.PRNGKey(0))
+        try:
+            variables, extras = pinning.load_init_params(config.init_params, template)
+        except ValueError as e:
+            raise RunError(str(e)) from None
+        model = dataclasses.replace(model, init_fn=_constant_init(variables))
+        initial_variables = dict(variables)
+        if extras:
+            initial_variables["scores"] = {k.split("/")[1]: v for k, v in extras.items()}
+        pinned["init_params"] = {"path": config.init_params, "sha256": pinning.file_digest(config.init_params)}
+    schedule = None
+    if config.cohort_schedule:
+        if config.resample_every != 1:
+            raise RunError("--cohort-schedule fixes every round's cohort; drop --resample-every")
+        try:
+            schedule = pinning.load_cohort_schedule(config.cohort_schedule, num_clients=config.num_clients,
+                                                    clients_per_round=config.clients_per_round,
+                                                    rounds=config.rounds)
+        except ValueError as e:
+            raise RunError(str(e)) from None
+        pinned["cohort_schedule"] = {"path": config.cohort_schedule,
+                                     "sha256": pinning.file_digest(config.cohort_schedule)}
+    task = Task(model=model, num_clients=config.num_clients, clients_per_round=config.clients_per_round,
+                local_epochs=config.local_epochs, batch_size=config.batch_size, lr=float(config.lr),
+                rounds=config.rounds, preprocess=data.preprocess, seed=config.seed,
+                initial_variables=initial_variables)
+    if parts.algorithm is None:
+        try:
+            algorithm = make_algorithm(config.algorithm, task, options)
+        except ValueError as e:  # the algorithm refuses the model or the setting (one line, with the fix)
+            raise RunError(str(e)) from None
+    else:
+        algorithm = parts.algorithm if isinstance(parts.algorithm, Algorithm) else parts.algorithm(task)
+        if not isinstance(algorithm, Algorithm):
+            raise RunError(f"the algorithm builder {config.algorithm} returned a {type(algorithm).__name__}, "
+                           "not an Algorithm")
+    try:
+        if config.aggregator is not None:
+            algorithm = compose.with_aggregator(algorithm, config.aggregator, trim_fraction=config.trim_fraction)
+        if config.attack is not None:
+            algorithm = compose.with_attack(algorithm, config.attack, num_clients=config.num_clients,
+                                            malicious_fraction=config.malicious_fraction, seed=config.seed)
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    engine = Engine(algorithm, config.num_clients, config.clients_per_round,
+                    # ``measure`` is decided by the run (measure_client_parallelism); "auto" until then.
+                    client_parallelism=("auto" if config.execution.client_parallelism == "measure"
+                                        else config.execution.client_parallelism),
+                    resample_every=config.resample_every,
+                    bucket_size=config.execution.client_bucket_size, local_epochs=config.local_epochs,
+                    batch_size=config.batch_size,
+                    eval_batch_size=config.execution.eval_batch_size or auto_eval_batch_size(data),
+                    personal_eval=config.execution.personal_eval,
+                    cohort_schedule=None if schedule is None else tuple(map(tuple, schedule.tolist())))
+    return Experiment(config, dataset, partition, data, task, engine, pinned, data_record)
+
+
+def _constant_init(variables: dict):
+    """model.init replacement returning the pinned variables whatever the key."""
+    def init(key):
+        return jax.tree_util.tree_map(jnp.asarray, variables)
+    return init
+
+
+
+
+def auto_eval_batch_size(data: FederatedData, cap: int = 512) -> int:
+    """Smallest power of two >= the mean client test-set size (at most ``cap``):
+    each client's test set is cut into ceil(n / B) batches, so a batch much
+    larger than a client's test set is mostly padding."""
+    counts = np.asarray(data.test_count)
+    mean = float(counts[counts > 0].mean()) if (counts > 0).any() else 1.0
+    return int(min(cap, max(16, 2 ** math.ceil(math.log2(max(mean, 1.0))))))
