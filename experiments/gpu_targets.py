@@ -17,9 +17,9 @@ split the parts over several calls (each call is limited to 10 minutes) into one
 | ``spafl_eval_every_1`` | SpaFL FMNIST, 500 rounds, every client evaluated every round, the whole run | <= 60 s |
 | ``spafl_eval_every_25`` | the same with evaluation every 25 rounds | <= 25 s |
 
-Settings are the experiment scripts' own (``spafl_fmnist.py``, ``fsl_mnist.py``,
-``feddrop_fmnist.py``); the SpaFL runs are ``runner.run`` end to end (build, compilation,
-evaluation and files included), without the persistent compilation cache. ``met`` is null where
+Settings are the papers' own (``fedjax_sparse.papers``, as ``experiments/reproduce/spafl_fmnist.py``,
+``fsl_mnist.py`` and ``feddrop_fmnist.py`` run them); the SpaFL runs are ``fjs.run`` end to end
+(build, compilation, evaluation and files included), without the persistent compilation cache. ``met`` is null where
 the issue sets no target for the backend. ``--smoke`` shrinks every part (a few clients and
 rounds) to check the plumbing on a CPU; its numbers mean nothing and are marked so.
 
@@ -41,13 +41,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from fedjax_sparse import runner, timing
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import feddrop_fmnist  # noqa: E402
-import fsl_mnist  # noqa: E402
-import spafl_fmnist  # noqa: E402
+import fedjax_sparse as fjs
+from fedjax_sparse import papers, timing
 
 # part -> backend -> [(quantity, comparison, target)]
 TARGETS = {
@@ -64,35 +59,36 @@ PARTS = tuple(TARGETS)
 
 # ---------------------------------------------------------------------------- settings
 def spafl_config(args, **fields):
-    method = spafl_fmnist.FMNIST_METHODS["spafl"]
-    base = dict(spafl_fmnist.FMNIST_BASE, **method.get("base", {}))
+    method = papers.SPAFL_FMNIST_METHODS["spafl"]
+    base = dict(papers.SPAFL_FMNIST_BASE, **method.get("base", {}))
     if args.smoke:
         base.update(clients_per_round=2, local_epochs=1)  # all 100 clients: ~600 examples each
-    return runner.RunConfig(**{**base, **fields}, algorithm=method["algorithm"], lr=method["lr"],
-                            options=dict(method["options"]), data_dir=args.data_dir, seed=args.seed)
+    return fjs.RunConfig.from_json({**base, **fields, "algorithm": method["algorithm"], "lr": method["lr"],
+                                    "options": dict(method["options"]), "data_dir": args.data_dir, "seed": args.seed})
 
 
 def fsl_config(args, clients_per_round: int):
-    method = fsl_mnist.METHODS["fsl"]
-    base = dict(fsl_mnist.BASE)
+    method = papers.FSL_MNIST_METHODS["fsl"]
+    base = dict(papers.FSL_MNIST_BASE)
     if args.smoke:
         base.update(local_epochs=1)
-    return runner.RunConfig(**dict(base, clients_per_round=clients_per_round), algorithm=method["algorithm"],
-                            lr=method["lr"], options=dict(method["options"]), data_dir=args.data_dir, seed=args.seed)
+    return fjs.RunConfig.from_json(dict(base, clients_per_round=clients_per_round, algorithm=method["algorithm"],
+                                        lr=method["lr"], options=dict(method["options"]), data_dir=args.data_dir,
+                                        seed=args.seed))
 
 
 def feddrop_config(args):
-    clients = dict(feddrop_fmnist.PARTICIPATION["full"])
+    clients = dict(papers.FEDDROP_PARTICIPATION["full"])
     if args.smoke:
         clients = dict(num_clients=100, clients_per_round=4)
-    return runner.RunConfig(**dict(feddrop_fmnist.BASE, **clients), algorithm="feddrop", local_epochs=1,
-                            options={"budget": 0.5}, data_dir=args.data_dir, seed=args.seed)
+    return fjs.RunConfig.from_json(dict(papers.FEDDROP_FMNIST_BASE, **clients, algorithm="feddrop", local_epochs=1,
+                                        options={"budget": 0.5}, data_dir=args.data_dir, seed=args.seed))
 
 
 # ---------------------------------------------------------------------------- parts
 def trained_state(config, rounds: int = 1):
     """(experiment, state after ``rounds`` training rounds) so evaluation sees trained personal models."""
-    exp = runner.build(config)
+    exp = fjs.build(config)
     state = exp.engine.init(jax.random.PRNGKey(config.seed))
     state, _ = exp.engine.run_rounds(state, exp.data, rounds)
     return exp, state
@@ -121,7 +117,7 @@ def part_eval_mnist_1000(args) -> dict:
 def part_fsl_cohort(args) -> dict:
     rows = []
     for k in ([2, 4] if args.smoke else [25, 100, 250]):
-        exp = runner.build(fsl_config(args, k))
+        exp = fjs.build(fsl_config(args, k))
         state = exp.engine.init(jax.random.PRNGKey(args.seed))
         state, first, times, _ = timing.time_rounds(exp.engine, state, exp.data, args.rounds_timed)
         rows.append({"clients_per_round": k, "client_parallelism": exp.engine.mode,
@@ -135,7 +131,7 @@ def part_fsl_cohort(args) -> dict:
 
 
 def part_feddrop_100(args) -> dict:
-    exp = runner.build(feddrop_config(args))
+    exp = fjs.build(feddrop_config(args))
     state = exp.engine.init(jax.random.PRNGKey(args.seed))
     state, first, times, _ = timing.time_rounds(exp.engine, state, exp.data, args.rounds_timed)
     return {"clients_per_round": exp.engine.clients_per_round, "client_parallelism": exp.engine.mode,
@@ -148,7 +144,7 @@ def spafl_run(args, eval_every: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         config = spafl_config(args, rounds=rounds, eval_every=min(eval_every, rounds), out=str(Path(tmp) / "run"))
         t0 = time.perf_counter()
-        summary = runner.run(config, progress=False).summary
+        summary = fjs.run(config, progress=False).summary
         total = time.perf_counter() - t0
     keys = ("rounds", "final_accuracy", "best_accuracy", "seconds", "build_seconds",
             "first_chunk_seconds_incl_compile", "rounds_per_second_after_first_chunk", "client_parallelism",

@@ -97,7 +97,8 @@ class RunConfig:
         """The fields as ``config.json`` holds them: flat, execution's among the others (the file's keys
         are those of every version; `from_json` reads both forms)."""
         fields = dataclasses.asdict(self)
-        return {**fields, **fields.pop("execution")}
+        execution = fields.pop("execution")
+        return {**fields, **execution}
 
     @classmethod
     def from_json(cls, data: dict) -> "RunConfig":

@@ -467,7 +467,7 @@ $\\mathrm{CE} + \\alpha \\sum \\exp(-\\tau)$ (eq. 5), upload **only the threshol
 them (eq. 7) and broadcasts them with their last change $\\Delta\\tau$, which each client turns into a weight
 update by eq. (13): $w_{ij} \\mathrel{-}= \\mathrm{sign}(\\sum_j w_{ij})\\,\\Delta\\tau_i / n_{in}$.
 
-Here (scaled down from `experiments/spafl_fmnist.py`: few clients, few rounds) we follow one client's
+Here (scaled down from `experiments/reproduce/spafl_fmnist.py`: few clients, few rounds) we follow one client's
 thresholds and masks over rounds, the density of every layer, the conv1 sparsity pattern of all clients
 (the paper's Fig. 3) and SpaFL with and without eq. (13) (Table 3's "w.o. (13)").'''),
     ("code", setup("fashion_mnist", "spafl", "import jax")),
@@ -634,7 +634,7 @@ $r$ (eq. 5), with the FLOPs model of App. B (eq. 9-10).
 
 This notebook checks eq. (4) empirically, shows the FLOPs model, the clients' keep-probability
 histograms after training (Fig. 9), and accuracy against training TFLOPs against FedAvg (the trade-off of
-Table 1 / Fig. 5), scaled down from `experiments/feddrop_fmnist.py`.'''),
+Table 1 / Fig. 5), scaled down from `experiments/reproduce/feddrop_fmnist.py`.'''),
     ("code", setup("fashion_mnist", "feddrop", "import jax, jax.numpy as jnp")),
     ("md", '''\
 ## SyncDrop draws: $E[d_i d_j] = \\min(p_i, p_j)$
@@ -779,7 +779,7 @@ instead of weights; the server's VOTE sums every edge's positions in the clients
 sums into the new global ranking. A malicious client can only submit a permutation: the reverse-ranking
 attack (App. A.1) submits the reverse of what benign clients would vote, and VOTE bounds its influence.
 
-Scaled down from `experiments/fsl_mnist.py`: a toy layer first, then FSL against FedAvg, and FSL with 10 % and
+Scaled down from `experiments/reproduce/fsl_mnist.py`: a toy layer first, then FSL against FedAvg, and FSL with 10 % and
 20 % malicious clients.'''),
     ("code", setup("mnist", "fsl", "import jax, jax.numpy as jnp")),
     ("md", '''\

@@ -1,17 +1,15 @@
-"""The plain PyTorch SpaFL of experiments/torch_spafl.py (the reference loop of
-experiments/bench_vs_pytorch.py): its mask rule, straight-through gradient, reset rule, eq. (13),
+"""The plain PyTorch SpaFL of experiments/tools/torch_spafl.py (the reference loop of
+experiments/bench/bench_vs_pytorch.py): its mask rule, straight-through gradient, reset rule, eq. (13),
 weight layouts and a tiny end-to-end run. Skipped where torch is not installed (pip install -e .[bench])."""
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+from helpers import load_script
 
-import torch_spafl  # noqa: E402
+torch = pytest.importorskip("torch")
+torch_spafl = load_script("tools/torch_spafl.py")
 
 
 def two_row_layer(tau=(0.5, 0.5)):

@@ -1,14 +1,13 @@
-"""The experiment scripts' reported quantities (on hand-made rows) and a tiny end-to-end run."""
+"""The experiment scripts' reported quantities (on hand-made rows), a tiny end-to-end run, and the
+rule that no script imports another (shared code lives in the package)."""
+import ast
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import EXPERIMENTS, load_script
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-
-import feddrop_fmnist  # noqa: E402
-import fsl_mnist  # noqa: E402
+feddrop_fmnist = load_script("reproduce/feddrop_fmnist.py")
+fsl_mnist = load_script("reproduce/fsl_mnist.py")
 
 
 def row(r, acc, gbytes, tflops):
@@ -92,7 +91,7 @@ def _metrics_row(r, acc, up, down, flops):
 
 def test_spafl_table2_rows_come_from_the_recorded_runs(tmp_path):
     # Table 2 is assembled from runs; on hand-made runs every cell is checkable by hand.
-    import spafl_table2
+    spafl_table2 = load_script("reproduce/spafl_table2.py")
     results = tmp_path / "results"
     (results / "vs_authors").mkdir(parents=True)
     recorded = dict(seeds=[0], rounds=[500], best_acc=[0.9], final_acc=[0.89], gbit=[0.1856],
@@ -109,7 +108,7 @@ def test_spafl_table2_rows_come_from_the_recorded_runs(tmp_path):
         run.mkdir(parents=True)
         (run / "config.json").write_text(json.dumps({"config": {"num_clients": 100}}))
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    # a diverged seed (spafl_fmnist.run_one's marker) is counted apart, not averaged in
+    # a diverged seed (fedjax_sparse.studies.run_one's marker) is counted apart, not averaged in
     run = results / "baselines_cpu" / "heterofl" / "seed2"
     run.mkdir(parents=True)
     (run / "config.json").write_text(json.dumps({"config": {"num_clients": 100}}))
@@ -133,7 +132,7 @@ def test_spafl_table2_rows_come_from_the_recorded_runs(tmp_path):
 def test_spafl_table2_prefers_spafl_runs_with_whole_curves(tmp_path):
     # The H100 SpaFL record has no per-round metrics (its curve is the 50-round band); a CPU run
     # under spafl_cpu/ has every evaluated round, so it gives the SpaFL row and its whole curve.
-    import spafl_table2
+    spafl_table2 = load_script("reproduce/spafl_table2.py")
     results = tmp_path / "results"
     results.mkdir()
     recorded = dict(seeds=[0], rounds=[500], best_acc=[0.9], final_acc=[0.89], gbit=[0.1856],
@@ -155,13 +154,13 @@ def test_spafl_table2_prefers_spafl_runs_with_whole_curves(tmp_path):
 def test_a_diverging_run_is_recorded_and_the_study_goes_on(tmp_path, capsys):
     # FjORD's seed 1 at Table 7's lr diverged at round 1 and the script used to die with a traceback,
     # taking the runs after it along. Now: diverged.json, the next method runs, the report counts it.
-    import spafl_fmnist
+    from fedjax_sparse import studies
     base = dict(dataset="digits", model="mlp", num_clients=6, clients_per_round=3, local_epochs=1, batch_size=32,
                 partition="iid", eval_every=1, min_client_samples=1)
     study = dict(title="divergence", base=base, rounds=2, default_methods=["blowup", "fine"], paper={},
                  methods={"blowup": dict(algorithm="fedavg", lr=1e9), "fine": dict(algorithm="fedavg", lr=0.1)})
     argv = ["--out", str(tmp_path), "--seeds", "0", "--quiet"]
-    assert spafl_fmnist.main(argv, studies={"s": study}, default_study="s") == 0
+    assert studies.main(argv, studies={"s": study}, default_study="s") == 0
     printed = capsys.readouterr().out
     assert "[diverged] blowup seed 0: training diverged" in printed
     marker = json.loads((tmp_path / "blowup" / "seed0" / "diverged.json").read_text())
@@ -171,7 +170,7 @@ def test_a_diverging_run_is_recorded_and_the_study_goes_on(tmp_path, capsys):
     assert "blowup" not in table and table["fine"]["diverged_seeds"] == []
     assert "| blowup | 0 (+1 diverged) |" in (tmp_path / "results.md").read_text()
     # a rerun skips it instead of diverging again
-    assert spafl_fmnist.main(argv, studies={"s": study}, default_study="s") == 0
+    assert studies.main(argv, studies={"s": study}, default_study="s") == 0
     assert "blowup/seed0 diverged (diverged.json); delete the folder" in capsys.readouterr().out
 
 
@@ -179,9 +178,9 @@ def test_a_diverging_run_is_recorded_and_the_study_goes_on(tmp_path, capsys):
 def test_spafl_cifar10_column_runs_all_six_methods_with_exact_costs(tmp_path, shared_data):
     # Table 2's CIFAR-10 configurations end to end on the CIFAR-10 sample (issue 13, item 5).
     import jax
-    import spafl_cifar
-    from fedjax_sparse.algorithms.heterofl import WidthLayout
+    from fedjax_sparse.mechanisms.widths import WidthLayout
     from fedjax_sparse.models import make_model
+    spafl_cifar = load_script("reproduce/spafl_cifar.py")
     methods = ["spafl", "fedavg", "local", "fedpm", "heterofl", "fjord"]
     assert spafl_cifar.main(["--study", "cifar10", "--dataset", "cifar10_sample", "--data-dir", str(shared_data),
                              "--num-clients", "40", "--clients-per-round", "2", "--rounds", "1",
@@ -210,9 +209,9 @@ def test_spafl_cifar10_column_runs_all_six_methods_with_exact_costs(tmp_path, sh
 def test_spafl_cifar100_column_runs_the_sparse_baselines_on_the_resnet(tmp_path, shared_data):
     # Table 2's CIFAR-100 baselines on the ResNet (residual width slicing) on the CIFAR-10 sample.
     import jax
-    import spafl_cifar
-    from fedjax_sparse.algorithms.heterofl import WidthLayout
+    from fedjax_sparse.mechanisms.widths import WidthLayout
     from fedjax_sparse.models import make_model
+    spafl_cifar = load_script("reproduce/spafl_cifar.py")
     methods = ["fedpm", "heterofl", "fjord"]
     assert spafl_cifar.main(["--study", "cifar100", "--dataset", "cifar10_sample", "--data-dir", str(shared_data),
                              "--num-clients", "4", "--clients-per-round", "2", "--rounds", "1",
@@ -240,7 +239,7 @@ def test_compare_run_groups_by_hand(tmp_path):
     """Two project runs (accuracy as fractions, one evaluated every other round) and one
     authors'-code run (percent): round 2 has 40 and 60 -> mean 50, std sqrt(200); round 1
     only the first run (n 1, no std); the authors' group is read in percent as is."""
-    import compare_run_groups
+    compare_run_groups = load_script("tools/compare_run_groups.py")
 
     def ours(name, seed, accs):
         folder = tmp_path / name
@@ -273,7 +272,7 @@ def test_compare_run_groups_by_hand(tmp_path):
 
 
 def test_run_throughput_leaves_out_the_first_row_and_sums_concurrent_runs(tmp_path):
-    import run_throughput
+    run_throughput = load_script("bench/run_throughput.py")
 
     def fake_run(name, rows):
         folder = tmp_path / name
@@ -300,7 +299,7 @@ def test_run_throughput_leaves_out_the_first_row_and_sums_concurrent_runs(tmp_pa
 
 
 def test_gpu_targets_verdicts_follow_the_issue_targets():
-    import gpu_targets
+    gpu_targets = load_script("gpu_targets.py")
 
     def verdict(part, result, backend="gpu", smoke=False):
         return [t["met"] for t in gpu_targets.verdicts(part, result, backend, smoke)]
@@ -323,7 +322,7 @@ def test_gpu_targets_verdicts_follow_the_issue_targets():
 
 
 def test_gpu_targets_keeps_measured_parts_unless_told(tmp_path, monkeypatch):
-    import gpu_targets
+    gpu_targets = load_script("gpu_targets.py")
     calls = []
 
     def fake_measure(part, args):
@@ -342,7 +341,7 @@ def test_gpu_targets_keeps_measured_parts_unless_told(tmp_path, monkeypatch):
 
 
 def test_gpu_targets_smoke_measures_on_the_real_settings(tmp_path, shared_data):
-    import gpu_targets
+    gpu_targets = load_script("gpu_targets.py")
     out = tmp_path / "targets.json"
     assert gpu_targets.main(["--data-dir", str(shared_data), "--smoke", "--in-process", "--repeats", "1",
                              "--rounds-timed", "1", "--out", str(out),
@@ -354,3 +353,67 @@ def test_gpu_targets_smoke_measures_on_the_real_settings(tmp_path, shared_data):
     spafl = parts["spafl_eval_every_25"]["result"]
     assert spafl["run_rounds"] == 3 and spafl["whole_setting"] is False and 0 < spafl["run_final_accuracy"] <= 1
     assert all(t["met"] is None for p in parts.values() for t in p["targets"])  # smoke: no verdicts
+
+
+# ---------------------------------------------------------------------------- no script imports a script
+# Drivers of the authors' code put the authors' repositories on sys.path to import their modules.
+SIDE_BY_SIDE = EXPERIMENTS / "tools" / "sidebyside"
+LOADERS = {"spec_from_file_location", "run_path", "run_module", "SourceFileLoader", "load_source", "addsitedir"}
+
+
+def script_import_problems(source: str, scripts: set[str], may_use_sys_path: bool = False) -> list[str]:
+    """What in ``source`` reaches another experiment script: an import (plain, relative, or through
+    ``importlib.import_module`` / ``__import__``) of a module named like a script in ``scripts``, a
+    file loaded as a module (``importlib.util.spec_from_file_location``, ``runpy``), or ``sys.path``
+    touched at all (how a script reaches its neighbours)."""
+    problems = []
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                problems.append(f"line {node.lineno}: relative import (a script belongs to no package)")
+            names = [node.module or ""]
+            if node.module == "sys" and any(alias.name == "path" for alias in node.names) and not may_use_sys_path:
+                problems.append(f"line {node.lineno}: imports sys.path")
+        elif isinstance(node, ast.Call):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if called in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
+                names = [str(node.args[0].value)]
+            elif called in LOADERS:
+                problems.append(f"line {node.lineno}: loads a file as a module ({called})")
+        elif (isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+              and node.value.id == "sys" and not may_use_sys_path):
+            problems.append(f"line {node.lineno}: touches sys.path")
+        problems += [f"line {node.lineno}: imports the script {name}" for name in names
+                     if name.split(".")[0] in scripts]
+    return problems
+
+
+def test_the_script_import_check_finds_each_way_of_reaching_a_script():
+    scripts = {"spafl_fmnist", "bench_rounds"}
+    assert script_import_problems("import json\nimport fedjax_sparse as fjs\nfrom fedjax_sparse import papers\n"
+                                  "importlib.import_module('fedjax_sparse.algorithms.spafl')", scripts) == []
+    for source in ("import spafl_fmnist", "from spafl_fmnist import FMNIST_BASE", "import bench_rounds as b",
+                   "from . import spafl_fmnist", "importlib.import_module('spafl_fmnist')",
+                   "sys.path.insert(0, str(HERE))", "sys.path.append('..')", "from sys import path",
+                   "importlib.util.spec_from_file_location('x', HERE / 'spafl_fmnist.py')",
+                   "runpy.run_path('experiments/reproduce/spafl_fmnist.py')"):
+        assert script_import_problems(source, scripts), source
+    # the authors'-code drivers may put the authors' repositories on sys.path, but not reach a script
+    assert script_import_problems("sys.path.insert(0, AUTH)\nimport models", scripts, may_use_sys_path=True) == []
+    assert script_import_problems("import spafl_fmnist", scripts, may_use_sys_path=True)
+
+
+def test_no_experiment_script_imports_another_script():
+    """Code two scripts share lives in the package (fedjax_sparse.papers, studies, sidebyside), so each
+    script runs from any working directory and moving one breaks no other (experiments/README.md)."""
+    paths = sorted(p for p in EXPERIMENTS.rglob("*.py") if "results" not in p.relative_to(EXPERIMENTS).parts)
+    scripts = {p.stem for p in paths}
+    assert {"spafl_fmnist", "bench_rounds", "torch_spafl", "gpu_targets", "run_authors"} <= scripts
+    problems = {str(p.relative_to(EXPERIMENTS)): script_import_problems(p.read_text(), scripts,
+                                                                        may_use_sys_path=SIDE_BY_SIDE in p.parents)
+                for p in paths}
+    assert {path: found for path, found in problems.items() if found} == {}
