@@ -258,8 +258,8 @@ def test_a_first_format_npz_checkpoint_is_refused_in_one_line(tmp_path, capsys):
     import numpy as np
     out = tmp_path / "old"
     out.mkdir()
-    (out / "config.json").write_text(json.dumps(dict(algorithm="fedavg", dataset="digits", num_clients=6,
-                                                     clients_per_round=3, rounds=3, partition="iid")))
+    (out / "config.json").write_text(json.dumps({"config": dict(algorithm="fedavg", dataset="digits", num_clients=6,
+                                                                clients_per_round=3, rounds=3, partition="iid")}))
     np.savez(out / "checkpoint.npz", np.zeros(3), totals=json.dumps({"round": 3}))
     code, _, err = run_cli(["run", "--resume", "--out", str(out), "--rounds", "6", "--quiet"], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err

@@ -1,4 +1,5 @@
 """The library's front door: ``import fedjax_sparse as fjs`` and a notebook's code as written."""
+import dataclasses
 import json
 import textwrap
 
@@ -128,8 +129,7 @@ def test_an_algorithm_object_or_builder_runs_like_a_named_one(tmp_path):
     config = fjs.RunConfig(dataset="digits", model="cnn_small", rounds=2, num_clients=6, clients_per_round=3,
                            local_epochs=1, partition="iid")
     named = fjs.run(config, progress=False).summary
-    as_builder = fjs.run(fjs.RunConfig(**{**config.to_json(), "algorithm": my_fedavg,
-                                          "out": str(tmp_path / "b")}), progress=False).summary
+    as_builder = fjs.run(dataclasses.replace(config, algorithm=my_fedavg, out=str(tmp_path / "b")), progress=False).summary
     # FedAvg moves the server by old + 1.0 * (mean - old): equal to float rounding, not bitwise.
     assert as_builder["final_accuracy"] == pytest.approx(named["final_accuracy"], abs=1e-6)
     assert as_builder["final_global_accuracy"] == pytest.approx(named["final_global_accuracy"], abs=1e-6)
@@ -140,7 +140,7 @@ def test_an_algorithm_object_or_builder_runs_like_a_named_one(tmp_path):
     tuned = fjs.algorithms.fedavg(exp.task, server_lr=0.5)
     assert fjs.run(config, algorithm=tuned, progress=False).summary["rounds"] == 2
     with pytest.raises(fjs.RunError, match="options already"):
-        fjs.run(fjs.RunConfig(**{**config.to_json(), "options": {"server_lr": 0.5}}), algorithm=tuned)
+        fjs.run(dataclasses.replace(config, options={"server_lr": 0.5}), algorithm=tuned)
 
 
 # ------------------------------------------------------------------ exact bits on foreign models
@@ -255,8 +255,8 @@ def test_resume_refuses_other_data(tmp_path):
     y_changed[0] = (y_changed[0] + 1) % 10
     other = fjs.data.from_arrays(x_train, y_changed, x_test, y_test, ids_train, ids_test)
     with pytest.raises(fjs.RunError, match="data differs"):
-        fjs.run(fjs.RunConfig(**{**config.to_json(), "rounds": 2}), data=other, resume=True, progress=False)
-    assert fjs.run(fjs.RunConfig(**{**config.to_json(), "rounds": 2}), data=data, resume=True,
+        fjs.run(dataclasses.replace(config, rounds=2), data=other, resume=True, progress=False)
+    assert fjs.run(dataclasses.replace(config, rounds=2), data=data, resume=True,
                    progress=False).summary["rounds"] == 2
 
 
