@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 
 from fedjax_sparse.algorithms import Algorithm, ServerContext, Task, make_algorithm
-from fedjax_sparse.algorithms.compose import with_aggregator, with_attack
+from fedjax_sparse.algorithms.compose import Aggregator, UpdateServer, with_aggregator, with_attack
 from fedjax_sparse.engine import Engine
-from fedjax_sparse.mechanisms.attacks import malicious_clients
+from fedjax_sparse.mechanisms import attacks
+from fedjax_sparse.mechanisms import robust_aggregation as ra
+from fedjax_sparse.mechanisms.attacks import Threat, malicious_clients
 from fedjax_sparse.models import make_model
 from helpers import tiny_federated
 
@@ -96,3 +98,123 @@ def test_cli_flags_wrap_any_algorithm(tmp_path, capsys):
     assert hparams["aggregator"] == "trimmed_mean" and hparams["attack"] == "min_max"
     assert main(["run", "--dataset", "digits", "--aggregator", "median", "--rounds", "1", "--quiet"]) == 2
     assert "unknown --aggregator 'median'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- UpdateServer, the threat, the paper's attacks
+def update_algorithm():
+    """FedAvg on a flat model: the server state is the global model w [P]; the clients send
+    updates [P]; the server adds their uniform mean (an ``UpdateServer``, which the wrappers see into)."""
+    server = UpdateServer(mean=lambda u, ctx: u.mean(0), apply=lambda w, a: w + a, model=lambda w: w)
+    return Algorithm("upd", lambda key: (jnp.zeros(2), ()), lambda w, r: w, lambda *a: None, server)
+
+
+THREAT = Threat(20, 0.25, "all", seed=3)
+MAL, BENIGN = np.flatnonzero(THREAT.mask), np.flatnonzero(~THREAT.mask)
+
+
+def ids_with(malicious: int, k: int = 5):
+    """k sampled ids, the first ``malicious`` of them malicious under THREAT."""
+    return np.concatenate([MAL[:malicious], BENIGN[:k - malicious]])
+
+
+def test_update_server_applies_the_robust_aggregate_exactly():
+    """Around an UpdateServer the aggregate replaces the mean (no K copies averaged again):
+    w + trimmed_mean, bit for bit, for 25 clients (1/25 is not a float, so copies would round)."""
+    rng = np.random.default_rng(5)
+    updates = jnp.asarray(rng.normal(size=(25, 40)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=40), jnp.float32)
+    for name, expected in [("trimmed_mean", ra.trimmed_mean(updates, 5)),
+                           ("multi_krum", ra.multi_krum(updates, 5)[0])]:
+        alg = with_aggregator(update_algorithm(), name, trim_fraction=0.2)
+        new, metrics = alg.server_update(w, updates, ctx_for(range(25)))
+        np.testing.assert_array_equal(new, w + expected)
+    assert int(metrics["krum_selected"]) == 25 - 2 * 5 - 2
+
+
+def test_aggregator_trims_the_number_of_sampled_malicious_clients():
+    """trim_fraction < 0 with a threat: f = the malicious clients sampled this round. One
+    coordinate 0, 1, 2, 9, 100: f = 0 -> mean 22.4; f = 1 -> (1 + 2 + 9) / 3 = 4; f = 2 -> the median 2."""
+    x = jnp.array([[9.0], [0.0], [100.0], [2.0], [1.0]])
+    for aggregator in ("trimmed_mean", "multi_krum"):
+        alg = with_aggregator(update_algorithm(), aggregator, trim_fraction=-1, threat=THREAT)
+        for malicious, trimmed in [(0, 22.4), (1, 4.0), (2, 2.0)]:
+            new, metrics = alg.server_update(jnp.zeros(1), x, ctx_for(ids_with(malicious)))
+            if aggregator == "trimmed_mean":
+                np.testing.assert_allclose(new, [trimmed], rtol=1e-6)
+            else:   # f malicious assumed: K - 2f - 2 picks (at least 1), and how many malicious were picked
+                _, selected = ra.multi_krum(x, malicious)
+                np.testing.assert_array_equal(new, ra.masked_mean(x, selected))
+                assert int(metrics["malicious_selected"]) == int((selected[:malicious]).sum())
+    with pytest.raises(ValueError, match="needs the threat"):
+        with_aggregator(update_algorithm(), "trimmed_mean", trim_fraction=-1)
+    assert Aggregator("multi_krum", 0.2).num_select(10, 2) == 4
+
+
+def test_scale_attack_sends_a_multiple_of_the_global_model():
+    """Two malicious of five send 10 w; three benign send 0: w + (2 * 10 w) / 5 = 5 w. Around a
+    model-shaped message (FedAvg's models) the malicious update is 10 w: the message is w + 10 w."""
+    w = jnp.array([1.0, -2.0])
+    alg = with_attack(update_algorithm(), "scale", threat=THREAT, attack_scale=10.0)
+    new, metrics = alg.server_update(w, jnp.zeros((5, 2)), ctx_for(ids_with(2)))
+    np.testing.assert_allclose(new, 5 * w, rtol=1e-6)
+    assert int(metrics["malicious_clients"]) == 2 and float(metrics["attack_gamma"]) == 0.0
+    payload = {"w": w}
+    alg = with_attack(recording(payload), "scale", threat=THREAT, attack_scale=10.0)
+    seen = alg.server_update({"seen": None}, {"w": jnp.broadcast_to(w, (5, 2))}, ctx_for(ids_with(2)))[0]["seen"]
+    np.testing.assert_allclose(seen["w"][:2], np.broadcast_to(11 * w, (2, 2)), rtol=1e-6)
+    np.testing.assert_array_equal(seen["w"][2:], np.broadcast_to(w, (3, 2)))
+    alg = with_attack(recording(None), "scale", threat=THREAT)
+    with pytest.raises(TypeError, match="scale attack needs"):
+        alg.server_update({"seen": None}, {"t": jnp.zeros((5, 2))}, ctx_for(ids_with(2)))
+
+
+def test_tailored_attack_targets_the_aggregator_it_wraps():
+    """``tailored`` is DYN-OPT against the with_aggregator inside (with its f and Multi-Krum
+    count), and min-max around a plain mean; the wrapper's gamma is the mechanism's."""
+    rng = np.random.default_rng(6)
+    updates = jnp.asarray(rng.normal(size=(10, 12)), jnp.float32)
+    ids = ids_with(3, 10)
+    is_mal, known = THREAT.split(jnp.asarray(ids))
+    f = jnp.int32(3)
+    expected = {
+        "trimmed_mean": attacks.tailored_trimmed_mean_attack(updates, is_mal, known, f)[1],
+        "multi_krum": attacks.tailored_multi_krum_attack(updates, is_mal, known, f, ra.krum_count(10, f))[1],
+        None: attacks.min_max_attack(updates, is_mal, known)[1],
+    }
+    assert len({float(g) for g in expected.values()}) == 3
+    for aggregator, gamma in expected.items():
+        alg = update_algorithm()
+        if aggregator:
+            alg = with_aggregator(alg, aggregator, trim_fraction=-1, threat=THREAT)
+        alg = with_attack(alg, "tailored", threat=THREAT)
+        _, metrics = alg.server_update(jnp.zeros(12), updates, ctx_for(ids))
+        assert float(metrics["attack_gamma"]) == float(gamma), aggregator
+
+
+def test_attacker_knowledge_and_the_none_attack():
+    """knowledge='malicious': the attack uses only the sampled malicious clients' own updates;
+    'none': nothing changes, the sampled malicious clients are only counted; an inactive threat
+    (fraction 0) never attacks."""
+    rng = np.random.default_rng(7)
+    updates = jnp.asarray(rng.normal(size=(5, 4)), jnp.float32)
+    ids = jnp.asarray(ids_with(2))
+    is_mal = jnp.asarray(THREAT.mask)[ids]
+    gammas = {}
+    for knowledge in ("all", "malicious"):
+        threat = Threat(20, 0.25, knowledge, seed=3)
+        np.testing.assert_array_equal(threat.mask, THREAT.mask)
+        _, metrics = with_attack(update_algorithm(), "min_max", threat=threat).server_update(
+            jnp.zeros(4), updates, ctx_for(ids))
+        gammas[knowledge] = float(metrics["attack_gamma"])
+    assert gammas["all"] == float(attacks.min_max_attack(updates, is_mal, jnp.ones(5, bool))[1])
+    assert gammas["malicious"] == float(attacks.min_max_attack(updates, is_mal, is_mal)[1]) != gammas["all"]
+    for attack, threat in [("none", THREAT), ("min_max", Threat(20, 0.0))]:
+        new, metrics = with_attack(update_algorithm(), attack, threat=threat).server_update(
+            jnp.zeros(4), updates, ctx_for(ids))
+        np.testing.assert_array_equal(new, updates.mean(0))
+        assert int(metrics["malicious_clients"]) == int(threat.mask[np.asarray(ids)].sum())
+        assert float(metrics["attack_gamma"]) == 0.0
+    with pytest.raises(ValueError, match="attacker_knowledge"):
+        Threat(20, 0.25, "everyone")
+    with pytest.raises(ValueError, match="makes no client malicious"):
+        with_attack(update_algorithm(), "min_max", num_clients=3, malicious_fraction=0.2)

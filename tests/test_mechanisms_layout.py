@@ -33,7 +33,7 @@ def _forbidden(name: str) -> bool:
 
 
 def test_the_package_lists_its_modules():
-    assert MODULES == ["attacks", "robust_aggregation", "supermask", "syncdrop", "threshold_masks"]
+    assert MODULES == ["attacks", "robust_aggregation", "supermask", "syncdrop", "threshold_masks", "widths"]
     assert sorted(mechanisms.__all__) == MODULES
     for name in MODULES:
         assert f"``{name}``" in mechanisms.__doc__
@@ -57,7 +57,6 @@ def test_importing_mechanisms_loads_no_engine_module():
 
 
 def test_algorithms_use_the_mechanisms():
-    import importlib
     # The package attributes feddrop, fsl, spafl are the builder functions; the modules by path:
     feddrop, fsl, spafl = (importlib.import_module(f"fedjax_sparse.algorithms.{m}") for m in ("feddrop", "fsl", "spafl"))
 

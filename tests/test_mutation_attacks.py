@@ -3,19 +3,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_sparse.algorithms import robust as R
 from fedjax_sparse.mechanisms import attacks
+from fedjax_sparse.mechanisms import robust_aggregation as ra
 from fedjax_sparse.mechanisms import supermask as sm
 
 
 def test_malicious_fraction_is_in_zero_to_one_half_open():
-    none = R.malicious_clients(10, 0.0, 0)            # no attacker is a valid setting
+    none = attacks.malicious_clients(10, 0.0, 0)            # no attacker is a valid setting
     assert none.dtype == bool and not none.any()
-    some = R.malicious_clients(10, 0.3, 0)
+    some = attacks.malicious_clients(10, 0.3, 0)
     assert some.dtype == bool and some.sum() == 3
     for bad in (1.0, 1.5, -0.1):                      # every client malicious is not
         with pytest.raises(ValueError, match=r"malicious_fraction must be in \[0, 1\)"):
-            R.malicious_clients(10, bad, 0)
+            attacks.malicious_clients(10, bad, 0)
 
 
 def test_sign_reverse_attack_uses_only_known_votes_and_keeps_int8():
@@ -25,7 +25,7 @@ def test_sign_reverse_attack_uses_only_known_votes_and_keeps_int8():
     signs = jnp.array([[1, -1], [-1, -1], [1, 1], [1, 1]], jnp.int8)
     is_mal = jnp.array([False, False, False, True])
     known = jnp.array([True, False, False, True])
-    out = R.sign_reverse_attack(signs, is_mal, known)
+    out = attacks.sign_reverse_attack(signs, is_mal, known)
     assert out.dtype == jnp.int8
     np.testing.assert_array_equal(out, [[1, -1], [-1, -1], [1, 1], [-1, -1]])
 
@@ -36,12 +36,12 @@ def test_min_max_attack_defaults_std_direction_and_gamma_search():
     updates: std 0) each test accepts and gamma climbs 10 + 5 + ... + 10 / 2^19 = 20 - 10 / 2^19."""
     same = jnp.ones((4, 3), jnp.float32)
     is_mal = jnp.array([False, False, False, True])
-    _, gamma = R.min_max_attack(same, is_mal, jnp.ones(4, bool))
+    _, gamma = attacks.min_max_attack(same, is_mal, jnp.ones(4, bool))
     np.testing.assert_allclose(float(gamma), 20.0 - 10.0 / 2 ** 19, rtol=0, atol=1e-6)
     rng = np.random.default_rng(4)
     x = rng.normal(0, 1, (5, 6)).astype(np.float32)
     is_mal = jnp.array([False, False, False, False, True])
-    out, gamma = R.min_max_attack(jnp.asarray(x), is_mal, jnp.ones(5, bool))
+    out, gamma = attacks.min_max_attack(jnp.asarray(x), is_mal, jnp.ones(5, bool))
     np.testing.assert_allclose(out[4], x.mean(0) - float(gamma) * x.std(0, ddof=1), rtol=1e-4, atol=1e-5)
 
 
@@ -52,7 +52,7 @@ def test_min_max_bound_is_the_largest_distance_between_known_updates():
     x = jnp.array([[0.0], [0.5], [100.0]])
     is_mal = jnp.array([False, False, True])
     known = jnp.array([True, True, False])
-    out, gamma = R.min_max_attack(x, is_mal, known, kind="std", steps=40)
+    out, gamma = attacks.min_max_attack(x, is_mal, known, kind="std", steps=40)
     np.testing.assert_allclose(float(gamma), 1 / np.sqrt(2), rtol=1e-4)
     np.testing.assert_allclose(out[2], [0.25 - 0.25], atol=1e-4)
 
@@ -61,13 +61,13 @@ def _tailored_trimmed_mean_reference(updates, is_mal, known, trim, gamma_init=10
     """The DYN-OPT search written out: the benign rows plus ``copies`` copies of mean - gamma dev,
     trimmed-mean by sorting; gamma moves up while |TrMean - mean| grows over the previous test
     (strictly), by a step halving every time."""
-    mean = R.masked_mean(updates, known)
-    dev = R.deviation(updates, known, "std")
+    mean = ra.masked_mean(updates, known)
+    dev = attacks.deviation(updates, known, "std")
     benign, copies = updates[~is_mal], int(is_mal.sum())
     gamma, step, best, previous = gamma_init, gamma_init / 2, 0.0, -1.0
     for _ in range(steps):
         messages = jnp.concatenate([benign, jnp.repeat((mean - gamma * dev)[None], copies, 0)])
-        loss = float(jnp.linalg.norm(R.trimmed_mean(messages, trim) - mean))
+        loss = float(jnp.linalg.norm(ra.trimmed_mean(messages, trim) - mean))
         accepted = loss > previous
         best = gamma if accepted else best
         gamma, step, previous = (gamma + step if accepted else gamma - step), step / 2, loss
@@ -87,10 +87,10 @@ def test_tailored_trimmed_mean_attack_is_the_dyn_opt_search(trim, gamma_init, of
     updates = jnp.asarray(rng.normal(0, 1, (10, 6)) + offset, jnp.float32)
     is_mal = jnp.asarray(np.isin(np.arange(10), [2, 7]))
     known = jnp.ones(10, bool)
-    out, gamma = R.tailored_trimmed_mean_attack(updates, is_mal, known, trim, gamma_init=gamma_init)
+    out, gamma = attacks.tailored_trimmed_mean_attack(updates, is_mal, known, trim, gamma_init=gamma_init)
     expected = _tailored_trimmed_mean_reference(updates, np.asarray(is_mal), known, trim, gamma_init)
     assert float(gamma) == pytest.approx(expected, rel=0, abs=1e-6)   # one more halving moves it 1e-5
-    mean, dev = R.masked_mean(updates, known), R.deviation(updates, known, "std")
+    mean, dev = ra.masked_mean(updates, known), attacks.deviation(updates, known, "std")
     np.testing.assert_allclose(out[2], mean - gamma * dev, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(out[~np.asarray(is_mal)], updates[~np.asarray(is_mal)])
 
@@ -119,12 +119,12 @@ def test_reverse_attack_votes_only_over_what_the_attacker_knows():
 def _tailored_multi_krum_reference(updates, is_mal, known, f, num_select, gamma_init=10.0, steps=20):
     """DYN-OPT against Multi-Krum written out: gamma moves up while Multi-Krum, run on the full
     message matrix, selects every malicious row."""
-    mean = R.masked_mean(updates, known)
-    dev = R.deviation(updates, known, "std")
+    mean = ra.masked_mean(updates, known)
+    dev = attacks.deviation(updates, known, "std")
     gamma, step, best = gamma_init, gamma_init / 2, 0.0
     for _ in range(steps):
         messages = jnp.where(is_mal[:, None], (mean - gamma * dev)[None], updates)
-        selected = R.multi_krum_select(R.pairwise_sq_distances(messages), f, num_select)
+        selected = ra.multi_krum_select(ra.pairwise_sq_distances(messages), f, num_select)
         accepted = bool((selected & is_mal).sum() == is_mal.sum())
         best = gamma if accepted else best
         gamma, step = (gamma + step if accepted else gamma - step), step / 2
@@ -140,11 +140,11 @@ def test_tailored_multi_krum_attack_is_the_dyn_opt_search(seed, scale):
     updates = jnp.asarray(scale * (rng.normal(0, 1, (12, 5)) + rng.normal(0, 0.3, (1, 5))), jnp.float32)
     is_mal = jnp.asarray(np.isin(np.arange(12), [0, 5, 9]))
     known = jnp.ones(12, bool)
-    num_select = R.krum_count(12, 3)
-    out, gamma = R.tailored_multi_krum_attack(updates, is_mal, known, 3, num_select)
+    num_select = ra.krum_count(12, 3)
+    out, gamma = attacks.tailored_multi_krum_attack(updates, is_mal, known, 3, num_select)
     expected = _tailored_multi_krum_reference(updates, is_mal, known, 3, num_select)
     assert float(gamma) == pytest.approx(expected, rel=0, abs=1e-6) and expected > 0
-    np.testing.assert_allclose(out[5], R.masked_mean(updates, known) - gamma * R.deviation(updates, known, "std"),
+    np.testing.assert_allclose(out[5], ra.masked_mean(updates, known) - gamma * attacks.deviation(updates, known, "std"),
                                rtol=1e-5, atol=1e-6)
 
 
@@ -187,5 +187,5 @@ def test_trimmed_mean_with_copies_ignores_rows_past_the_benign_count():
     trim 1 the merged list 1, 2, 2.5, 2.5, 3 keeps 2, 2.5, 2.5 -> 7 / 3."""
     sorted_benign = jnp.array([[1.0], [2.0], [3.0], [-100.0], [-100.0]])
     prefix = jnp.concatenate([jnp.zeros((1, 1)), jnp.cumsum(sorted_benign, 0)])
-    got = attacks._trimmed_mean_with_copies(sorted_benign, prefix, 3, jnp.array([2.5]), 2, 1)
+    got = ra.trimmed_mean_with_copies(sorted_benign, prefix, 3, jnp.array([2.5]), 2, 1)
     np.testing.assert_allclose(got, [7.0 / 3.0], rtol=1e-6)

@@ -1,44 +1,64 @@
 """Composition: robust aggregators and model-poisoning attacks as wrappers around
 any algorithm whose client messages are float pytrees (FedAvg, FedAvgM,
-FedProx, SCAFFOLD, SpaFL's thresholds, FedDrop's models...), so every attack
-meets every aggregator. An algorithm whose clients send something else (FSL's
-integer rankings, SignSGD's signs, FedPM's masks, HeteroFL's and FjORD's
-sub-models, nothing at all for Local) declares it when it registers
-(``register_algorithm(..., unwrappable=...)``), and ``config.validate`` refuses
-``--aggregator`` / ``--attack`` around it in one line before anything is built.
+FedProx, SCAFFOLD, SpaFL's thresholds, FedDrop's models, TopK's sparse
+updates...), so every attack meets every aggregator. An algorithm whose clients
+send something else (FSL's integer rankings, SignSGD's signs, FedPM's masks,
+HeteroFL's and FjORD's sub-models, nothing at all for Local) declares it when
+it registers (``register_algorithm(..., unwrappable=...)``), and
+``config.validate`` refuses ``--aggregator`` / ``--attack`` around it in one
+line before anything is built.
 
     alg = with_attack(with_aggregator(make_algorithm("spafl", task), "trimmed_mean"),
-                      "min_max", malicious_fraction=0.2, seed=0)
+                      "min_max", malicious_fraction=0.2, num_clients=task.num_clients, seed=0)
 
 The server side of a round then runs, outermost first: the attack replaces the
 sampled malicious clients' messages, the aggregator reduces the [K, P]
-flattened messages to one robust aggregate and hands the wrapped server K
-copies of it, so a server that (weighted-)averages its messages applies the
-robust aggregate exactly; then the wrapped ``server_update`` runs unchanged.
-A server that uses the individual messages beyond their mean (FedDrop's
-trajectory similarity) sees K identical rows: wrap such algorithms with an
-attack only, or read the result knowing that.
+flattened messages to one robust aggregate, then the wrapped server applies it.
 
-The mechanisms themselves live in ``fedjax_sparse.mechanisms`` (trimmed mean,
-Multi-Krum, the min-max attack); ``algorithms/robust.py`` keeps the FSL paper's
-FedAvg-based baselines with their own training schedule (its Table 2).
+* Around an ``UpdateServer`` (a server that averages flat float updates [K, P]
+  and applies the mean: the FSL paper's FedAvg in ``algorithms.robust``, TopK)
+  the wrappers see inside: the aggregator replaces the mean, so its aggregate
+  is applied exactly, and the attack perturbs the updates themselves.
+* Around any other server the aggregator hands it K copies of the aggregate,
+  so a server that (weighted-)averages its messages applies the robust
+  aggregate up to rounding; the attack works on ``message - broadcast
+  payload`` when the messages have the payload's structure (FedAvg's models),
+  else on the messages themselves (SpaFL's thresholds). A server that uses the
+  individual messages beyond their mean (FedDrop's trajectory similarity)
+  sees K identical rows: wrap such algorithms with an attack only, or read the
+  result knowing that.
+
+Threat model: the malicious clients are ``mechanisms.attacks.Threat``'s fixed
+seeded subset of client ids, as for SignSGD's and FSL's own attacks. The FSL
+paper's robust aggregators know how many malicious clients a round sampled:
+pass the same ``threat`` to both wrappers and ``trim_fraction < 0``.
+
+Attacks (``with_attack``): ``min_max`` (AGR-agnostic), ``tailored`` (DYN-OPT
+against the ``with_aggregator`` inside it: Trimmed-mean or Multi-Krum;
+``min_max`` against a mean), ``scale`` (the FSL authors' attack on plain
+FedAvg: a large multiple of the global model), ``none`` (the malicious clients
+train honestly; only counted). The mechanisms themselves are pure functions in
+``fedjax_sparse.mechanisms.robust_aggregation`` and ``.attacks``.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from fedjax_sparse.algorithms.base import Algorithm
-from fedjax_sparse.mechanisms.attacks import malicious_clients, min_max_attack
+from fedjax_sparse.algorithms.base import Algorithm, ServerContext
+from fedjax_sparse.mechanisms.attacks import (DEVIATIONS, Threat, min_max_attack, scale_attack,
+                                              tailored_multi_krum_attack, tailored_trimmed_mean_attack)
 from fedjax_sparse.mechanisms.robust_aggregation import krum_count, multi_krum, trimmed_mean
 
 WRAPPER_AGGREGATORS = ("mean", "trimmed_mean", "multi_krum")
+# What ``--attack`` offers (config.validate reads it); ``with_attack`` takes every one of ATTACKS.
 WRAPPER_ATTACKS = ("min_max",)
+ATTACKS = ("none", "min_max", "tailored", "scale")
 
 
 def flatten_messages(messages):
@@ -57,76 +77,205 @@ def flatten_messages(messages):
     return flat, unravel
 
 
-def with_aggregator(alg: Algorithm, aggregator: str, *, trim_fraction: float = 0.1) -> Algorithm:
-    """``alg`` whose server sees the robust aggregate of its clients' messages.
+@dataclasses.dataclass(frozen=True)
+class Aggregator:
+    """A robust aggregator of K flattened client updates [K, P].
 
-    ``trimmed_mean`` drops the ``floor(trim_fraction * K)`` largest and smallest
-    values of every coordinate; ``multi_krum`` assumes that many malicious
-    clients and averages the ``K - 2f - 2`` it selects; ``mean`` is the uniform mean."""
-    if aggregator not in WRAPPER_AGGREGATORS:
-        raise ValueError(f"unknown aggregator {aggregator!r}; valid: {', '.join(WRAPPER_AGGREGATORS)}")
-    if not 0.0 <= trim_fraction < 0.5:
-        raise ValueError(f"trim_fraction must be in [0, 0.5), got {trim_fraction}")
+    ``name``: ``mean`` (uniform), ``trimmed_mean`` (drops the f largest and f
+    smallest values of every coordinate, at most (K - 1) // 2: the median) or
+    ``multi_krum`` (averages the ``K - 2f - 2`` updates it selects, at least 1;
+    ``krum_select`` > 0 overrides the count). f, the number of malicious
+    clients the aggregator assumes among K, is ``floor(trim_fraction * K)``, or
+    with ``trim_fraction < 0`` the number of malicious clients the ``threat``
+    says the round sampled (the FSL paper's setting: the server knows it)."""
+    name: str
+    trim_fraction: float = 0.1
+    krum_select: int = -1
+    threat: Threat | None = None
 
-    def server_update(server_state, messages, ctx):
-        flat, unravel = flatten_messages(messages)
+    def __post_init__(self):
+        if self.name not in WRAPPER_AGGREGATORS:
+            raise ValueError(f"unknown aggregator {self.name!r}; valid: {', '.join(WRAPPER_AGGREGATORS)}")
+        if self.trim_fraction < 0 and self.threat is None:
+            raise ValueError(f"trim_fraction={self.trim_fraction} < 0 (f = the sampled malicious clients) needs "
+                             "the threat: with_aggregator(..., threat=Threat(...))")
+
+    def assumed_malicious(self, k: int, client_ids: jax.Array) -> jax.Array:
+        """[] int32: f for a round of ``k`` clients ``client_ids``."""
+        if self.trim_fraction < 0:
+            assert self.threat is not None   # __post_init__
+            return self.threat.split(client_ids)[0].sum()
+        return jnp.int32(int(math.floor(self.trim_fraction * k)))
+
+    def num_select(self, k: int, f: jax.Array) -> jax.Array:
+        """How many updates Multi-Krum averages."""
+        return krum_count(k, f, self.krum_select)
+
+    def __call__(self, flat: jax.Array, ctx: ServerContext) -> tuple[jax.Array, dict]:
+        """[K, P] -> (aggregate [P], server metrics). Multi-Krum reports how many of the
+        sampled malicious clients it selected (``malicious_selected``) when it knows the
+        threat, else how many updates it selected (``krum_selected``)."""
         k = flat.shape[0]
-        f = int(math.floor(trim_fraction * k))
-        metrics = {}
-        if aggregator == "trimmed_mean":
-            aggregate = trimmed_mean(flat, jnp.int32(f))
-        elif aggregator == "multi_krum":
-            aggregate, selected = multi_krum(flat, jnp.int32(f), krum_count(k, jnp.int32(f)))
-            metrics["krum_selected"] = selected.sum()
-        else:
-            aggregate = flat.mean(0)
+        f = self.assumed_malicious(k, ctx.client_ids)
+        if self.name == "trimmed_mean":
+            return trimmed_mean(flat, f), {}
+        if self.name == "multi_krum":
+            aggregate, selected = multi_krum(flat, f, self.num_select(k, f))
+            if self.threat is None:
+                return aggregate, {"krum_selected": selected.sum()}
+            return aggregate, {"malicious_selected": (selected & self.threat.split(ctx.client_ids)[0]).sum()}
+        return flat.mean(0), {}
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateServer:
+    """The server of an algorithm whose clients send flat float updates [P] (``w_local -
+    w_global``) that it averages and applies: ``apply(server_state, mean(updates, ctx))``.
+
+    ``mean(updates [K, P], ctx) -> [P]``: the algorithm's own average (FedAvg's
+    weighted or uniform one); ``apply(server_state, aggregate [P]) -> server_state``;
+    ``model(server_state) -> [P]``: the global model flattened like the updates (what
+    the scale attack multiplies). ``aggregator``: set by ``with_aggregator``, which
+    replaces ``mean`` by it, so the robust aggregate is applied exactly."""
+    mean: Callable[[jax.Array, ServerContext], jax.Array]
+    apply: Callable[[Any, jax.Array], Any]
+    model: Callable[[Any], jax.Array]
+    aggregator: Aggregator | None = None
+
+    def __call__(self, server_state, updates: jax.Array, ctx: ServerContext):
+        if self.aggregator is None:
+            return self.apply(server_state, self.mean(updates, ctx)), {}
+        aggregate, metrics = self.aggregator(updates, ctx)
+        return self.apply(server_state, aggregate), metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class AggregatingServer:
+    """``server_update`` of any algorithm (not an ``UpdateServer``) behind a robust
+    ``aggregator``: the server receives K copies of the aggregate of its flattened messages."""
+    server_update: Callable[[Any, Any, ServerContext], tuple[Any, dict]]
+    aggregator: Aggregator
+
+    def __call__(self, server_state, messages, ctx: ServerContext):
+        flat, unravel = flatten_messages(messages)
+        aggregate, metrics = self.aggregator(flat, ctx)
         row = unravel(aggregate)
         robust = jax.tree_util.tree_map(lambda leaf, ref: jnp.broadcast_to(leaf, ref.shape).astype(ref.dtype),
                                         row, messages)
-        new_state, inner_metrics = alg.server_update(server_state, robust, ctx)
+        new_state, inner_metrics = self.server_update(server_state, robust, ctx)
         return new_state, {**inner_metrics, **metrics}
 
-    return dataclasses.replace(alg, name=f"{alg.name}+{aggregator}", server_update=server_update,
+
+def with_aggregator(alg: Algorithm, aggregator: str, *, trim_fraction: float = 0.1, krum_select: int = -1,
+                    threat: Threat | None = None) -> Algorithm:
+    """``alg`` whose server sees the robust aggregate of its clients' messages (see ``Aggregator``).
+
+    ``trimmed_mean`` drops the ``floor(trim_fraction * K)`` largest and smallest
+    values of every coordinate; ``multi_krum`` assumes that many malicious
+    clients and averages the ``K - 2f - 2`` it selects; ``mean`` is the uniform
+    mean. ``trim_fraction < 0``: f is the number of malicious clients of
+    ``threat`` sampled in the round. An ``UpdateServer`` applies the aggregate
+    exactly; any other server receives K copies of it."""
+    robust = Aggregator(aggregator, trim_fraction, krum_select, threat)
+    inner = alg.server_update
+    if isinstance(inner, UpdateServer) and inner.aggregator is None:
+        server: Callable = dataclasses.replace(inner, aggregator=robust)
+    else:
+        server = AggregatingServer(inner, robust)
+    return dataclasses.replace(alg, name=f"{alg.name}+{aggregator}", server_update=server,
                                hparams={**alg.hparams, "aggregator": aggregator, "trim_fraction": trim_fraction})
 
 
-def with_attack(alg: Algorithm, attack: str, *, num_clients: int, malicious_fraction: float, seed: int = 0,
-                knowledge: str = "all", deviation: str = "std", gamma_init: float = 10.0,
-                search_steps: int = 20) -> Algorithm:
-    """``alg`` under a model-poisoning attack by a fixed ``malicious_fraction`` of its clients.
+def with_attack(alg: Algorithm, attack: str, *, num_clients: int | None = None,
+                malicious_fraction: float | None = None, seed: int = 0, knowledge: str = "all",
+                threat: Threat | None = None, deviation: str = "std", gamma_init: float = 10.0,
+                search_steps: int = 20, attack_scale: float = 1e5) -> Algorithm:
+    """``alg`` under a model-poisoning attack by a fixed subset of its clients.
 
-    ``min_max`` (Shejwalkar & Houmansadr 2021, AGR-agnostic): every sampled
-    malicious client sends ``mean - gamma * dev`` of the known benign updates
-    (``knowledge``: ``all`` sampled clients' or only the ``malicious`` ones'),
-    with the largest gamma whose distance to every benign update stays within
-    their largest pairwise distance. Updates are taken relative to the
-    broadcast payload when messages have its structure (FedAvg's models), else
-    the messages themselves are perturbed (SpaFL's thresholds)."""
-    if attack not in WRAPPER_ATTACKS:
-        raise ValueError(f"unknown attack {attack!r}; valid: {', '.join(WRAPPER_ATTACKS)}")
-    if knowledge not in ("all", "malicious"):
-        raise ValueError(f"unknown knowledge {knowledge!r}; valid: all, malicious")
-    mask = jnp.asarray(malicious_clients(num_clients, malicious_fraction, seed))
-    if not bool(np.any(np.asarray(mask))):
-        raise ValueError(f"malicious_fraction={malicious_fraction} of {num_clients} clients makes no client malicious")
+    The malicious clients: ``threat``, or ``Threat(num_clients,
+    malicious_fraction, knowledge, seed)`` (then at least one client must be
+    malicious). Every sampled malicious client sends the same update, computed
+    from the honest updates the attackers know (``knowledge``: ``all`` sampled
+    clients' or only the ``malicious`` ones'):
 
-    def server_update(server_state, messages, ctx):
-        is_mal = mask[ctx.client_ids]
-        known = jnp.ones_like(is_mal) if knowledge == "all" else is_mal
+    * ``min_max`` (Shejwalkar & Houmansadr 2021, AGR-agnostic): ``mean - gamma
+      * dev`` of the known updates (``deviation``: ``std``, ``sign``,
+      ``unit_vec``) with the largest gamma (halving search from ``gamma_init``,
+      ``search_steps`` tests) whose distance to every known update stays within
+      their largest pairwise distance;
+    * ``tailored`` (DYN-OPT): against the ``with_aggregator`` that ``alg`` is
+      wrapped in, gamma kept while the trimmed mean moves further from the
+      benign mean (Trimmed-mean) or while every malicious update is selected
+      (Multi-Krum); ``min_max`` when there is none or it is ``mean``;
+    * ``scale``: ``attack_scale`` times the global model (needs an
+      ``UpdateServer`` or messages shaped like the broadcast model);
+    * ``none``: no attack; the sampled malicious clients are only counted.
+
+    Server metrics: ``malicious_clients`` (sampled this round) and
+    ``attack_gamma``. An inactive threat (``malicious_fraction`` 0) never attacks."""
+    if attack not in ATTACKS:
+        raise ValueError(f"unknown attack {attack!r}; valid: {', '.join(ATTACKS)}")
+    if deviation not in DEVIATIONS:
+        raise ValueError(f"unknown deviation {deviation!r}; valid: {', '.join(DEVIATIONS)}")
+    if threat is None:
+        if num_clients is None or malicious_fraction is None:
+            raise TypeError("with_attack needs threat=Threat(...), or num_clients= and malicious_fraction=")
+        threat = Threat(num_clients, malicious_fraction, knowledge, seed)
+        if attack != "none" and not threat.mask.any():
+            raise ValueError(f"malicious_fraction={malicious_fraction} of {num_clients} clients makes no client "
+                             "malicious")
+    inner = alg.server_update
+    aggregator: Aggregator | None = getattr(inner, "aggregator", None)   # the with_aggregator inside, if any
+    firing = threat.active and attack != "none"
+    options = dict(kind=deviation, gamma_init=gamma_init, steps=search_steps)
+
+    def poison(updates, is_mal, known, ctx, model):
+        """[K, P] float32 updates -> (the attacked updates, gamma); ``model()`` -> [P]."""
+        if attack == "scale":
+            return scale_attack(updates, is_mal, model(), attack_scale), jnp.float32(0.0)
+        if attack == "tailored" and aggregator is not None and aggregator.name != "mean":
+            k = updates.shape[0]
+            f = aggregator.assumed_malicious(k, ctx.client_ids)
+            if aggregator.name == "trimmed_mean":
+                return tailored_trimmed_mean_attack(updates, is_mal, known, f, **options)
+            return tailored_multi_krum_attack(updates, is_mal, known, f, aggregator.num_select(k, f), **options)
+        return min_max_attack(updates, is_mal, known, **options)
+
+    def poison_messages(server_state, messages, is_mal, known, ctx):
+        """Any algorithm's float messages: the attack in update space (relative to the payload)."""
         flat, unravel = flatten_messages(messages)
         payload = alg.broadcast(server_state, ctx.round)
         row_structure = jax.tree_util.tree_structure(jax.tree_util.tree_map(lambda x: x[0], messages))
-        if jax.tree_util.tree_structure(payload) == row_structure:
+        model_shaped = jax.tree_util.tree_structure(payload) == row_structure
+        if model_shaped:
             reference = ravel_pytree(payload)[0].astype(jnp.float32)
         else:
             reference = jnp.zeros(flat.shape[1], jnp.float32)
-        attacked, gamma = min_max_attack(flat - reference[None], is_mal, known, kind=deviation,
-                                         gamma_init=gamma_init, steps=search_steps)
+
+        def model():
+            if not model_shaped:
+                raise TypeError(f"the scale attack needs client messages shaped like the broadcast model "
+                                f"(FedAvg's models) or an UpdateServer; {alg.name}'s messages are neither")
+            return reference
+
+        attacked, gamma = poison(flat - reference[None], is_mal, known, ctx, model)
         rows = jax.vmap(unravel)(attacked + reference[None])
         poisoned = jax.tree_util.tree_map(lambda new, ref: new.astype(ref.dtype), rows, messages)
-        poisoned = jax.lax.cond(is_mal.any(), lambda: poisoned, lambda: messages)
-        new_state, metrics = alg.server_update(server_state, poisoned, ctx)
+        return jax.lax.cond(is_mal.any(), lambda: poisoned, lambda: messages), gamma
+
+    def server_update(server_state, messages, ctx):
+        is_mal, known = threat.split(ctx.client_ids)
+        gamma = jnp.float32(0.0)
+        if firing and isinstance(inner, UpdateServer):
+            messages, gamma = poison(messages, is_mal, known, ctx, lambda: inner.model(server_state))
+        elif firing:
+            messages, gamma = poison_messages(server_state, messages, is_mal, known, ctx)
+        new_state, metrics = inner(server_state, messages, ctx)
         return new_state, {**metrics, "malicious_clients": is_mal.sum(), "attack_gamma": gamma}
 
     return dataclasses.replace(alg, name=f"{alg.name}+{attack}", server_update=server_update,
-                               hparams={**alg.hparams, "attack": attack, "malicious_fraction": malicious_fraction})
+                               hparams={**alg.hparams, "attack": attack, "malicious_fraction": threat.fraction})
+
+
+__all__ = ["ATTACKS", "WRAPPER_AGGREGATORS", "WRAPPER_ATTACKS", "AggregatingServer", "Aggregator", "UpdateServer",
+           "flatten_messages", "with_aggregator", "with_attack"]

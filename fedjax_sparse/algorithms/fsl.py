@@ -63,10 +63,10 @@ import optax
 from fedjax_sparse import accounting
 from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics
 from fedjax_sparse.algorithms.registry import register_algorithm
-from fedjax_sparse.algorithms.robust import KNOWLEDGE, LR_SCHEDULES, _Threat, local_lr
+from fedjax_sparse.algorithms.robust import LR_SCHEDULES, local_lr, make_threat
 from fedjax_sparse.algorithms.supervised import predict_fn
+from fedjax_sparse.mechanisms import attacks
 from fedjax_sparse.mechanisms import supermask as sm
-from fedjax_sparse.mechanisms.attacks import reverse_attack
 from fedjax_sparse.models.base import Hooks
 from fedjax_sparse.training import Batch, masked_cross_entropy, run_local_epochs
 
@@ -74,7 +74,7 @@ FSL_OPTIONS = dict(subnet_fraction=0.5, upload_fraction=1.0, weight_init="signed
                    momentum=0.9, weight_decay=1e-4, lr_decay=0.999, lr_schedule="cosine_epoch",
                    malicious_fraction=0.0, attack="reverse", attacker_knowledge="malicious_population",
                    attacker_clients=25, malicious_seed=-1)
-FSL_KNOWLEDGE = ("malicious_population",) + KNOWLEDGE
+FSL_KNOWLEDGE = ("malicious_population",) + attacks.KNOWLEDGE
 
 
 class FslServerState(NamedTuple):
@@ -151,7 +151,7 @@ def fsl(task: Task, *, subnet_fraction, upload_fraction, weight_init, mask_by, m
     up_bits = sm.ranking_bits(list(sizes.values()), upload_fraction)
     down_bits = sm.ranking_bits(list(sizes.values()))
     population = attacker_knowledge == "malicious_population"
-    threat = _Threat(task, malicious_fraction, "malicious" if population else attacker_knowledge, malicious_seed)
+    threat = make_threat(task, malicious_fraction, "malicious" if population else attacker_knowledge, malicious_seed)
     attacking = threat.active and attack == "reverse"
     malicious_ids = np.flatnonzero(threat.mask).astype(np.int32)
     if attacker_clients < 0:
@@ -207,7 +207,7 @@ def fsl(task: Task, *, subnet_fraction, upload_fraction, weight_init, mask_by, m
         if attacking:
             knowledge = ctx.extra_messages if population else None
             messages = jax.lax.cond(
-                is_mal.any(), lambda m: reverse_attack(m, sizes, is_mal, known, upload_fraction, knowledge),
+                is_mal.any(), lambda m: attacks.reverse_attack(m, sizes, is_mal, known, upload_fraction, knowledge),
                 lambda m: m, messages)
         if sparse:
             ranking = {layer: sm.vote_sparse(m, sizes[layer]) for layer, m in messages.items()}

@@ -1,56 +1,53 @@
-"""Robust aggregation, model poisoning and compressed-update baselines (FSL paper, seed 003).
+"""The FSL paper's (seed 003) weight-training baselines: FedAvg under robust aggregators and
+model-poisoning attacks (Table 2), SignSGD and TopK (Table 1).
 
-Every algorithm here is FedAvg-shaped: the sampled clients train the global
-model locally (SGD, momentum, weight decay, lr ``lr * lr_decay**round`` with a
-cosine over the local epochs, as the authors' code) and send their update
-``delta = w_local - w_global`` flattened to one vector [P]; the server
-aggregates the [K, P] stack and moves the global model by ``server_lr`` times
-the aggregate. They differ in what goes up and how it is combined:
+All of them train the global model locally as the authors' code does (SGD,
+momentum, weight decay, lr ``lr * lr_decay**round`` with a cosine over the
+local epochs: ``local_lr``, ``train_update``) and send their update ``delta =
+w_local - w_global`` flattened to one vector [P]. Downloads are the dense
+float32 model (the paper's accounting).
 
-* ``fedavg_robust`` (aliases ``trimmed_mean``, ``multi_krum``): float updates;
-  ``aggregator`` = mean | trimmed_mean | multi_krum.
-* ``signsgd``: clients send sign(delta) (1 bit per weight); the server steps
-  by ``server_lr * sign(sum of signs)`` (majority vote).
-* ``topk``: clients send the K % largest-magnitude coordinates of delta
-  (values plus a 1-bit-per-weight bitmap, which is what reproduces the paper's
-  Table 1 figures); the server averages the sparse updates; optional error
-  feedback keeps the unsent residual per client.
-Downloads are the dense float32 model (the paper's accounting).
+* ``paper_fedavg``: that training plus FedAvg's server, an
+  ``algorithms.compose.UpdateServer`` (the mean of the updates, uniform or
+  ``weighted`` by data size, times ``server_lr``).
+* ``fedavg_robust`` (aliases ``trimmed_mean``, ``multi_krum``, whose default
+  attack is ``tailored``): ``paper_fedavg`` wrapped by
+  ``compose.with_aggregator`` (``aggregator`` = trimmed_mean | multi_krum;
+  ``mean`` is FedAvg's own mean, unwrapped) and ``compose.with_attack``
+  (``attack`` = none | min_max | tailored | scale), both given one
+  ``mechanisms.attacks.Threat``. Every option keeps its meaning:
+  ``trim_fraction`` -1 (default): Trimmed-mean and Multi-Krum know the number
+  of sampled malicious clients f (>= 0: ``floor(trim_fraction * K)``);
+  ``krum_select`` (-1: ``K - 2f - 2`` picks, as the authors' code);
+  ``deviation``, ``gamma_init``, ``search_steps`` (the attacks' search),
+  ``attack_scale`` (1e5, the scale attack).
+* ``signsgd`` is an algorithm of its own: its clients send sign(delta) (int8,
+  1 bit per weight) and its server takes their majority vote - neither float
+  updates nor a mean, so the float wrappers cannot hold it; its attack
+  (``reverse``: ``-sign`` of the known votes, ``mechanisms.attacks.
+  sign_reverse_attack``) draws the malicious clients through the same
+  ``Threat``.
+* ``topk`` is an algorithm of its own because of what its clients do: send the
+  K % largest-magnitude coordinates of delta (values plus a 1-bit-per-weight
+  bitmap, which reproduces the paper's Table 1 figures), optionally keeping
+  the unsent residual per client (error feedback, client state). Its server is
+  an ``UpdateServer`` (the uniform mean of the sparse updates), so
+  ``--aggregator`` / ``--attack`` wrap it as they wrap FedAvg.
 
-Malicious clients (``malicious_fraction`` > 0) are a fixed subset of client
-ids: the first ``floor(fraction * N)`` of a permutation seeded by
-``malicious_seed`` (default: the run seed). They train honestly; the server
-update, which sees ``ctx.client_ids``, then replaces the messages of the
-sampled malicious clients by the attack's output, computed from the honest
-messages of the round they know (``attacker_knowledge``: ``all`` sampled
+Malicious clients (``malicious_fraction`` > 0): ``Threat``'s fixed subset of
+client ids (the first ``floor(fraction * N)`` of a permutation seeded by
+``malicious_seed``, default the run seed). They train honestly; the attack
+replaces the sampled malicious clients' updates, computed from the honest
+updates of the round they know (``attacker_knowledge``: ``all`` sampled
 clients, or only the ``malicious`` ones) - they collude, as in the paper's
-threat model. Attacks (Shejwalkar & Houmansadr, NDSS 2021; App. B.5):
-
-* ``min_max`` (AGR-agnostic): ``mal = mean - gamma * dev``, with ``dev`` the
-  unit vector ``mean / |mean|`` (``deviation=unit_vec``), ``sign(mean)`` or
-  the coordinate-wise std (``std``, default as in the authors' code); gamma is
-  the largest value, found by the paper's halving search from
-  ``gamma_init``, with ``max_i |mal - delta_i| <= max_ij |delta_i - delta_j|``
-  over the known updates.
-* ``tailored`` (DYN-OPT, AGR-tailored): for ``trimmed_mean`` the search keeps
-  gamma while the distance of the trimmed mean from the benign mean grows (the
-  authors' acceptance rule); for ``multi_krum`` it keeps gamma while every
-  malicious update is selected; for ``mean`` it is ``min_max``.
-* ``scale`` (the authors' code's attack on plain FedAvg): malicious clients
-  send ``attack_scale`` (1e5) times the current global parameters.
-* ``reverse`` (SignSGD): malicious clients send ``-sign(sum of the known
-  signs)``, i.e. min-max's ``-sign(mean)`` direction after sign compression.
-
-As in the paper, Trimmed-mean and Multi-Krum know the number of malicious
-clients: ``f`` is the number of sampled malicious clients of the round
-(``trim_fraction`` >= 0 overrides it with ``floor(trim_fraction * K)``).
-Multi-Krum: each pick is the remaining update with the smallest sum of
-squared distances to its ``r - f - 2`` nearest remaining neighbours, and
-``K - 2f - 2`` updates are picked (``krum_select`` > 0 overrides), as in the
-authors' code.
+threat model. The attacks (Shejwalkar & Houmansadr, NDSS 2021; App. B.5) are
+described in ``compose.with_attack`` and implemented in
+``fedjax_sparse.mechanisms.attacks``; the aggregators in
+``fedjax_sparse.mechanisms.robust_aggregation``.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -61,22 +58,15 @@ from jax.flatten_util import ravel_pytree
 
 from fedjax_sparse import accounting
 from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, replicate
+from fedjax_sparse.algorithms.compose import ATTACKS, WRAPPER_AGGREGATORS, UpdateServer, with_aggregator, with_attack
 from fedjax_sparse.algorithms.fedavg import FedAvgServerState
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import local_train, predict_fn
-# The aggregators and attacks moved to fedjax_sparse.mechanisms; still importable from here.
-from fedjax_sparse.mechanisms.attacks import (  # noqa: F401
-    DEVIATIONS, _trimmed_mean_with_copies, deviation, halving_search, malicious_clients, min_max_attack,
-    sign_reverse_attack, tailored_multi_krum_attack, tailored_trimmed_mean_attack)
-from fedjax_sparse.mechanisms.robust_aggregation import (  # noqa: F401
-    _keys_to_floats, krum_count, masked_mean, multi_krum, multi_krum_select, pairwise_sq_distances,
-    sign_majority, sort_rows, topk_sparsify, trimmed_mean)
-from fedjax_sparse.mechanisms.supermask import kept_count, order_keys  # noqa: F401
+from fedjax_sparse.mechanisms.attacks import DEVIATIONS, Threat, sign_reverse_attack
+from fedjax_sparse.mechanisms.robust_aggregation import sign_majority, topk_sparsify
+from fedjax_sparse.mechanisms.supermask import kept_count
 from fedjax_sparse.training import steps_per_epoch
 
-AGGREGATORS = ("mean", "trimmed_mean", "multi_krum")
-ATTACKS = ("none", "min_max", "tailored", "scale")
-KNOWLEDGE = ("all", "malicious")
 LR_SCHEDULES = ("cosine_epoch", "cosine_step", "constant")
 
 
@@ -143,28 +133,19 @@ def _num_params_without_batch_norm(task: Task, name: str) -> int:
     return accounting.num_values(variables["params"])
 
 
-class _Threat:
-    """The malicious set and what the attackers know, as static numpy data."""
-
-    def __init__(self, task: Task, fraction: float, knowledge: str, seed: int):
-        _check("attacker_knowledge", knowledge, KNOWLEDGE)
-        self.active = fraction > 0
-        self.mask = malicious_clients(task.num_clients, fraction, task.seed if seed < 0 else seed)
-        self.knowledge = knowledge
-
-    def split(self, client_ids):
-        """[K] ids -> (is_malicious [K], known [K]) bool."""
-        is_mal = jnp.asarray(self.mask)[client_ids]
-        known = is_mal if self.knowledge == "malicious" else jnp.ones_like(is_mal)
-        return is_mal, known
-
-
 TRAIN_OPTIONS = dict(momentum=0.9, weight_decay=1e-4, lr_decay=0.999, lr_schedule="cosine_epoch")
 THREAT_OPTIONS = dict(malicious_fraction=0.0, attacker_knowledge="all", malicious_seed=-1)
 
 
+def make_threat(task: Task, malicious_fraction: float, attacker_knowledge: str, malicious_seed: int) -> Threat:
+    """The options ``malicious_fraction``, ``attacker_knowledge``, ``malicious_seed`` (< 0: the run
+    seed) as a ``Threat`` (FSL's and SignSGD's attacks and the wrappers use the same)."""
+    return Threat(task.num_clients, malicious_fraction, attacker_knowledge,
+                  task.seed if malicious_seed < 0 else malicious_seed)
+
+
 def _make_base(task: Task, name: str, *, momentum, weight_decay, lr_decay, lr_schedule):
-    """init / broadcast / train / predict shared by the FedAvg-shaped baselines."""
+    """init / broadcast / train / apply / model / predict shared by the FedAvg-shaped baselines."""
     _check("lr_schedule", lr_schedule, LR_SCHEDULES)
     num_params = _num_params_without_batch_norm(task, name)
     model = task.model
@@ -179,37 +160,28 @@ def _make_base(task: Task, name: str, *, momentum, weight_decay, lr_decay, lr_sc
         return train_update(task, variables, data, ctx, momentum=momentum, weight_decay=weight_decay,
                             lr_decay=lr_decay, lr_schedule=lr_schedule)
 
+    def global_vector(server_state: FedAvgServerState):
+        return ravel_pytree(server_state.variables["params"])[0]
+
     def apply_update(server_state: FedAvgServerState, update, server_lr) -> FedAvgServerState:
-        params = server_state.variables["params"]
-        flat, unravel = ravel_pytree(params)
+        flat, unravel = ravel_pytree(server_state.variables["params"])
         new = dict(server_state.variables, params=unravel(flat + server_lr * update))
         return server_state._replace(variables=new)
 
     def global_predict(server_state: FedAvgServerState, x):
         return predict_fn(model, server_state.variables)(x)
 
-    return num_params, init, broadcast, train, apply_update, global_predict
+    return num_params, init, broadcast, train, apply_update, global_vector, global_predict
 
 
-# ---------------------------------------------------------------- FedAvg + robust aggregators
-ROBUST_OPTIONS = dict(aggregator="mean", attack="min_max", deviation="std", gamma_init=10.0, attack_scale=1e5,
-                      search_steps=20, trim_fraction=-1.0, krum_select=-1, server_lr=1.0,
-                      weighted=False, **TRAIN_OPTIONS, **THREAT_OPTIONS)
-
-
-@register_algorithm("fedavg_robust", ROBUST_OPTIONS)
-def fedavg_robust(task: Task, *, aggregator, attack, deviation, gamma_init, attack_scale, search_steps, trim_fraction,  # noqa: F811
-                  krum_select, server_lr, weighted, momentum, weight_decay, lr_decay, lr_schedule,
-                  malicious_fraction, attacker_knowledge, malicious_seed, name="fedavg_robust") -> Algorithm:
-    """FedAvg whose server aggregates the float updates with ``aggregator``,
-    under the ``attack`` of the ``malicious_fraction`` malicious clients."""
-    _check("aggregator", aggregator, AGGREGATORS)
-    _check("attack", attack, ATTACKS)
-    _check("deviation", deviation, DEVIATIONS)
-    num_params, init, broadcast, train, apply_update, global_predict = _make_base(
+# ---------------------------------------------------------------- FedAvg, and under robust aggregators
+def paper_fedavg(task: Task, *, server_lr: float = 1.0, weighted: bool = False, momentum: float = 0.9,
+                 weight_decay: float = 1e-4, lr_decay: float = 0.999, lr_schedule: str = "cosine_epoch",
+                 name: str = "paper_fedavg") -> Algorithm:
+    """FedAvg as the FSL authors train it: clients send ``delta`` [P] (``train_update``); the server,
+    an ``UpdateServer``, adds ``server_lr`` times their mean (uniform, or data-size ``weighted``)."""
+    num_params, init, broadcast, train, apply_update, global_vector, global_predict = _make_base(
         task, name, momentum=momentum, weight_decay=weight_decay, lr_decay=lr_decay, lr_schedule=lr_schedule)
-    threat = _Threat(task, malicious_fraction, attacker_knowledge, malicious_seed)
-    k = task.clients_per_round
     bits = num_params * accounting.FLOAT_BITS
 
     def client_update(variables, client_state, data, ctx):
@@ -219,35 +191,38 @@ def fedavg_robust(task: Task, *, aggregator, attack, deviation, gamma_init, atta
             uplink_bits=bits, downlink_bits=bits, density=1.0, num_examples=stats.num_examples)
         return client_state, delta, metrics
 
-    def server_update(server_state, updates, ctx):
-        is_mal, known = threat.split(ctx.client_ids)
-        f = is_mal.sum() if trim_fraction < 0 else jnp.int32(int(math.floor(trim_fraction * k)))
-        num_select = krum_count(k, f, krum_select)
-        gamma = jnp.float32(0.0)
-        if threat.active and attack != "none":
-            opts = dict(kind=deviation, gamma_init=gamma_init, steps=search_steps)
-            if attack == "scale":
-                malicious = attack_scale * ravel_pytree(server_state.variables["params"])[0]
-                updates = jnp.where(is_mal[:, None], malicious[None, :], updates)
-            elif attack == "tailored" and aggregator == "trimmed_mean":
-                updates, gamma = tailored_trimmed_mean_attack(updates, is_mal, known, f, **opts)
-            elif attack == "tailored" and aggregator == "multi_krum":
-                updates, gamma = tailored_multi_krum_attack(updates, is_mal, known, f, num_select, **opts)
-            else:
-                updates, gamma = min_max_attack(updates, is_mal, known, **opts)
-        metrics = {"malicious_clients": is_mal.sum(), "attack_gamma": gamma}
-        if aggregator == "mean":
-            w = ctx.weights if weighted else jnp.ones_like(ctx.weights)
-            aggregate = (w / w.sum()) @ updates
-        elif aggregator == "trimmed_mean":
-            aggregate = trimmed_mean(updates, f)
-        else:
-            aggregate, selected = multi_krum(updates, f, num_select)
-            metrics["malicious_selected"] = (selected & is_mal).sum()
-        return apply_update(server_state, aggregate, server_lr), metrics
+    def mean(updates, ctx):
+        w = ctx.weights if weighted else jnp.ones_like(ctx.weights)
+        return (w / w.sum()) @ updates
 
-    return Algorithm(name, init, broadcast, client_update, server_update,
+    server = UpdateServer(mean=mean, apply=lambda state, aggregate: apply_update(state, aggregate, server_lr),
+                          model=global_vector)
+    return Algorithm(name, init, broadcast, client_update, server,
                      personal_predict=None, global_predict=global_predict)
+
+
+ROBUST_OPTIONS = dict(aggregator="mean", attack="min_max", deviation="std", gamma_init=10.0, attack_scale=1e5,
+                      search_steps=20, trim_fraction=-1.0, krum_select=-1, server_lr=1.0,
+                      weighted=False, **TRAIN_OPTIONS, **THREAT_OPTIONS)
+
+
+@register_algorithm("fedavg_robust", ROBUST_OPTIONS)
+def fedavg_robust(task: Task, *, aggregator, attack, deviation, gamma_init, attack_scale, search_steps, trim_fraction,
+                  krum_select, server_lr, weighted, momentum, weight_decay, lr_decay, lr_schedule,
+                  malicious_fraction, attacker_knowledge, malicious_seed, name="fedavg_robust") -> Algorithm:
+    """``paper_fedavg`` whose server aggregates the float updates with ``aggregator``,
+    under the ``attack`` of the ``malicious_fraction`` malicious clients."""
+    _check("aggregator", aggregator, WRAPPER_AGGREGATORS)
+    _check("attack", attack, ATTACKS)
+    _check("deviation", deviation, DEVIATIONS)
+    alg = paper_fedavg(task, server_lr=server_lr, weighted=weighted, momentum=momentum, weight_decay=weight_decay,
+                       lr_decay=lr_decay, lr_schedule=lr_schedule, name=name)
+    threat = make_threat(task, malicious_fraction, attacker_knowledge, malicious_seed)
+    if aggregator != "mean":   # "mean" is FedAvg's own
+        alg = with_aggregator(alg, aggregator, trim_fraction=trim_fraction, krum_select=krum_select, threat=threat)
+    alg = with_attack(alg, attack, threat=threat, deviation=deviation, gamma_init=gamma_init,
+                      search_steps=search_steps, attack_scale=attack_scale)
+    return dataclasses.replace(alg, name=name, hparams={})   # the registry records the options
 
 
 _ALIAS_OPTIONS = {k: v for k, v in ROBUST_OPTIONS.items() if k != "aggregator"}
@@ -276,10 +251,10 @@ def signsgd(task: Task, *, server_lr, attack, momentum, weight_decay, lr_decay, 
             malicious_fraction, attacker_knowledge, malicious_seed) -> Algorithm:
     """SignSGD with majority vote (Bernstein et al. 2019) over local-training updates."""
     _check("attack", attack, ("none", "reverse"))
-    num_params, init, broadcast, train, apply_update, global_predict = _make_base(
+    num_params, init, broadcast, train, apply_update, _, global_predict = _make_base(
         task, "signsgd", momentum=momentum, weight_decay=weight_decay, lr_decay=lr_decay,
         lr_schedule=lr_schedule)
-    threat = _Threat(task, malicious_fraction, attacker_knowledge, malicious_seed)
+    threat = make_threat(task, malicious_fraction, attacker_knowledge, malicious_seed)
 
     def client_update(variables, client_state, data, ctx):
         delta, stats = train(variables, data, ctx)
@@ -321,7 +296,7 @@ def topk(task: Task, *, fraction, error_feedback, index_coding, server_lr, momen
     """TopK sparsification (Aji & Heafield 2017; Alistarh et al. 2018) of local updates."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"topk fraction must be in (0, 1], got {fraction}")
-    num_params, base_init, broadcast, train, apply_update, global_predict = _make_base(
+    num_params, base_init, broadcast, train, apply_update, global_vector, global_predict = _make_base(
         task, "topk", momentum=momentum, weight_decay=weight_decay, lr_decay=lr_decay, lr_schedule=lr_schedule)
     kept = kept_count(num_params, fraction)
     up_bits = topk_uplink_bits(num_params, kept, index_coding)
@@ -343,8 +318,12 @@ def topk(task: Task, *, fraction, error_feedback, index_coding, server_lr, momen
             num_examples=stats.num_examples)
         return TopkClientState(delta - sent if error_feedback else None), sent, metrics
 
-    def server_update(server_state, sent, ctx):
-        return apply_update(server_state, sent.mean(0), server_lr), {}
-
-    return Algorithm("topk", init, broadcast, client_update, server_update,
+    server = UpdateServer(mean=lambda sent, ctx: sent.mean(0),
+                          apply=lambda state, aggregate: apply_update(state, aggregate, server_lr), model=global_vector)
+    return Algorithm("topk", init, broadcast, client_update, server,
                      personal_predict=None, global_predict=global_predict)
+
+
+__all__ = ["LR_SCHEDULES", "ROBUST_OPTIONS", "SIGNSGD_OPTIONS", "THREAT_OPTIONS", "TOPK_OPTIONS", "TRAIN_OPTIONS",
+           "TopkClientState", "fedavg_robust", "local_lr", "make_threat", "multi_krum_algorithm", "paper_fedavg",
+           "signsgd", "topk", "topk_uplink_bits", "train_update", "trimmed_mean_algorithm"]

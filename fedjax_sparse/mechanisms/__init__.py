@@ -7,8 +7,9 @@
 * ``robust_aggregation``: Trimmed-mean, Multi-Krum, SignSGD's majority vote, TopK sparsification.
 * ``widths``: width scaling (HeteroFL, FjORD): nested sub-models of the first ``ceil(p C)`` channels
   of every layer, sliced out or masked, with their exact bits and FLOPs (``WidthLayout``).
-* ``attacks``: the malicious clients and their poisoning attacks (min-max, DYN-OPT against
-  Trimmed-mean / Multi-Krum, SignSGD's sign reversal, FSL's ranking reversal).
+* ``attacks``: the threat model (``Threat``: which clients are malicious, what they know) and the
+  poisoning attacks (min-max, DYN-OPT against Trimmed-mean / Multi-Krum, scaling, SignSGD's sign
+  reversal, FSL's ranking reversal).
 
 Nothing here imports ``fedjax_sparse.algorithms``, ``engine``, ``runner`` or ``data``; the
 algorithms build on these modules.

@@ -1,18 +1,27 @@
 """Model-poisoning attacks by colluding malicious clients, as pure array functions.
 
-* Who is malicious: ``malicious_clients`` (a fixed, seeded subset of ids).
+* The threat model, one for every attack: ``malicious_clients`` (a fixed,
+  seeded subset of client ids) and ``Threat`` (that subset plus what the
+  attackers know, ``KNOWLEDGE``: every sampled client's update, or only the
+  sampled malicious clients' own), whose ``split(client_ids)`` gives the
+  ``is_malicious`` / ``known`` rows of a round.
 * Shejwalkar & Houmansadr (NDSS 2021), on float updates ``[K, P]``: the
   malicious rows become ``mean - gamma * dev`` (``deviation``: ``std``,
   ``sign`` or ``unit_vec``), gamma found by ``halving_search``:
   ``min_max_attack`` (AGR-agnostic), ``tailored_trimmed_mean_attack`` and
   ``tailored_multi_krum_attack`` (DYN-OPT, AGR-tailored).
+* The FSL authors' attack on plain FedAvg: ``scale_attack`` (the malicious
+  rows become a large multiple of the global model).
 * SignSGD: ``sign_reverse_attack`` (``-sign`` of the known votes).
 * FSL (App. A.1, Alg. 3): ``reverse_attack`` (the reverse of the VOTE over
   the attacker's benign rankings).
 
 ``is_malicious`` [K] marks the rows the attack replaces, ``known`` [K] the
-rows the attacker sees. The algorithms deciding when and how to attack are in
-``fedjax_sparse.algorithms.robust`` and ``fedjax_sparse.algorithms.fsl``.
+rows the attacker sees. Deciding when and how to attack: the wrapper
+``fedjax_sparse.algorithms.compose.with_attack`` (float updates of any
+algorithm), SignSGD in ``fedjax_sparse.algorithms.robust`` and FSL in
+``fedjax_sparse.algorithms.fsl``; all of them draw the malicious clients
+through ``Threat``.
 """
 from __future__ import annotations
 
@@ -23,11 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_sparse.mechanisms import supermask as sm
-from fedjax_sparse.mechanisms.robust_aggregation import (_keys_to_floats, masked_mean, multi_krum_select,
-                                                          pairwise_sq_distances)
-from fedjax_sparse.mechanisms.supermask import order_keys
+from fedjax_sparse.mechanisms.robust_aggregation import (masked_mean, multi_krum_select, pairwise_sq_distances,
+                                                          sort_rows, trimmed_mean_with_copies)
 
 DEVIATIONS = ("std", "sign", "unit_vec")
+KNOWLEDGE = ("all", "malicious")
 
 
 def malicious_clients(num_clients: int, fraction: float, seed: int) -> np.ndarray:
@@ -38,6 +47,30 @@ def malicious_clients(num_clients: int, fraction: float, seed: int) -> np.ndarra
     mask = np.zeros(num_clients, bool)
     mask[np.random.default_rng(seed).permutation(num_clients)[:count]] = True
     return mask
+
+
+class Threat:
+    """Who is malicious and what the attackers know, as static numpy data.
+
+    ``mask`` [N] bool: ``malicious_clients(num_clients, fraction, seed)``, fixed
+    for the whole run; ``active``: ``fraction > 0`` (an inactive threat never
+    attacks); ``knowledge`` (``KNOWLEDGE``): the malicious clients of a round
+    collude and see ``all`` the sampled clients' honest updates, or only their
+    ``malicious`` own."""
+
+    def __init__(self, num_clients: int, fraction: float, knowledge: str = "all", seed: int = 0):
+        if knowledge not in KNOWLEDGE:
+            raise ValueError(f"unknown attacker_knowledge {knowledge!r}; valid: {', '.join(KNOWLEDGE)}")
+        self.mask = malicious_clients(num_clients, fraction, seed)
+        self.active = fraction > 0
+        self.fraction = fraction
+        self.knowledge = knowledge
+
+    def split(self, client_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """[K] sampled ids -> (is_malicious [K], known [K]) bool."""
+        is_mal = jnp.asarray(self.mask)[client_ids]
+        known = is_mal if self.knowledge == "malicious" else jnp.ones_like(is_mal)
+        return is_mal, known
 
 
 def deviation(updates: jax.Array, known: jax.Array, kind: str) -> jax.Array:
@@ -92,38 +125,13 @@ def min_max_attack(updates, is_malicious, known, *, kind="std", gamma_init=10.0,
     return jnp.where(is_malicious[:, None], malicious[None, :], updates), gamma
 
 
-def _trimmed_mean_with_copies(sorted_benign, prefix, benign_count, value, copies, trim):
-    """Trimmed mean (trimming ``trim`` each side) of the benign values plus
-    ``copies`` copies of ``value`` per coordinate, from the benign values sorted
-    along axis 0 (rows >= benign_count unused) and their prefix sums
-    (``prefix[j]`` = sum of the j smallest). O(K P), no sort."""
-    k = sorted_benign.shape[0]
-    rows = jnp.arange(k)[:, None]
-    below = ((sorted_benign < value[None, :]) & (rows < benign_count)).sum(0)   # [P]
-
-    def smallest_of_merged(j):   # the j smallest of the merged list: (benign sum, copies), per coordinate
-        j = jnp.broadcast_to(j, below.shape)
-        take_b = jnp.where(j <= below, j, jnp.where(j <= below + copies, below, j - copies))
-        return jnp.take_along_axis(prefix, take_b[None, :], axis=0)[0], jnp.clip(j - below, 0, copies)
-
-    total = benign_count + copies
-    benign_high, copies_high = smallest_of_merged(total - trim)
-    benign_low, copies_low = smallest_of_merged(trim)
-    # The copies kept are counted, not summed and subtracted: once every copy is trimmed the
-    # result is the same float for every value, so the attack's strict loss comparison sees the
-    # exact tie the sorted trimmed mean gives (a subtraction of value's multiples would not).
-    kept = (benign_high - benign_low) + (copies_high - copies_low) * value
-    return kept / jnp.maximum(total - 2 * trim, 1).astype(value.dtype)
-
-
 def tailored_trimmed_mean_attack(updates, is_malicious, known, trim, *, kind="std", gamma_init=10.0,
                                  steps=20):
     """DYN-OPT against Trimmed-mean: keeps gamma while |TrMean(messages) - mean| grows."""
     mean = masked_mean(updates, known)
     dev = deviation(updates, known, kind)
     benign = ~is_malicious
-    keys = jnp.where(benign[:, None], order_keys(updates), jnp.uint32(0xFFFFFFFF))
-    sorted_benign = _keys_to_floats(jnp.sort(keys, axis=0))
+    sorted_benign = sort_rows(updates, benign)
     n_benign = benign.sum()
     valid = (jnp.arange(updates.shape[0]) < n_benign)[:, None]
     prefix = jnp.concatenate([jnp.zeros_like(updates[:1]),
@@ -131,7 +139,7 @@ def tailored_trimmed_mean_attack(updates, is_malicious, known, trim, *, kind="st
     copies = is_malicious.sum()
 
     def accept(gamma, prev_loss):
-        agg = _trimmed_mean_with_copies(sorted_benign, prefix, n_benign, mean - gamma * dev, copies, trim)
+        agg = trimmed_mean_with_copies(sorted_benign, prefix, n_benign, mean - gamma * dev, copies, trim)
         loss = jnp.linalg.norm(agg - mean)
         return loss > prev_loss, loss
 
@@ -164,6 +172,12 @@ def tailored_multi_krum_attack(updates, is_malicious, known, f, num_select, *, k
     return jnp.where(is_malicious[:, None], malicious[None, :], updates), gamma
 
 
+def scale_attack(updates, is_malicious, model, scale: float):
+    """The FSL authors' attack on plain FedAvg: the malicious rows of [K, P] become ``scale``
+    times ``model`` [P] (the current global model, flattened like the rows)."""
+    return jnp.where(is_malicious[:, None], (scale * model)[None, :], updates)
+
+
 def sign_reverse_attack(signs, is_malicious, known):
     """SignSGD: malicious rows become -sign(sum of the known signs) (ties -> -1)."""
     votes = (signs.astype(jnp.int32) * known[:, None].astype(jnp.int32)).sum(0)
@@ -189,5 +203,6 @@ def reverse_attack(messages: dict, sizes: dict, is_malicious, known, upload_frac
     return out
 
 
-__all__ = ["DEVIATIONS", "deviation", "halving_search", "malicious_clients", "min_max_attack", "reverse_attack",
-           "sign_reverse_attack", "tailored_multi_krum_attack", "tailored_trimmed_mean_attack"]
+__all__ = ["DEVIATIONS", "KNOWLEDGE", "Threat", "deviation", "halving_search", "malicious_clients", "min_max_attack",
+           "reverse_attack", "scale_attack", "sign_reverse_attack", "tailored_multi_krum_attack",
+           "tailored_trimmed_mean_attack"]

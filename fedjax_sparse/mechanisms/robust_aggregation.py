@@ -1,7 +1,9 @@
 """Robust aggregation of K client updates ``[K, P]`` (FSL paper's baselines, seed 003).
 
 * Trimmed-mean (Yin et al. 2018): coordinate-wise mean after dropping the
-  ``trim`` largest and smallest values (``trimmed_mean``, ``sort_rows``);
+  ``trim`` largest and smallest values (``trimmed_mean``, ``sort_rows``), and
+  the same for a set of rows plus copies of one row without sorting again
+  (``trimmed_mean_with_copies``, what the DYN-OPT attack on it evaluates);
 * Multi-Krum (Blanchard et al. 2017): repeatedly picks the remaining update
   with the smallest sum of squared distances to its ``r - f - 2`` nearest
   remaining neighbours, ``K - 2f - 2`` picks by default, and averages them
@@ -10,7 +12,8 @@
 * TopK sparsification (Aji & Heafield 2017): ``topk_sparsify``.
 
 Pure array functions (jit/vmap-friendly; ``f``, ``trim`` and ``num_select``
-may be traced); the algorithms using them are in
+may be traced); the wrappers using them are in
+``fedjax_sparse.algorithms.compose``, the FSL paper's baselines in
 ``fedjax_sparse.algorithms.robust``.
 """
 from __future__ import annotations
@@ -33,10 +36,15 @@ def _keys_to_floats(keys: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def sort_rows(x: jax.Array) -> jax.Array:
+def sort_rows(x: jax.Array, include: jax.Array | None = None) -> jax.Array:
     """Sorts [K, P] float32 along axis 0 through order-preserving integer keys
-    (XLA:CPU sorts plain integers much faster than floats)."""
-    return _keys_to_floats(jnp.sort(order_keys(x), axis=0))
+    (XLA:CPU sorts plain integers much faster than floats). With ``include``
+    [K] bool, only those rows are sorted: the first ``include.sum()`` rows of the
+    result are their sorted values, the rows after them are NaN."""
+    keys = order_keys(x)
+    if include is not None:
+        keys = jnp.where(include[:, None], keys, jnp.uint32(0xFFFFFFFF))   # the largest key: a NaN, sorted last
+    return _keys_to_floats(jnp.sort(keys, axis=0))
 
 
 def trimmed_mean(x: jax.Array, trim) -> jax.Array:
@@ -47,6 +55,31 @@ def trimmed_mean(x: jax.Array, trim) -> jax.Array:
     ranks = jnp.arange(k)
     keep = ((ranks >= trim) & (ranks < k - trim)).astype(x.dtype)
     return (keep @ sort_rows(x)) / (k - 2 * trim).astype(x.dtype)
+
+
+def trimmed_mean_with_copies(sorted_rows, prefix, count, value, copies, trim):
+    """Trimmed mean (trimming ``trim`` each side) of ``count`` rows plus ``copies``
+    copies of the row ``value`` [P], per coordinate, from the rows sorted along
+    axis 0 (``sort_rows(x, include)``; rows >= ``count`` are not read) and their
+    prefix sums (``prefix[j]`` = sum of the j smallest, [count + 1, P] at least).
+    O(K P) per call and no sort, so a search over many ``value`` s sorts once."""
+    k = sorted_rows.shape[0]
+    rows = jnp.arange(k)[:, None]
+    below = ((sorted_rows < value[None, :]) & (rows < count)).sum(0)   # [P]
+
+    def smallest_of_merged(j):   # the j smallest of the merged list: (rows' sum, copies), per coordinate
+        j = jnp.broadcast_to(j, below.shape)
+        take_b = jnp.where(j <= below, j, jnp.where(j <= below + copies, below, j - copies))
+        return jnp.take_along_axis(prefix, take_b[None, :], axis=0)[0], jnp.clip(j - below, 0, copies)
+
+    total = count + copies
+    rows_high, copies_high = smallest_of_merged(total - trim)
+    rows_low, copies_low = smallest_of_merged(trim)
+    # The copies kept are counted, not summed and subtracted: once every copy is trimmed the
+    # result is the same float for every value, so the attack's strict loss comparison sees the
+    # exact tie the sorted trimmed mean gives (a subtraction of value's multiples would not).
+    kept = (rows_high - rows_low) + (copies_high - copies_low) * value
+    return kept / jnp.maximum(total - 2 * trim, 1).astype(value.dtype)
 
 
 def pairwise_sq_distances(x: jax.Array) -> jax.Array:
@@ -109,4 +142,4 @@ def topk_sparsify(x: jax.Array, fraction: float) -> jax.Array:
 
 
 __all__ = ["krum_count", "masked_mean", "multi_krum", "multi_krum_select", "pairwise_sq_distances", "sign_majority",
-           "sort_rows", "topk_sparsify", "trimmed_mean"]
+           "sort_rows", "topk_sparsify", "trimmed_mean", "trimmed_mean_with_copies"]

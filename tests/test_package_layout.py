@@ -1,0 +1,121 @@
+"""The package's import structure: no import cycles (imports deferred into functions included), no
+module reaching into another module's private names, and the old module paths gone (CHANGELOG says
+where each moved)."""
+import ast
+import importlib
+import pathlib
+
+import pytest
+
+import fedjax_sparse
+
+PACKAGE = pathlib.Path(fedjax_sparse.__file__).parent
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(name: str) -> list[tuple[str, str]]:
+    """(imported module, imported name or '') for every import anywhere in the module, functions too;
+    ``from pkg import mod`` counts as importing ``pkg.mod`` when that is a module."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, "") for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                found.append((full, "") if full in MODULES else (base, alias.name))
+    return [(module, what) for module, what in found if module.startswith("fedjax_sparse")]
+
+
+def _graph() -> dict[str, set[str]]:
+    return {name: {m for m, _ in _imports(name) if m in MODULES and m != name} for name in MODULES}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles_even_through_deferred_imports():
+    assert _cycles(_graph()) == []
+
+
+def test_no_module_imports_another_modules_private_names():
+    private = [(name, module, what) for name in MODULES for module, what in _imports(name)
+               if what.startswith("_") and not what.startswith("__")]
+    assert private == []
+
+
+def test_no_module_reads_another_modules_private_attributes():
+    # ``runner.open_run`` style: an attribute with one leading underscore read off an imported module.
+    found = []
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        aliases = {alias.asname or alias.name.split(".")[-1]
+                   for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                   for alias in node.names
+                   if (getattr(node, "module", None) or alias.name).startswith("fedjax_sparse")
+                   or alias.name.startswith("fedjax_sparse")}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                found.append((name, f"{node.value.id}.{node.attr}"))
+    assert found == []
+
+
+@pytest.mark.parametrize("old", ["fedjax_sparse.masks", "fedjax_sparse.dropout", "fedjax_sparse.supermask"])
+def test_the_old_module_paths_are_gone(old):
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)
