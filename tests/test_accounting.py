@@ -24,6 +24,7 @@ FSL_LENET_SIZES = [3 * 3 * 1 * 32, 3 * 3 * 32 * 64, 9216 * 128, 128 * 10]
 FSL_LENET_BITS = sum(n * int(np.ceil(np.log2(n))) for n in FSL_LENET_SIZES)
 
 
+@pytest.mark.fast
 def test_fsl_lenet_round_bits_are_exact_where_float32_is_not():
     assert FSL_LENET_BITS == sm.ranking_bits(FSL_LENET_SIZES) == 25_065_760  # > 2^24 for one client
     k = 25
@@ -34,6 +35,7 @@ def test_fsl_lenet_round_bits_are_exact_where_float32_is_not():
     assert float32_sum != k * FSL_LENET_BITS
 
 
+@pytest.mark.fast
 def test_costs_add_terms_and_count_factors_exactly():
     model = make_model("lenet5_caffe", (28, 28, 1), 10)
     per_example = accounting.training_flops_per_example(model)
@@ -145,6 +147,7 @@ def test_metrics_jsonl_holds_exact_integer_costs(tmp_path):
 
 
 @pytest.mark.parametrize("value", [FSL_LENET_BITS, 2 ** 31 + 5])
+@pytest.mark.fast
 def test_static_costs_beyond_int32_stay_exact(value):
     # A static unit is a Python int: no device dtype limits it.
     cost = Cost.constant(value)

@@ -75,6 +75,7 @@ def model_bits(variables):
 
 
 # ---------------------------------------------------------------- FedProx
+@pytest.mark.fast
 def test_fedprox_two_full_batch_steps_match_the_formula():
     mu = 0.5
     data = make_data((2, 2, 1), [4])
@@ -145,6 +146,7 @@ def test_scaffold_option_one_uses_the_full_local_gradient():
     assert float(metrics["flops"]) == pytest.approx(3 * 5 * 3 * 2 * 4 * 3)
 
 
+@pytest.mark.fast
 def test_scaffold_server_update_formula():
     data = make_data((2, 2, 1), [4, 4, 4, 4])
     task = make_task(linear_model(), data, batch_size=4, clients_per_round=2)

@@ -24,6 +24,7 @@ def run_cli(args, capsys):
     return code, captured.out, captured.err
 
 
+@pytest.mark.fast
 def test_run_writes_the_documented_outputs(tmp_path, capsys):
     out = tmp_path / "run"
     code, stdout, _ = run_cli(["run", "--algorithm", "fedavg", *QUICK, "--rounds", "4", "--eval-every", "2",
@@ -72,6 +73,7 @@ def test_interrupted_run_resumes_to_identical_results(tmp_path):
     (["--option", "bogus=1"], "unknown option(s) ['bogus'] for algorithm 'fedavg'"),
     (["--partition", "dirichlet:-1"], "ALPHA must be > 0"),
 ])
+@pytest.mark.fast
 def test_bad_input_gives_one_line_error(args, needle, capsys, tmp_path):
     base = ["run", "--algorithm", "fedavg", *QUICK, "--rounds", "1", "--out", str(tmp_path / "x")]
     # Later flags override earlier ones (argparse keeps the last value).

@@ -68,6 +68,7 @@ def small(**overrides):
 # --------------------------------------------------------------------------- equivalence with the built-in path
 
 
+@pytest.mark.fast
 def test_client_ids_reproduce_a_builtin_partition(fmnist):
     part = partition_dataset(fmnist, "dirichlet:0.5", 10, seed=3)
     ids_train, ids_test = ids_from(part)
@@ -258,6 +259,7 @@ def test_load_npz_round_trip_without_ids(tmp_path):
         partition(load_npz(path), "natural", 3)
 
 
+@pytest.mark.fast
 def test_load_npz_round_trip_with_ids(tmp_path):
     a = small()
     ids_train = np.array(["bob", "alice", "bob", "carol", "alice", "bob"])

@@ -109,6 +109,7 @@ def write_fake_mnist(folder: pathlib.Path, compress: bool = True):
 
 
 @pytest.mark.parametrize("compress", [True, False])
+@pytest.mark.fast
 def test_idx_round_trip_gz_and_uncompressed(tmp_path, compress):
     arrays = write_fake_mnist(tmp_path, compress)
     d = load_dataset("mnist", tmp_path, verify_checksums=False)
@@ -209,6 +210,7 @@ def write_cifar10(folder: pathlib.Path):
     return contents
 
 
+@pytest.mark.fast
 def test_cifar10_pickles_hwc(tmp_path):
     contents = write_cifar10(tmp_path / "cifar-10-batches-py")
     d = load_dataset("cifar10", tmp_path, verify_checksums=False)
@@ -286,6 +288,7 @@ def test_svhn_mat_labels_and_axes(tmp_path):
 # --------------------------------------------------------------------------- digits and synthetic
 
 
+@pytest.mark.fast
 def test_digits():
     a = load_dataset("digits")
     b = load_dataset("digits")
@@ -297,6 +300,7 @@ def test_digits():
     assert set(np.unique(a.test_y).tolist()) == set(range(10))  # stratified
 
 
+@pytest.mark.fast
 def test_synthetic_deterministic_and_federated():
     a = load_dataset("synthetic", seed=0)
     b = load_dataset("synthetic", seed=0)

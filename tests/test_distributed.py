@@ -100,6 +100,7 @@ def test_when_process_0_cannot_open_the_output_folder_every_process_stops_with_o
     assert (out / "metrics.jsonl").read_text() == "{}\n"
 
 
+@pytest.mark.fast
 def test_initialize_without_settings_is_one_process(monkeypatch):
     for variable in distributed.ENVIRONMENT.values():
         monkeypatch.delenv(variable, raising=False)
@@ -115,6 +116,7 @@ def test_initialize_without_settings_is_one_process(monkeypatch):
     ({"coordinator": "localhost:1"}, {"JAX_NUM_PROCESSES": "two"}, "JAX_NUM_PROCESSES='two' is not an integer"),
     ({}, {"JAX_COORDINATOR_ADDRESS": "localhost:1", "JAX_NUM_PROCESSES": "2"}, "--process-id (or JAX_PROCESS_ID)"),
 ])
+@pytest.mark.fast
 def test_initialize_names_what_is_missing_or_wrong(monkeypatch, kwargs, env, message):
     for variable in distributed.ENVIRONMENT.values():
         monkeypatch.delenv(variable, raising=False)

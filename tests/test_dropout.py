@@ -23,6 +23,7 @@ def draws(key, layout, steps=DRAWS):
     return jax.vmap(lambda s: channel_uniforms(key, s, layout))(jnp.arange(steps))
 
 
+@pytest.mark.fast
 def test_syncdrop_pairs_are_correlated_as_min_of_keep_probs():
     # E[d_i d_j] = min(p_i, p_j) (eq. 4) with shared draws; independent draws give p_i p_j.
     layout = ChannelLayout(("a", "b"), (3, 3))
@@ -109,6 +110,7 @@ def test_flops_model_matches_a_hand_count():
     assert float(paper.forward_of_mask(mask)) == pytest.approx(768.0)
 
 
+@pytest.mark.fast
 def test_initial_keep_prob_solves_the_budget_quadratic():
     # Two convs and a dense layer: ratio(p) = (F1 p + F2 p^2 + F3 p) / F, quadratic in p.
     model = sequential("q", (6, 6, 1), 2, [Conv("c1", 3, 3, padding="SAME"), Conv("c2", 5, 3), Flatten(),
@@ -222,6 +224,7 @@ def test_scale_defaults_to_inverted_dropout_and_hooks_keep_the_activation_dtype(
     assert hooks.activation("fc", h) is h
 
 
+@pytest.mark.fast
 def test_keep_mask_is_strict_so_p_zero_never_keeps():
     # d = 1[u < p] (eq. 3): a draw of exactly 0 must not keep a channel of keep probability 0.
     np.testing.assert_array_equal(keep_mask(jnp.array([0.0, 0.0, 0.5, 0.5]), jnp.array([0.0, 1.0, 0.5, 0.6])),

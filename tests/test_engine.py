@@ -71,6 +71,7 @@ def test_local_loop_runs_each_client_for_its_own_number_of_steps():
         assert float(seen) == epochs * n == int(stats.num_examples)
 
 
+@pytest.mark.fast
 def test_each_epoch_visits_every_sample_exactly_once():
     _, data = tiny_federated(SIZES)
     cid, batch = 2, 8
@@ -105,6 +106,7 @@ def test_vmap_map_and_bucketed_parallelism_agree(algorithm):
         leaves_close(results[0][1], other[1], atol=1e-4)
 
 
+@pytest.mark.fast
 def test_executed_client_steps_by_hand():
     from fedjax_sparse.engine import executed_client_steps
     steps = jnp.asarray([5, 1, 3, 2, 8], jnp.int32)
@@ -167,6 +169,7 @@ def test_engine_rejects_more_sampled_than_clients():
         Engine(alg, data.num_clients, data.num_clients + 1)
 
 
+@pytest.mark.fast
 def test_fedavg_server_is_data_weighted_mean():
     _, data = tiny_federated(SIZES)
     alg = make_algorithm("fedavg", make_task(data), {})
@@ -183,6 +186,7 @@ def test_fedavg_server_is_data_weighted_mean():
     np.testing.assert_allclose(np.asarray(jax.tree_util.tree_leaves(new)[0]), 3.0)
 
 
+@pytest.mark.fast
 def test_fedavg_single_step_matches_hand_computed_gradient():
     """One client, one full batch, one epoch of logistic regression: w - lr * grad by hand."""
     _, data = tiny_federated((12, 12))

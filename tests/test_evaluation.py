@@ -14,6 +14,7 @@ from fedjax_sparse.models import make_model
 from helpers import split_partition, tiny_dataset
 
 
+@pytest.mark.fast
 def test_chunks_group_clients_by_test_size_within_the_budget():
     counts = np.array([5, 0, 30, 7, 16, 3, 64])
     chunks = plan_chunks(counts, chunk_examples=40)

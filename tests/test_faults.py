@@ -222,6 +222,7 @@ def test_bad_options_give_one_line(extra, needle, tmp_path, capsys):
     ('{"lr": [0.1]}', "config key 'lr' (flag --lr) expects a number"),
     ('{"roundz": 5}', "unknown config key(s) ['roundz']"),
 ])
+@pytest.mark.fast
 def test_bad_config_files_give_one_line(content, needle, tmp_path, capsys):
     cfg = tmp_path / "c.json"
     cfg.write_text(content)
@@ -252,6 +253,7 @@ def test_nan_is_written_as_null_and_overwrite_keeps_old_outputs_until_the_new_ru
     assert code == 2 and (out / "metrics.jsonl").read_text() == text
 
 
+@pytest.mark.fast
 def test_a_first_format_npz_checkpoint_is_refused_in_one_line(tmp_path, capsys):
     """Runs written before the orbax checkpoints (OUT/checkpoint.npz: the state's leaves by position)
     cannot follow reordered state fields: --resume refuses them, naming the file and the way out."""

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from fedjax_sparse.algorithms import Task, algorithm_names, make_algorithm
 from fedjax_sparse.algorithms.fedavgm import FedAvgMServerState, server_momentum_step
@@ -12,6 +13,7 @@ from fedjax_sparse.models import make_model
 from helpers import tiny_federated
 
 
+@pytest.mark.fast
 def test_server_step_by_hand():
     server = FedAvgMServerState({"params": {"w": jnp.array([1.0, 2.0])}, "batch_stats": {}},
                                 {"w": jnp.array([0.5, -1.0])})

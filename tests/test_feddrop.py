@@ -62,6 +62,7 @@ def flops_model():
 
 
 # ---------------------------------------------------------------- similarity
+@pytest.mark.fast
 def test_trajectory_similarity_matches_the_definition():
     model = tiny_model()
     layout = ChannelLayout.from_model(model)
@@ -102,6 +103,7 @@ def test_psd_shift_and_normalisation():
 
 
 # ---------------------------------------------------------------- optimiser
+@pytest.mark.fast
 def test_analytic_objective_gradient_matches_autodiff():
     sim = random_psd(jax.random.PRNGKey(0), 10, 4)
     x = 1.0 + jax.random.uniform(jax.random.PRNGKey(1), (4, 10)) * 3
@@ -241,6 +243,7 @@ def test_two_rounds_end_to_end(setup, name):
     ("feddrop_svhn_cnn", (32, 32, 3), 227e3, [1.91e6, 5.13e6, 333e3]),
     ("feddrop_vgg9", (32, 32, 3), 1.53e6, [918e3, 18.9e6, 18.9e6, 37.8e6, 18.9e6, 37.8e6]),
 ])
+@pytest.mark.fast
 def test_models_match_the_papers_tables(name, shape, params, flops):
     from fedjax_sparse.models import make_model
     model = make_model(name, shape, 10)

@@ -20,6 +20,7 @@ from helpers import make_task, tiny_federated
 SAMPLES = {"w": jnp.array([[1, 0, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0]], bool)}   # K = 3 clients
 
 
+@pytest.mark.fast
 def test_posterior_by_hand():
     # Reference ("mode" of Beta(1 + sum v, 1 + K - sum v), v = bits smoothed to eps / 1 - eps): mean of v.
     np.testing.assert_allclose(posterior_probs(SAMPLES, epsilon=0.0)["w"], [1.0, 1 / 3, 1 / 3, 0.0], rtol=1e-6)
@@ -72,6 +73,7 @@ def test_weights_stay_frozen_and_p_is_a_mean_of_three_samples(one_round):
     assert np.abs(p[:, None] - levels[None]).min(axis=1).max() < 1e-6
 
 
+@pytest.mark.fast
 def test_bits_and_flops_by_hand(one_round):
     task, _, _, metrics = one_round
     weights = sum(layer.num_weights for layer in task.model.layers)

@@ -5,6 +5,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from fedjax_sparse.algorithms import make_algorithm
 from fedjax_sparse.algorithms.fjord import sample_width
@@ -39,6 +40,7 @@ def test_widths_nest_and_dropped_channels_get_zero_gradient():
         assert float(jnp.abs(g * h).max()) > 0.0
 
 
+@pytest.mark.fast
 def test_sampled_widths_are_uniform_in_range():
     ps = jax.vmap(lambda k: sample_width(k, 0.4, 0.6))(jax.random.split(jax.random.PRNGKey(0), 4000))
     assert 0.4 <= float(ps.min()) and float(ps.max()) <= 0.6

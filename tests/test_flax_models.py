@@ -43,6 +43,7 @@ class BatchNormChain(nn.Module):
 SHAPE = (16, 16, 1)
 
 
+@pytest.mark.fast
 def test_lenet_layer_table_equals_the_zoo_at_28x28():
     zoo = make_model("lenet5_caffe", (28, 28, 1), 10)
     linen = from_flax(LinenLeNet(), (28, 28, 1))
@@ -73,6 +74,7 @@ def test_same_weights_give_the_zoo_logits_and_hooks_act_on_the_same_layers():
     assert list(seen) == ["conv1", "conv2", "fc1", "fc2"]
 
 
+@pytest.mark.fast
 def test_residual_model_is_not_sequential_and_batchnorm_follows_its_layer():
     model = from_flax(Residual(), (8, 8, 3))
     assert [l.name for l in model.layers] == ["stem", "branch", "head"]
@@ -82,6 +84,7 @@ def test_residual_model_is_not_sequential_and_batchnorm_follows_its_layer():
     assert model.layer("stem").macs == 8 * 8 * 3 * 3 * 3 * 8  # SAME padding keeps 8x8 outputs
 
 
+@pytest.mark.fast
 def test_direct_sources_on_a_hand_made_data_flow():
     # y1 = f(x); y2 = g(y1); z = y1 + y2 -> the third layer's input reads probes 0 and 1.
     def fn(x, p0, p1, p2):

@@ -21,6 +21,7 @@ R3 = [0, 2, 5, 3, 4, 1]
 
 
 # ---------------------------------------------------------------- rank arithmetic
+@pytest.mark.fast
 def test_vote_reproduces_figure_1():
     rankings = jnp.array([R1, R2, R3], jnp.int32)
     reps = jax.vmap(sm.reputations)(rankings)
@@ -39,6 +40,7 @@ def test_sparse_vote_figure_1_top_half():
     np.testing.assert_array_equal(sm.vote_sparse(tops, 6), np.argsort([0, 10, 0, 11, 8, 7], kind="stable"))
 
 
+@pytest.mark.fast
 def test_reorder_scores_figure_1():
     # Seed scores [0.5, 0.2, 0.3, 0.4, 0.7, 1.2], global ranking [2, 3, 0, 5, 1, 4]:
     # "edge e4 should get the highest score (1.2), and edge e2 the lowest (0.2)".

@@ -9,6 +9,8 @@ from fedjax_sparse.mechanisms import supermask as sm
 from fedjax_sparse.algorithms.robust import topk_uplink_bits
 from fedjax_sparse.models import make_model
 
+pytestmark = pytest.mark.fast   # the whole file is in the fast tier (python -m pytest -m fast)
+
 # Table 3: edges (weights) per layer.
 TABLE3 = {
     "mnist_lenet": ("fsl_lenet", (28, 28, 1), 10, [288, 18432, 1605632, 1280]),

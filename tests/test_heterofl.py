@@ -17,6 +17,7 @@ from fedjax_sparse.models import make_model
 from helpers import assert_sliced_equals_masked, load_script, make_task, tiny_federated
 
 
+@pytest.mark.fast
 def test_per_entry_mean_by_hand():
     old = {"w": jnp.array([10.0, 10.0, 10.0, 10.0])}
     stacked = {"w": jnp.array([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0], [9.0, 0.0, 2.0, 6.0]])}
@@ -28,6 +29,7 @@ def test_per_entry_mean_by_hand():
     np.testing.assert_allclose(weighted["w"], [(1 + 15) / 4, 2.0, 10.0, (4 + 24 + 6) / 5])
 
 
+@pytest.mark.fast
 def test_rates_and_ceil():
     assert parse_rates("1,0.5,0.25") == (1.0, 0.5, 0.25)
     for bad in ("", "0", "1.5", "a"):

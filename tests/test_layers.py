@@ -63,6 +63,7 @@ def test_masked_batch_norm_ignores_padding():
     np.testing.assert_allclose(s_real["var"], 0.9 + 0.1 * m.var(0, ddof=1), rtol=1e-5)
 
 
+@pytest.mark.fast
 def test_lenet5_caffe_shapes_costs_and_rows():
     model = make_model("lenet5_caffe", (28, 28, 1), 10)
     # Hand count: conv1 24*24*20*25, conv2 8*8*50*(20*25), fc1 800*500, fc2 500*10.

@@ -6,6 +6,8 @@ import pytest
 
 from fedjax_sparse.mechanisms import threshold_masks as masks
 
+pytestmark = pytest.mark.fast   # the whole file is in the fast tier (python -m pytest -m fast)
+
 
 def test_step_forward_is_strict_heaviside():
     x = jnp.array([-2.0, -1e-7, 0.0, 1e-7, 3.0])

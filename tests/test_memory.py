@@ -30,6 +30,7 @@ def _estimate(**fields):
     return memory.estimate(runner.build(_config(**fields)))
 
 
+@pytest.mark.fast
 def test_peak_live_bytes_frees_values_after_their_last_use():
     x = jax.ShapeDtypeStruct((1000,), jnp.float32)
     # A chain: each value dies at the next equation, so two buffers of 4000 bytes at most.
@@ -43,6 +44,7 @@ def test_peak_live_bytes_frees_values_after_their_last_use():
     assert memory.peak_live_bytes(nested) == 3 * 4000
 
 
+@pytest.mark.fast
 def test_client_state_is_params_and_momentum_counted_by_hand():
     n = 7
     with_momentum = _estimate(algorithm="local", model="mlp", num_clients=n, clients_per_round=2,

@@ -7,6 +7,7 @@ from fedjax_sparse.accounting import Cost, as_cost, cost_per_round, row_training
 from fedjax_sparse.models.base import LayerInfo, Model
 
 
+@pytest.mark.fast
 def test_terms_count_per_unit_factors_exactly():
     # 6 FLOPs x 2 + 10 FLOPs x 3, an exact Python int
     total = Cost.terms([6, 10], jnp.array([2, 3])).total()
@@ -59,6 +60,7 @@ def test_as_cost_keeps_static_numbers_exact_and_traced_counts_traced():
     assert factors.tolist() == [[5, 1]]
 
 
+@pytest.mark.fast
 def test_per_round_products_are_exact_beyond_float64():
     """(2^31 - 1)^2 needs 62 bits: a float64 product (53-bit mantissa) would round it."""
     big = 2 ** 31 - 1

@@ -29,8 +29,11 @@ def execute(name: str, monkeypatch) -> dict:
     fast = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     monkeypatch.setenv("XLA_FLAGS", " ".join(p for p in [os.environ.get("XLA_FLAGS"), fast] if p))
     nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                     resources={"metadata": {"path": str(NOTEBOOKS)}})
+    # iopub_timeout: a cell's last output may reach the client after the kernel's reply; nbclient waits
+    # 4 s by default and then drops it silently (seen under load: no NOTEBOOK_CHECKS line). Wait longer,
+    # and fail loudly if it never comes.
+    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", iopub_timeout=120,
+                                     raise_on_iopub_timeout=True, resources={"metadata": {"path": str(NOTEBOOKS)}})
     t0 = time.perf_counter()
     client.execute()
     print(f"{name}.ipynb: {time.perf_counter() - t0:.1f} s")

@@ -14,6 +14,8 @@ from fedjax_sparse.data.partition import (
     partition_report,
 )
 
+pytestmark = pytest.mark.fast   # the whole file is in the fast tier (python -m pytest -m fast)
+
 
 def label_dataset(train_per_class=600, test_per_class=100, num_classes=10, seed=0) -> Dataset:
     """Balanced labels in random order; images are 1x1 placeholders (partitioning only reads labels)."""

@@ -80,6 +80,7 @@ def test_cohort_schedule_drives_the_sampled_clients(tmp_path):
     assert changed == [1, 4]
 
 
+@pytest.mark.fast
 def test_params_from_torch_reorders_the_flattened_conv_map():
     """A PyTorch linear after a conv flattens (c, h, w); ours reads (h, w, c). Every weight is
     tagged with its (out, c, h, w) coordinates and must land at row (h*W + w)*C + c."""

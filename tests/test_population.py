@@ -22,6 +22,7 @@ def spafl():
     return exp, jax.device_get(reference), metrics, evaluation
 
 
+@pytest.mark.default_emitters   # bit-identical across differently chunked programs: XLA's default emitters
 def test_host_population_is_bit_identical_to_the_resident_engine(spafl):
     exp, reference, metrics, evaluation = spafl
     engine = exp.engine
@@ -61,6 +62,7 @@ def test_untouched_clients_read_the_initial_row_and_padding_is_skipped(spafl):
         np.testing.assert_array_equal(leaf[2], start)
 
 
+@pytest.mark.fast
 def test_bfloat16_storage_rounds_floats_and_keeps_integers():
     row = {"w": np.array([1.0, 1 + 2 ** -10, 3.14159], np.float32), "n": np.array(7, np.int32)}
     pop = population.HostPopulation(row, 4, storage_dtype=jnp.bfloat16)

@@ -6,6 +6,8 @@ import pytest
 
 from fedjax_sparse.algorithms import algorithm_names, algorithm_options, resolve_options
 
+pytestmark = pytest.mark.fast   # the whole file is in the fast tier (python -m pytest -m fast)
+
 
 def test_every_algorithm_has_a_frozen_typed_options_class():
     for name in algorithm_names():

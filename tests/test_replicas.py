@@ -112,6 +112,7 @@ def test_seed_chosen_malicious_clients_run_with_a_program_each(tmp_path):
 
 
 @pytest.mark.parametrize("seeds,needle", [([1, 1], "lists a seed twice"), ([], "at least one seed")])
+@pytest.mark.fast
 def test_bad_seed_lists_are_refused(seeds, needle, tmp_path):
     with pytest.raises(RunError, match=needle):
         replicas.run_replicas(dataclasses.replace(BASE, out=str(tmp_path)), seeds, progress=False)

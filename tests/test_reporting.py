@@ -18,6 +18,7 @@ def row(round_, acc, up, down, flops, density=1.0):
             "total_downlink_bits": down, "total_flops": flops, "density": density}
 
 
+@pytest.mark.fast
 def test_legend_names_the_fields_that_differ():
     configs = [dict(algorithm="spafl", seed=1, lr=0.001), dict(algorithm="spafl", seed=2, lr=0.001),
                dict(algorithm="fedavg", seed=1, lr=0.001, options={"momentum": 0.9})]
@@ -26,6 +27,7 @@ def test_legend_names_the_fields_that_differ():
     assert legend_labels([{}], [Path("runs/x")]) == ["x"]
 
 
+@pytest.mark.fast
 def test_report_table_by_hand(tmp_path):
     a = fake_run(tmp_path / "a", dict(algorithm="spafl", seed=1),
                  [row(1, 0.50, 1e9, 2e9, 3e12, 0.8), row(2, 0.70, 2e9, 4e9, 6e12, 0.6),
@@ -52,6 +54,7 @@ def test_plot_and_report_commands(tmp_path, capsys):
     assert "is not a run directory" in capsys.readouterr().err
 
 
+@pytest.mark.fast
 def test_csv_log_is_the_rows_with_the_union_of_keys(tmp_path):
     sinks = MetricSinks(tmp_path, "csv")
     rows = [{"round": 1, "accuracy": 0.5}, {"round": 2, "accuracy": 0.6, "global_accuracy": None, "extra": 3}]
@@ -74,6 +77,7 @@ def test_tensorboard_log_writes_event_files(tmp_path):
     assert len(files) == 1 and files[0].stat().st_size > size  # one more scalar record
 
 
+@pytest.mark.fast
 def test_log_kinds_are_checked():
     assert parse_log("csv, tensorboard") == ("csv", "tensorboard") and parse_log("") == ()
     with pytest.raises(ValueError, match="unknown --log parquet; valid: csv, tensorboard"):
@@ -91,6 +95,7 @@ def test_run_with_csv_log(tmp_path):
     assert float(rows[-1]["accuracy"]) == pytest.approx(jsonl[-1]["accuracy"])
 
 
+@pytest.mark.fast
 def test_progress_off_a_terminal_prints_one_line_per_tenth(capsys):
     bar = Progress(100, 0, enabled=True)
     bar.restart(0)

@@ -49,6 +49,7 @@ def flat(tree):
 
 
 # ---------------------------------------------------------------------------- eq. (13)
+@pytest.mark.fast
 def test_eq13_on_a_hand_computed_2x3_layer():
     # Paper layout W [out=2, in=3]; our kernel is [in, out] = W.T.
     W = np.array([[0.5, -0.2, 0.1],     # row sum +0.4
@@ -64,6 +65,7 @@ def test_eq13_on_a_hand_computed_2x3_layer():
     np.testing.assert_allclose(np.asarray(grown).T[0], [0.6, -0.1, 0.2], atol=1e-7)
 
 
+@pytest.mark.fast
 def test_eq13_divisors_paper_vs_code():
     layers = spafl.thresholded_layers(make_model("lenet5_caffe", (28, 28, 1), 10))
     assert spafl.eq13_divisors(layers, "fan_in") == {"conv1": 25.0, "conv2": 500.0, "fc1": 800.0, "fc2": 500.0}
@@ -86,6 +88,7 @@ def test_all_after_replay_equals_updating_every_round():
 
 
 # ---------------------------------------------------------------------------- server
+@pytest.mark.fast
 def test_server_averages_thresholds_uniformly_and_records_the_change():
     _, data = tiny_federated(SIZES)
     alg = make_algorithm("spafl", make_task(data))

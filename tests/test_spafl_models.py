@@ -20,6 +20,7 @@ def leaf_count(tree):
     return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))
 
 
+@pytest.mark.fast
 def test_lenet5_caffe_matches_the_paper():
     # Appendix A.1: 430,500 parameters and 580 thresholds.
     model = make_model("lenet5_caffe", (28, 28, 1), 10)
@@ -134,6 +135,7 @@ def test_vit_residual_structure_and_cls_pooling():
     assert float(jnp.abs(full[0] - full[1]).max()) > 1e-4
 
 
+@pytest.mark.fast
 def test_vit_patchify_matches_a_naive_loop():
     """Token t = patch (t // 2, t % 2) of a 2x2 grid, flattened as (p1, p2, c)."""
     x = np.random.default_rng(0).normal(size=(2, 8, 8, 3)).astype(np.float32)

@@ -37,6 +37,7 @@ def uninterrupted(tmp_path_factory):
     return rows(out)
 
 
+@pytest.mark.fast
 def test_chunk_clock_sizes_chunks_by_time_in_powers_of_two():
     clock = ChunkClock(5.0)
     assert clock.cap is None                      # nothing measured, nothing estimated: no cap

@@ -1,7 +1,10 @@
 """Machine facts recorded next to every benchmark's numbers."""
 import jax
+import pytest
 
 from fedjax_sparse import timing
+
+pytestmark = pytest.mark.fast   # the whole file is in the fast tier (python -m pytest -m fast)
 
 
 def test_cpuinfo_reads_the_first_cpu_only(tmp_path):

@@ -39,6 +39,7 @@ def data():
 
 
 @pytest.mark.parametrize("name,options", VARIANTS, ids=[f"{n}{'-' + '-'.join(o) if o else ''}" for n, o in VARIANTS])
+@pytest.mark.fast
 def test_states_are_namedtuples(name, options, data):
     alg = build(name, options, data)
     server, clients = jax.eval_shape(alg.init, jax.random.PRNGKey(0))
