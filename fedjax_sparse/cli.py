@@ -41,15 +41,12 @@ RUN_FLAGS = [
     ("--out", "out", str, "output directory (config.json, metrics.jsonl, summary.json, checkpoint)"),
     ("--preprocess", "preprocess", str, "input scaling: unit (x/255) | raw (0-255) | standardize"),
     ("--client-parallelism", "client_parallelism", str,
-     "auto (map on CPU, vmap elsewhere) | vmap | map | bucketed (cohort sorted by step count, vmap in buckets) | "
-     "measure (time one round of map, vmap and bucketed, use the fastest; recorded in config.json)"),
-    ("--client-bucket-size", "client_bucket_size", int, "bucketed mode: clients per lockstep bucket (default: K/4)"),
-    ("--round-mode", "round_mode", str, "scan (rounds in one jitted lax.scan per chunk) | per_round"),
+     "auto (map on CPU, vmap elsewhere) | vmap | map | "
+     "measure (time one round of map and vmap, use the faster; recorded in config.json)"),
     ("--eval-batch-size", "eval_batch_size", int, "evaluation batch size (default: from the clients' test-set sizes)"),
     ("--personal-eval", "personal_eval", str,
-     "personalised evaluation: auto (default: per_client on CPU, batched elsewhere) | batched (vmap over chunks "
-     "of clients) | per_client (one call per client, whole test set, native convolutions) | loop (lax.map over "
-     "clients, the reference)"),
+     "personalised evaluation: auto (default) = per_client (one call per client, whole test set, native "
+     "convolutions)"),
     ("--client-state", "client_state", str,
      "where the clients' persistent state lives: device (default, all N rows) | host (host memory, "
      "copy-on-write; only each chunk's cohort rows go to the device: populations of 10^5+ clients)"),
@@ -72,6 +69,8 @@ RUN_FLAGS = [
 
 
 KEY_VALUE_FLAGS = ("--option", "--model-option")
+# Flags of execution modes removed in 0.2.0 (no recorded win; see config.REMOVED_EXECUTION).
+REMOVED_FLAGS = ("--round-mode", "--client-bucket-size")
 
 
 def _key_values(pairs, flag):
@@ -99,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
             default = getattr(defaults.execution if dest in EXECUTION_FIELDS else defaults, dest)
             text = f"{text} (default: {default})"
         run.add_argument(flag, dest=dest, type=typ, default=None, help=text)
+    for flag in REMOVED_FLAGS:   # read only to refuse them in one line (config.REMOVED_EXECUTION)
+        run.add_argument(flag, dest=flag[2:].replace("-", "_"), default=None, help=argparse.SUPPRESS)
     run.add_argument("--option", action="append", metavar="KEY=VALUE", help="algorithm option (repeatable)")
     run.add_argument("--model-option", action="append", metavar="KEY=VALUE", help="model option (repeatable)")
     run.add_argument("--download", action="store_true", default=None, help="fetch the dataset with TFDS")
@@ -206,6 +207,12 @@ def cmd_run(args) -> int:
         raise ValueError(f"config file {args.config} must hold a JSON object of RunConfig fields "
                          f"(e.g. {{\"algorithm\": \"fedavg\", \"rounds\": 10}}), not a {type(base).__name__}")
     config = runner.RunConfig.from_json(base)
+    from fedjax_sparse.config import REMOVED_EXECUTION
+    for flag in REMOVED_FLAGS:
+        name = flag[2:].replace("-", "_")
+        value = getattr(args, name)
+        if value is not None and value != str(REMOVED_EXECUTION[name][0]):
+            raise ValueError(f"{flag} {value}: {REMOVED_EXECUTION[name][1]}")
     # What the user set: the config file's keys (execution's by their own names) and the flags below.
     given = set(base) - {"execution"} | set(base.get("execution") or {})
     for _, dest, _, _ in RUN_FLAGS:

@@ -18,10 +18,7 @@ Client parallelism: ``"vmap"`` runs the sampled clients in lockstep (the
 longest client's step count; finished clients are frozen by a select) and is
 the fast path on accelerators; ``"map"`` runs them one after another inside
 the same jit, each with exactly its own step count, which wastes no work on
-CPU where vmap buys little; ``"bucketed"`` orders the cohort by training-set
-size (hence step count), runs buckets of ``bucket_size`` neighbours in lockstep
-(``vmap``) one bucket after another, and puts the results back in cohort order,
-so a bucket pads only to its own longest client. ``"auto"``: map on CPU, vmap
+CPU where vmap buys little. ``"auto"``: map on CPU, vmap
 elsewhere. All give the same numbers (tested). With ``local_epochs`` and
 ``batch_size`` set, each round reports ``client_steps`` (the local steps the
 sampled clients need) and ``client_steps_executed`` (what the schedule runs,
@@ -52,7 +49,7 @@ from fedjax_sparse.algorithms.base import (COST_METRICS, REQUIRED_CLIENT_METRICS
 from fedjax_sparse.data.federated import ClientData, FederatedData
 from fedjax_sparse.evaluation import Evaluator
 
-CLIENT_PARALLELISM = ("auto", "vmap", "map", "bucketed")
+CLIENT_PARALLELISM = ("auto", "vmap", "map")
 # Per-round integer counts of local steps (see the module docstring).
 STEP_METRICS = ("client_steps", "client_steps_executed")
 
@@ -80,36 +77,18 @@ def sample_clients(key: jax.Array, num_clients: int, clients_per_round: int) -> 
     return jax.random.choice(key, num_clients, (clients_per_round,), replace=False).astype(jnp.int32)
 
 
-def _map_clients(fn, mode: str, *args, counts=None, bucket_size: int = 1):
-    """fn(*per-client args) over the leading axis of every arg (results in the args' order).
-
-    ``bucketed``: clients sorted by ``counts`` [K] (stable), buckets of ``bucket_size``
-    consecutive ones vmapped, buckets run one after another (``lax.map``'s ``batch_size``)."""
+def _map_clients(fn, mode: str, *args):
+    """fn(*per-client args) over the leading axis of every arg (results in the args' order)."""
     if mode == "vmap":
         return jax.vmap(fn)(*args)
-    if mode == "bucketed":
-        order = jnp.argsort(counts, stable=True)
-        sorted_args = jax.tree_util.tree_map(lambda x: x[order], args)
-        out = jax.lax.map(lambda a: fn(*a), sorted_args, batch_size=bucket_size)
-        inverse = jnp.argsort(order)
-        return jax.tree_util.tree_map(lambda x: x[inverse], out)
     return jax.lax.map(lambda a: fn(*a), args)
 
 
-def executed_client_steps(steps: jax.Array, mode: str, bucket_size: int = 1) -> jax.Array:
-    """[] int32 local steps a schedule executes for clients needing ``steps`` [K]: each
-    lockstep group runs its longest client's count for every member (``map``: no padding)."""
+def executed_client_steps(steps: jax.Array, mode: str) -> jax.Array:
+    """[] int32 local steps a schedule executes for clients needing ``steps`` [K]: ``vmap``
+    runs the longest client's count for every member, ``map`` each client's own (no padding)."""
     if mode == "vmap":
         return steps.shape[0] * steps.max()
-    if mode == "bucketed":
-        k = steps.shape[0]
-        ordered = jnp.sort(steps)
-        full = k // bucket_size * bucket_size
-        # lax.map's batch_size: whole buckets, then the remainder as one smaller group.
-        total = (ordered[:full].reshape(-1, bucket_size).max(axis=1) * bucket_size).sum() if full else 0
-        if full < k:
-            total = total + (k - full) * ordered[full:].max()
-        return jnp.asarray(total, jnp.int32)
     return steps.sum()
 
 
@@ -128,13 +107,11 @@ class Engine:
     # experiments/results/, see CHANGELOG).
     # False: evaluate every client separately (the general path; same numbers, tested).
     eval_shared_global_pass: bool = True
-    # Personalised evaluation: "batched" (vmap over chunks of clients), "loop" (one client after another)
-    # or "auto" (loop on CPU, batched elsewhere).
+    # Personalised evaluation (fedjax_sparse.evaluation): "auto" = "per_client"; "batched" and "loop"
+    # are the references tests compare against.
     personal_eval: str = "auto"
     # Shard the sampled clients over all local devices (vmap mode only).
     shard_clients: bool = True
-    # ``bucketed`` mode: clients per lockstep bucket (0: a quarter of the cohort, at least 1).
-    bucket_size: int = 0
     # The local loop's shape (``training.run_local_epochs``: epochs x ceil(count / batch_size)
     # steps), for the client-step metrics; None: not reported.
     local_epochs: int | None = None
@@ -152,9 +129,6 @@ class Engine:
                              f"number of clients ({self.num_clients}); lower --clients-per-round")
         if self.resample_every < 1:
             raise ValueError(f"resample_every must be >= 1 round, got {self.resample_every}")
-        if self.bucket_size < 0:
-            raise ValueError(f"bucket size must be >= 0 clients (0 = a quarter of the cohort), got "
-                             f"{self.bucket_size}; fix --client-bucket-size")
         if self.cohort_schedule is not None:
             widths = {len(row) for row in self.cohort_schedule}
             if widths != {self.clients_per_round}:
@@ -165,14 +139,8 @@ class Engine:
     def mode(self) -> str:
         return resolve_parallelism(self.client_parallelism)
 
-    @property
-    def clients_per_bucket(self) -> int:
-        """Lockstep bucket of the ``bucketed`` mode (at most the cohort)."""
-        size = self.bucket_size or -(-self.clients_per_round // 4)
-        return max(1, min(size, self.clients_per_round))
-
-    def _map(self, fn, *args, counts):
-        return _map_clients(fn, self.mode, *args, counts=counts, bucket_size=self.clients_per_bucket)
+    def _map(self, fn, *args):
+        return _map_clients(fn, self.mode, *args)
 
     @functools.cached_property
     def client_sharding(self):
@@ -269,7 +237,7 @@ class Engine:
                                      ClientData(data.train_x, data.train_y, rows, count), ctx)
 
         per_client = self._shard((client_states, idx_rows, counts, ids, client_keys))
-        new_states, messages, metrics = self._map(one_client, *per_client, counts=counts)
+        new_states, messages, metrics = self._map(one_client, *per_client)
         missing = [k for k in REQUIRED_CLIENT_METRICS if k not in metrics]
         if missing:
             raise ValueError(f"{alg.name}.client_update must report metrics {missing}")
@@ -284,7 +252,7 @@ class Engine:
         if self.local_epochs is not None and self.batch_size is not None:
             steps = self.local_epochs * ((counts + self.batch_size - 1) // self.batch_size)
             round_metrics["client_steps"] = steps.sum()
-            round_metrics["client_steps_executed"] = executed_client_steps(steps, self.mode, self.clients_per_bucket)
+            round_metrics["client_steps_executed"] = executed_client_steps(steps, self.mode)
         round_metrics.update({f"server_{k}": jnp.asarray(v, jnp.float32) for k, v in server_metrics.items()})
         return self._finish_round(EngineState(server, clients, state.key, state.round + 1), round_metrics)
 
@@ -305,7 +273,7 @@ class Engine:
             keys = jax.random.split(key_train, extra_ids.shape[0])
             extra_counts = data.train_count[extra_ids]
             _, extra_messages, _ = self._map(one_client, rows, data.train_idx[extra_ids], extra_counts, extra_ids,
-                                             keys, counts=extra_counts)
+                                             keys)
             return extra_messages
 
         shapes = jax.eval_shape(train, None)
@@ -373,7 +341,8 @@ class Engine:
 
     def advance(self, state: EngineState, data: FederatedData, num_rounds: int, round_mode: str = "scan"):
         """``num_rounds`` rounds by either path: ``"scan"`` (one jitted lax.scan)
-        or ``"per_round"`` (the per-round jit called from Python). Returns
+        or ``"per_round"`` (the per-round jit called from Python: the reference the scan is tested
+        against, and a way to step rounds in a notebook; not a run mode, no recorded win). Returns
         (state, host metrics with one entry per round, see :func:`metrics_to_host`)."""
         if round_mode == "scan":
             return self.run_rounds(state, data, num_rounds)

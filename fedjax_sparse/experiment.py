@@ -210,7 +210,7 @@ def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experi
                     client_parallelism=("auto" if config.execution.client_parallelism == "measure"
                                         else config.execution.client_parallelism),
                     resample_every=config.resample_every,
-                    bucket_size=config.execution.client_bucket_size, local_epochs=config.local_epochs,
+                    local_epochs=config.local_epochs,
                     batch_size=config.batch_size,
                     eval_batch_size=config.execution.eval_batch_size or auto_eval_batch_size(data),
                     personal_eval=config.execution.personal_eval,

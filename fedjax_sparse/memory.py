@@ -21,7 +21,7 @@ Nothing is compiled or run: shapes come from ``jax.eval_shape`` and programs fro
   round, training plus the state came within 1-14 % of XLA's own buffer assignment
   (``compile().memory_analysis()``; SpaFL FMNIST and Local MNIST, map and vmap, CPU). Times the clients
   trained in lockstep (``lockstep_clients``: K for ``vmap``, K / devices when the cohort is split
-  over devices, the bucket for ``bucketed``, 1 for ``map``; ``--client-parallelism measure`` times
+  over devices, 1 for ``map``; ``--client-parallelism measure`` times
   ``vmap`` too, so it counts K), plus ``cohort_bytes``: the cohort's stacked rows, K x (row
   gathered + row written back + message), plus one new server state. Not counted: the extra
   clients an algorithm trains inside a round (FSL's attackers).
@@ -194,8 +194,7 @@ class MemoryEstimate:
     backend: str
     num_clients: int
     clients_per_round: int
-    client_parallelism: str          # the schedule the round runs: map | vmap | bucketed
-    client_bucket_size: int          # --client-bucket-size (0: a quarter of the cohort)
+    client_parallelism: str          # the schedule the round runs: map | vmap
     device_count: int                # devices of the run (all processes')
     shard_clients: bool              # the engine splits a vmap cohort over the devices when K divides evenly
     population_devices: int          # devices the population's rows are split over (1: each holds all)
@@ -232,7 +231,7 @@ class MemoryEstimate:
 
     def with_settings(self, **changes) -> "MemoryEstimate":
         """The estimate under other settings (``clients_per_round``, ``client_parallelism``,
-        ``client_bucket_size``, ``client_state``, ``client_storage``, ``chunk_rounds``, capacities...),
+        ``client_state``, ``client_storage``, ``chunk_rounds``, capacities...),
         assuming one client's numbers do not depend on them."""
         return _derive(dataclasses.replace(self, **changes))
 
@@ -240,12 +239,8 @@ class MemoryEstimate:
         return not _shortfalls(self)
 
 
-def _lockstep(mode: str, k: int, bucket_size: int) -> int:
-    if mode == "vmap":
-        return k
-    if mode == "bucketed":
-        return max(1, min(bucket_size or -(-k // 4), k))
-    return 1
+def _lockstep(mode: str, k: int) -> int:
+    return k if mode == "vmap" else 1
 
 
 def _host_capacity_rows(touched_per_chunk: int, chunks: int, num_clients: int, start: int = 64) -> int:
@@ -267,7 +262,7 @@ def _derive(e: MemoryEstimate) -> MemoryEstimate:
     sharded = (e.shard_clients and e.client_parallelism == "vmap" and e.device_count > 1
                and k % e.device_count == 0)
     client_devices = e.device_count if sharded else 1
-    lockstep = -(-_lockstep(e.client_parallelism, k, e.client_bucket_size) // client_devices)
+    lockstep = -(-_lockstep(e.client_parallelism, k) // client_devices)
     cohort = -(-k * (2 * row + e.message_bytes) // client_devices)
     activation = lockstep * e.step_bytes + cohort + e.server_state_bytes
     client_total = n * row
@@ -407,7 +402,7 @@ def estimate(experiment, *, capacity_bytes: int | None = None) -> MemoryEstimate
     backend = jax.default_backend()
     est = MemoryEstimate(
         backend=backend, num_clients=n, clients_per_round=engine.clients_per_round,
-        client_parallelism=mode, client_bucket_size=engine.bucket_size, device_count=jax.device_count(),
+        client_parallelism=mode, device_count=jax.device_count(),
         shard_clients=engine.shard_clients, population_devices=population_devices,
         client_state=config.execution.client_state, client_storage=config.execution.client_storage,
         chunk_rounds=max(1, min(config.execution.host_chunk_rounds, config.eval_every, config.rounds)),
@@ -473,7 +468,7 @@ def _state_fixes(e: MemoryEstimate) -> list[tuple[str, MemoryEstimate]]:
 def _training_fixes(e: MemoryEstimate) -> list[tuple[str, MemoryEstimate]]:
     """Ways to shrink the round's working memory: map (same results), then the largest cohort that fits."""
     fixes: list[tuple[str, MemoryEstimate]] = []
-    if e.client_parallelism in ("vmap", "bucketed"):
+    if e.client_parallelism == "vmap":
         fixes.append(("--client-parallelism map", e.with_settings(client_parallelism="map")))
     k = _largest_cohort(e)
     if k is not None:

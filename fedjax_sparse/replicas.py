@@ -205,7 +205,7 @@ class _Group:
     def _advance_one(self, i: int, n: int, first: bool) -> None:
         run = self.runs[i]
         t = time.perf_counter()
-        state, metrics = self._engine_of(i).advance(run.state, self._data_of(i), n, run.config.execution.round_mode)
+        state, metrics = self._engine_of(i).advance(run.state, self._data_of(i), n)
         run.record(state, metrics, n, chunk_started=t if first else None)
 
     def run(self) -> list:

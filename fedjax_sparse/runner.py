@@ -46,7 +46,7 @@ from fedjax_sparse.experiment import Experiment, build, with_components
 from fedjax_sparse.progress import COST_KEYS, Progress, exact_number, jsonable, summarize
 
 
-MEASURED_SCHEDULES = ("map", "vmap", "bucketed")
+MEASURED_SCHEDULES = ("map", "vmap")
 
 
 def measure_client_parallelism(engine: Engine, state: EngineState, data: FederatedData,
@@ -255,7 +255,7 @@ def _run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool, 
                     state, metrics = host_population.advance(opened.exp.engine, state, opened.population,
                                                              opened.exp.data, n, opened.execution.host_chunk_rounds)
                 else:
-                    state, metrics = opened.exp.engine.advance(state, opened.exp.data, n, opened.execution.round_mode)
+                    state, metrics = opened.exp.engine.advance(state, opened.exp.data, n)
                 t_rounds = time.perf_counter() - t_chunk
                 opened.record(state, metrics, n, chunk_started=t_chunk if first_chunk else None,
                               stopping=signals.received is not None)
@@ -382,7 +382,6 @@ def open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bo
             # Multi-process: whether the population's state is split over the processes (else replicated).
             "population_sharded": engine.population_sharding is not None,
             "client_parallelism": engine.mode,
-            **({"client_bucket_size": engine.clients_per_bucket} if engine.mode == "bucketed" else {}),
             **({"client_parallelism_measured": measured} if measured else {}),
             # --client-state host: bytes of one client's stored row (clients never trained cost none).
             **({"host_population": {"row_bytes": population.row_bytes, "storage": config.execution.client_storage}}

@@ -90,15 +90,14 @@ def test_each_epoch_visits_every_sample_exactly_once():
 
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "local"])
-def test_vmap_map_and_bucketed_parallelism_agree(algorithm):
-    """Local keeps personal state: a bucketed schedule that put results back in the wrong
-    order would write one client's model into another's row, and FedAvg would weight them wrong."""
+def test_vmap_and_map_parallelism_agree(algorithm):
+    """Local keeps personal state: a schedule that put results back in the wrong order would
+    write one client's model into another's row, and FedAvg would weight them wrong."""
     _, data = tiny_federated(SIZES)
     alg = make_algorithm(algorithm, make_task(data), {})
     results = []
-    # bucket 2 of K=3: one lockstep pair plus a remainder of one client.
-    for mode in ("vmap", "map", "bucketed"):
-        engine = Engine(alg, data.num_clients, 3, client_parallelism=mode, bucket_size=2)
+    for mode in ("vmap", "map"):
+        engine = Engine(alg, data.num_clients, 3, client_parallelism=mode)
         state, metrics = engine.run_rounds(engine.init(jax.random.PRNGKey(0)), data, 2)
         results.append((state, metrics))
     for other in results[1:]:
@@ -112,10 +111,6 @@ def test_executed_client_steps_by_hand():
     steps = jnp.asarray([5, 1, 3, 2, 8], jnp.int32)
     assert int(executed_client_steps(steps, "map")) == 19          # exactly what the clients need
     assert int(executed_client_steps(steps, "vmap")) == 5 * 8      # everyone runs the longest
-    # sorted 1 2 3 5 8 -> buckets [1 2] [3 5] and the remainder [8]: 2*2 + 2*5 + 8
-    assert int(executed_client_steps(steps, "bucketed", 2)) == 22
-    assert int(executed_client_steps(steps, "bucketed", 5)) == 40
-    assert int(executed_client_steps(steps, "bucketed", 1)) == 19
 
 
 def test_round_metrics_count_useful_and_executed_client_steps():

@@ -208,7 +208,10 @@ def test_torn_metrics_tail_and_damaged_checkpoint_are_repaired_on_resume(tmp_pat
 # ---------------------------------------------------------------- bad input
 @pytest.mark.parametrize("extra,needle", [
     (["--model-option", "bogus=1"], "unknown --model-option bogus for model cnn_small; accepted: init="),
-    (["--client-bucket-size", "-1"], "--client-bucket-size must be >= 0"),
+    (["--client-bucket-size", "4"], "bucketed client schedule was removed"),
+    (["--round-mode", "per_round"], "per_round was removed"),
+    (["--client-parallelism", "bucketed"], "bucketed client schedule was removed"),
+    (["--personal-eval", "loop"], "removed as a run mode"),
 ])
 def test_bad_options_give_one_line(extra, needle, tmp_path, capsys):
     code, _, err = run_cli(["run", "--algorithm", "fedavg", *QUICK, "--rounds", "1",
@@ -221,6 +224,8 @@ def test_bad_options_give_one_line(extra, needle, tmp_path, capsys):
     ('{"rounds": "5"}', "config key 'rounds' (flag --rounds) expects an integer, got '5'"),
     ('{"lr": [0.1]}', "config key 'lr' (flag --lr) expects a number"),
     ('{"roundz": 5}', "unknown config key(s) ['roundz']"),
+    ('{"round_mode": "per_round"}', "config key 'round_mode': --round-mode per_round was removed"),
+    ('{"execution": {"client_bucket_size": 4}}', "config key 'client_bucket_size': the bucketed client schedule"),
 ])
 @pytest.mark.fast
 def test_bad_config_files_give_one_line(content, needle, tmp_path, capsys):
@@ -228,6 +233,17 @@ def test_bad_config_files_give_one_line(content, needle, tmp_path, capsys):
     cfg.write_text(content)
     code, _, err = run_cli(["run", "--config", str(cfg), "--quiet"], capsys)
     one_line_error(code, err, needle)
+
+
+@pytest.mark.fast
+def test_config_files_of_earlier_versions_read_with_removed_modes_at_their_inert_values():
+    """Every recorded config.json holds round_mode "scan" and client_bucket_size 0 (the modes removed
+    in 0.2.0 at their defaults): they must still read, to the same configuration."""
+    from fedjax_sparse.config import RunConfig
+    old = RunConfig.from_json({"rounds": 3, "round_mode": "scan", "client_bucket_size": 0,
+                               "client_parallelism": "map"})
+    assert old == RunConfig.from_json({"rounds": 3, "client_parallelism": "map"})
+    assert "round_mode" not in old.to_json() and "client_bucket_size" not in old.to_json()
 
 
 def test_unwritable_out_gives_one_line(tmp_path, capsys):

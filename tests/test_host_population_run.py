@@ -94,8 +94,6 @@ def test_bfloat16_storage_halves_the_rows_and_stays_close(tmp_path, device_runs)
 def test_host_state_refusals(tmp_path):
     with pytest.raises(RunError, match="--client-state host"):
         validate(flat_config(client_storage="bfloat16"))
-    with pytest.raises(RunError, match="round-mode"):
-        validate(flat_config(client_state="host", round_mode="per_round"))
     with pytest.raises(RunError, match="unknown --client-state"):
         validate(flat_config(client_state="disk"))
     with pytest.raises(RunError, match="host-chunk-rounds"):

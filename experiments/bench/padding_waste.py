@@ -36,6 +36,14 @@ def settings(data_dir: str) -> dict[str, fjs.RunConfig]:
     }
 
 
+def bucketed_steps(steps: np.ndarray, bucket: int) -> int:
+    """Local steps the bucketed schedule (removed in 0.2.0: no wall-clock win recorded) executed for
+    clients needing ``steps`` [K]: the cohort sorted by step count, lockstep buckets of ``bucket``, the
+    remainder one smaller bucket, each padded to its longest client."""
+    ordered = np.sort(steps)
+    return int(sum(ordered[i:i + bucket].max() * len(ordered[i:i + bucket]) for i in range(0, len(ordered), bucket)))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", default="../shared/data")
@@ -59,7 +67,7 @@ def main(argv=None) -> int:
             executed["map"] += int(executed_client_steps(steps, "map"))
             executed["vmap"] += int(executed_client_steps(steps, "vmap"))
             for b in buckets:
-                executed[f"bucketed_{b}"] += int(executed_client_steps(steps, "bucketed", b))
+                executed[f"bucketed_{b}"] += bucketed_steps(np.asarray(steps), b)
         entry = {"setting": name, "clients_per_round": k,
                  "client_steps_min_median_max": [int(v) for v in np.percentile(
                      config.local_epochs * -(-counts // config.batch_size), [0, 50, 100])],
