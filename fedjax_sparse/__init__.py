@@ -23,7 +23,9 @@ Namespaces:
 
 Running: ``run``, ``RunConfig``, ``RunResult``, ``build`` (the ``Experiment`` a run would use:
 data, task, engine), ``Engine`` (the round engine, for your own loops), ``with_aggregator`` and
-``with_attack`` (robust aggregation and poisoning around any algorithm). Reading results:
+``with_attack`` (robust aggregation and poisoning around any algorithm), ``sweep`` (a grid of
+hyper-parameters x seeds in one process: ``fjs.sweep(config, {"lr": [0.01, 0.1]}, seeds=[0, 1, 2])``
+returns a ``SweepResult`` with the mean +- std table). Reading results:
 ``format_summary``, ``plot_runs``, ``report_table``.
 
 Names are imported on first use, so ``import fedjax_sparse.mechanisms`` alone still loads no engine,
@@ -47,6 +49,7 @@ _EXPORTS = {
     "Hooks": "fedjax_sparse.models.base", "Model": "fedjax_sparse.models.base",
     "plot_runs": "fedjax_sparse.reporting", "report_table": "fedjax_sparse.reporting",
     "Experiment": "fedjax_sparse.experiment", "RunResult": "fedjax_sparse.runner", "RunStopped": "fedjax_sparse.errors",
+    "sweep": "fedjax_sparse.sweeps", "SweepResult": "fedjax_sparse.sweeps",
     "build": "fedjax_sparse.experiment", "format_summary": "fedjax_sparse.progress", "run": "fedjax_sparse.runner",
 }
 _NAMESPACES = ("algorithms", "data", "mechanisms", "models")

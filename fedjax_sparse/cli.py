@@ -121,8 +121,15 @@ def _parser() -> argparse.ArgumentParser:
                      help="replicas: run the configuration once per seed in one process, each in OUT/seed<SEED>/ "
                           "(OUT/replicas.json: mean and std over seeds); replaces --seed")
     run.add_argument("--replica-parallelism", default="auto",
-                     help="--seeds: auto (sequential on CPU, vmap elsewhere) | vmap (all seeds in one program) | "
-                          "sequential (one seed after another through one compiled program)")
+                     help="--seeds and --sweep: auto (sequential on CPU, vmap elsewhere) | vmap (all members in one "
+                          "program) | sequential (one member after another through one compiled program)")
+    run.add_argument("--sweep", action="append", default=None, metavar="KEY=V1,V2",
+                     help="a grid (repeatable): KEY is lr, local_epochs, malicious_fraction (any RunConfig field), "
+                          "option.NAME or model_option.NAME; every point runs every --seeds seed, in "
+                          "OUT/<point>/seed<SEED>/, with OUT/sweep.json and OUT/sweep.md (mean +- std over seeds)")
+    run.add_argument("--sweep-select", default="best_accuracy", metavar="KEY",
+                     help="--sweep: how the best point is chosen: best_accuracy | final_accuracy | "
+                          "accuracy_at_gbit:X (best accuracy within X Gbit)")
 
     part = sub.add_parser("partition", help="partition a dataset and write the partition report")
     part.add_argument("--dataset", required=True)
@@ -233,6 +240,10 @@ def cmd_run(args) -> int:
                                for k, v in _key_values(args.model_option, "--model-option").items()}}
     if args.resume and not config.out:
         raise ValueError("--resume needs --out pointing at the interrupted run's directory")
+    if args.sweep is not None or (args.resume and config.out and (Path(config.out) / "sweep.json").exists()):
+        if processes > 1:
+            raise ValueError("--sweep runs in one process")
+        return _run_sweep(args, config, given)
     if not args.resume:
         # The whole configuration is checked before anything is loaded or written (a resumed run's
         # configuration is the recorded one, checked once merged).
@@ -269,6 +280,26 @@ def _run_replicas(args, config, given: set) -> int:
     if config.out:
         print(f"outputs: {config.out}/seed<SEED>/{{config.json,metrics.jsonl,summary.json}}, "
               f"{config.out}/replicas.json")
+    return 0
+
+
+def _run_sweep(args, config, given: set) -> int:
+    from fedjax_sparse import runner, sweeps
+    if "seed" in given and args.seeds is not None:
+        raise ValueError("give either --seed or --seeds with --sweep, not both")
+    seeds = args.seeds if args.seeds is not None else [config.seed]
+    if args.sweep is not None:
+        axes = sweeps.parse_sweep(args.sweep)
+    else:   # --resume of a sweep: the recorded grid, seeds and configuration (flags given override it)
+        record = sweeps.load_sweep(config.out)
+        axes, seeds = record["axes"], (args.seeds or record["seeds"])
+        recorded = runner.RunConfig.from_json(record["config"])
+        config, _ = runner.resumed_config(config, recorded, given)
+    result = sweeps.sweep(config, axes, seeds, parallelism=args.replica_parallelism, select=args.sweep_select,
+                              resume=args.resume, overwrite=args.overwrite, progress=not args.quiet, given=given)
+    print(result.table(), end="")
+    if config.out:
+        print(f"outputs: {config.out}/<point>/seed<SEED>/, {config.out}/sweep.json, {config.out}/sweep.md")
     return 0
 
 

@@ -197,14 +197,7 @@ def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experi
         if not isinstance(algorithm, Algorithm):
             raise RunError(f"the algorithm builder {config.algorithm} returned a {type(algorithm).__name__}, "
                            "not an Algorithm")
-    try:
-        if config.aggregator is not None:
-            algorithm = compose.with_aggregator(algorithm, config.aggregator, trim_fraction=config.trim_fraction)
-        if config.attack is not None:
-            algorithm = compose.with_attack(algorithm, config.attack, num_clients=config.num_clients,
-                                            malicious_fraction=config.malicious_fraction, seed=config.seed)
-    except ValueError as e:
-        raise RunError(str(e)) from None
+    algorithm = wrap_algorithm(algorithm, config)
     engine = Engine(algorithm, config.num_clients, config.clients_per_round,
                     # ``measure`` is decided by the run (measure_client_parallelism); "auto" until then.
                     client_parallelism=("auto" if config.execution.client_parallelism == "measure"
@@ -216,6 +209,19 @@ def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experi
                     personal_eval=config.execution.personal_eval,
                     cohort_schedule=None if schedule is None else tuple(map(tuple, schedule.tolist())))
     return Experiment(config, dataset, partition, data, task, engine, pinned, data_record)
+
+
+def wrap_algorithm(algorithm: Algorithm, config: RunConfig) -> Algorithm:
+    """``algorithm`` inside the wrappers ``config`` asks for (``--aggregator``, ``--attack``)."""
+    try:
+        if config.aggregator is not None:
+            algorithm = compose.with_aggregator(algorithm, config.aggregator, trim_fraction=config.trim_fraction)
+        if config.attack is not None:
+            algorithm = compose.with_attack(algorithm, config.attack, num_clients=config.num_clients,
+                                            malicious_fraction=config.malicious_fraction, seed=config.seed)
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    return algorithm
 
 
 def _constant_init(variables: dict):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import time
 from pathlib import Path
@@ -62,7 +63,7 @@ def replica_config(config: RunConfig, seed: int) -> RunConfig:
     return dataclasses.replace(config, seed=seed, out=out)
 
 
-def _unshareable_reason(runs) -> str | None:
+def unshareable_reason(runs) -> str | None:
     """Why the replicas cannot run through one program (None: they can)."""
     first = runs[0]
     options = first.exp.algorithm.hparams
@@ -83,7 +84,7 @@ def _unshareable_reason(runs) -> str | None:
     return None
 
 
-def _padded_rows(idx: jax.Array, counts: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+def padded_rows(idx: jax.Array, counts: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
     """(index rows [N, width] zero-padded, counts [N]): only the counts decide which rows are
     read, so the padding changes no number."""
     idx_np, counts_np = np.asarray(idx), np.asarray(counts)
@@ -91,9 +92,9 @@ def _padded_rows(idx: jax.Array, counts: jax.Array, width: int) -> tuple[jax.Arr
     return jnp.asarray(rows), jnp.asarray(counts_np)
 
 
-def _train_rows(runs, width: int) -> list[tuple[jax.Array, jax.Array]]:
+def train_rows(runs, width: int) -> list[tuple[jax.Array, jax.Array]]:
     """Each replica's (train_idx [N, width], train_count [N])."""
-    return [_padded_rows(r.exp.data.train_idx, r.exp.data.train_count, width) for r in runs]
+    return [padded_rows(r.exp.data.train_idx, r.exp.data.train_count, width) for r in runs]
 
 
 def _stack(trees):
@@ -143,12 +144,12 @@ def run_replicas(config: RunConfig, seeds: Sequence[int], *, parallelism: str = 
                                     experiment=None, given=given))
         results: dict[int, RunResult] = {s: r for s, r in zip(seeds, opened) if isinstance(r, RunResult)}
         runs = [r for r in opened if not isinstance(r, RunResult)]
-        reason = _unshareable_reason(runs) if runs else None
+        reason = unshareable_reason(runs) if runs else None
         shared = reason is None
         t_start = time.perf_counter()
         if runs:
             hooks = [on_eval_for_seed(r.config.seed) if on_eval_for_seed else None for r in runs]
-            group = _Group(runs, mode if shared else "separate", progress, hooks)
+            group = RunGroup(runs, mode if shared else "separate", progress, hooks)
             try:
                 for run, state in zip(runs, group.run()):
                     results[run.config.seed] = RunResult(run.finish(), state)
@@ -169,16 +170,31 @@ def run_replicas(config: RunConfig, seeds: Sequence[int], *, parallelism: str = 
         return ordered
 
 
-class _Group:
-    """Advances open replica runs chunk by chunk and books each chunk in every replica's files."""
+class RunGroup:
+    """Advances open runs ("members": replicas of seeds, or a sweep's grid points x seeds) chunk by
+    chunk and books each chunk in every member's files.
 
-    def __init__(self, runs, mode: str, progress: bool, hooks):
+    ``mode``: ``sequential`` (one compiled program, members one after another), ``vmap`` (one
+    program over a leading member axis) or ``separate`` (each member its own engine and program).
+    ``program``: None (the first member's engine runs every member: they differ only by keys and
+    partitions), or ``(rebuild, hyper_parameters)``: ``rebuild(hp) -> Engine`` builds the engine for
+    traced values ``hp`` (a dict of arrays) and ``hyper_parameters[i]`` are member i's values, so
+    members that differ in them (a sweep's learning rates, algorithm options) share the program.
+    ``keep_going``: a member whose training diverges is recorded in ``diverged`` (its message) and
+    dropped; the others go on (else the divergence is raised)."""
+
+    def __init__(self, runs, mode: str, progress: bool, hooks, program=None, keep_going: bool = False,
+                 label: Callable | None = None):
         self.runs, self.mode = runs, mode
         self.engine: Engine = runs[0].exp.engine
+        self.rebuild: Callable[[dict], Engine] | None = program[0] if program is not None else None
+        self.hps: list[dict] = program[1] if program is not None else []
+        self.keep_going = keep_going
+        self.diverged: dict[int, str] = {}
         first = runs[0]
         self.bar = Progress(first.config.rounds, min(r.round for r in runs), progress)
         for run, hook in zip(runs, hooks):
-            run.label = f" (seed {run.config.seed})"
+            run.label = label(run) if label else f" (seed {run.config.seed})"
             run.start(None, hook)
         if mode != "separate":
             base = first.exp.data
@@ -187,14 +203,33 @@ class _Group:
             test_width = max(int(r.exp.data.test_idx.shape[1]) for r in runs)
             for run in runs:
                 own = run.exp.data
-                test_idx, test_count = _padded_rows(own.test_idx, own.test_count, test_width)
+                test_idx, test_count = padded_rows(own.test_idx, own.test_count, test_width)
                 eval_data = base.replace(test_idx=test_idx, test_count=test_count,
                                          global_test_idx=own.global_test_idx)
                 run.evaluate = (lambda data: lambda s: self.engine.evaluate(s, data))(eval_data)
             width = max(int(r.exp.data.train_idx.shape[1]) for r in runs)
-            self.rows = _train_rows(runs, width)
+            self.rows = train_rows(runs, width)
             # Training reads only the pool and each replica's train rows: one data shape for all.
             self.train_data = [base.replace(train_idx=i, train_count=c) for i, c in self.rows]
+
+    @functools.cached_property
+    def _hp_scan_fn(self):
+        """(hp, state, data, n) -> the member's n rounds, ``hp`` traced: one program for all values."""
+        def run(hp, state, data, num_rounds):
+            engine = self.rebuild(hp)
+            return jax.lax.scan(lambda s, _: engine.round_step(s, data), state, None, length=num_rounds)
+        return jax.jit(run, static_argnums=3, donate_argnums=1)
+
+    @functools.cached_property
+    def _hp_vmap_fn(self):
+        """The same over a leading member axis of hp, states and train rows."""
+        def run(hps, states, data, num_rounds):
+            def one(hp, state, train_idx, train_count):
+                engine = self.rebuild(hp)
+                member_data = data.replace(train_idx=train_idx, train_count=train_count)
+                return jax.lax.scan(lambda s, _: engine.round_step(s, member_data), state, None, length=num_rounds)
+            return jax.vmap(one)(hps, states, data.train_idx, data.train_count)
+        return jax.jit(run, static_argnums=3, donate_argnums=1)
 
     def _engine_of(self, i: int) -> Engine:
         return self.runs[i].exp.engine if self.mode == "separate" else self.engine
@@ -205,45 +240,66 @@ class _Group:
     def _advance_one(self, i: int, n: int, first: bool) -> None:
         run = self.runs[i]
         t = time.perf_counter()
-        state, metrics = self._engine_of(i).advance(run.state, self._data_of(i), n)
-        run.record(state, metrics, n, chunk_started=t if first else None)
+        if self.rebuild is not None and self.mode != "separate":
+            state, metrics = self._hp_scan_fn(self.hps[i], run.state, self._data_of(i), n)
+            metrics = metrics_to_host(metrics)
+        else:
+            state, metrics = self._engine_of(i).advance(run.state, self._data_of(i), n)
+        self._record(i, state, metrics, n, t if first else None)
+
+    def _record(self, i: int, state, metrics, n: int, chunk_started) -> None:
+        try:
+            self.runs[i].record(state, metrics, n, chunk_started=chunk_started)
+        except RunError as e:
+            if not (self.keep_going and "diverged" in str(e)):
+                raise
+            self.diverged[i] = str(e)
 
     def run(self) -> list:
-        """Runs every replica to its last round; returns their final states."""
+        """Runs every member to its last round (or its divergence); returns their final states."""
         runs = self.runs
         first = [True] * len(runs)
         restarted = False
-        # Catch up: an interruption between two replicas' checkpoints leaves some a chunk behind.
+        # Catch up: an interruption between two members' checkpoints leaves some a chunk behind.
         target = max(r.round for r in runs)
         for i, run in enumerate(runs):
-            while run.round < target:
+            while run.round < target and i not in self.diverged:
                 self._advance_one(i, min(run.next_chunk(), target - run.round), first[i])
                 first[i] = False
-        while (n := runs[0].next_chunk()) > 0:
-            if any(r.next_chunk() != n for r in runs):
-                raise RunError("replicas disagree on the next chunk; resume each seed's run separately")
-            if first[0]:
-                self.bar.note(f"compiling and running rounds {runs[0].round + 1}-{runs[0].round + n} of "
-                              f"{len(runs)} replicas ({self.mode}) ...")
+        while True:
+            active = [i for i in range(len(runs)) if i not in self.diverged]
+            n = runs[active[0]].next_chunk() if active else 0
+            if n <= 0:
+                break
+            if any(runs[i].next_chunk() != n for i in active):
+                raise RunError("members disagree on the next chunk; resume each run separately")
+            lead = runs[active[0]]
+            if first[active[0]]:
+                self.bar.note(f"compiling and running rounds {lead.round + 1}-{lead.round + n} of "
+                              f"{len(active)} runs ({self.mode}) ...")
             t_chunk = time.perf_counter()
             if self.mode == "vmap":
-                states = _stack([r.state for r in runs])
-                data = self.train_data[0].replace(train_idx=jnp.stack([i for i, _ in self.rows]),
-                                                  train_count=jnp.stack([c for _, c in self.rows]))
-                states, metrics = self.engine.run_replica_rounds(states, data, n)
-                for i, run in enumerate(runs):
-                    run.record(_take(states, i), metrics_to_host(_take(metrics, i)), n,
-                               chunk_started=t_chunk if first[i] else None)
+                states = _stack([runs[i].state for i in active])
+                data = self.train_data[0].replace(train_idx=jnp.stack([self.rows[i][0] for i in active]),
+                                                  train_count=jnp.stack([self.rows[i][1] for i in active]))
+                if self.rebuild is None:
+                    states, metrics = self.engine.run_replica_rounds(states, data, n)
+                else:
+                    states, metrics = self._hp_vmap_fn(_stack([self.hps[i] for i in active]), states, data, n)
+                for j, i in enumerate(active):
+                    self._record(i, _take(states, j), metrics_to_host(_take(metrics, j)), n,
+                                 t_chunk if first[i] else None)
                     first[i] = False
             else:
-                for i in range(len(runs)):
+                for i in active:
                     self._advance_one(i, n, first[i])
                     first[i] = False
             if not restarted:  # rates and the ETA count from after the compiling chunk
-                self.bar.restart(runs[0].round)
+                self.bar.restart(lead.round)
                 restarted = True
-            accuracies = [r.rows[-1]["accuracy"] for r in runs if r.rows and r.rows[-1]["accuracy"] is not None]
-            self.bar.update(runs[0].round, float(np.mean(accuracies)) if accuracies else None)
+            accuracies = [runs[i].rows[-1]["accuracy"] for i in active
+                          if runs[i].rows and runs[i].rows[-1]["accuracy"] is not None]
+            self.bar.update(lead.round, float(np.mean(accuracies)) if accuracies else None)
         return [r.state for r in runs]
 
     def close(self) -> None:

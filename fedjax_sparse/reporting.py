@@ -153,7 +153,15 @@ def _axis_label(key: str) -> str:
 
 
 def plot_runs(paths, out: str | Path, *, x: str | None = None, y: str | None = None, title: str | None = None) -> Path:
-    """Draws the runs' curves into ``out`` (PNG/PDF/SVG by its suffix). Returns the path."""
+    """Draws the runs' curves into ``out`` (PNG/PDF/SVG by its suffix). Returns the path. A sweep's
+    folder (``sweep.json``) is drawn as one mean curve per grid point with a band of +- one sample
+    std over its seeds."""
+    from fedjax_sparse import sweeps
+    paths = [Path(p) for p in paths]
+    if any(sweeps.is_sweep(p) for p in paths):
+        if len(paths) != 1:
+            raise RunError("plot draws one sweep at a time (its grid points' mean curves); pass its folder alone")
+        return _plot_sweep(paths[0], out, x=x, y=y, title=title)
     runs = load_runs(paths)
     views = _views(runs, x, y)   # unknown keys are refused before anything is drawn
     try:
@@ -191,6 +199,54 @@ def plot_runs(paths, out: str | Path, *, x: str | None = None, y: str | None = N
     return out
 
 
+def _sweep_curves(path: Path) -> dict[str, list[RunRecord]]:
+    from fedjax_sparse import sweeps
+    return {label: [load_run(folder) for folder in folders]
+            for label, folders in sweeps.member_dirs(path).items()}
+
+
+def _plot_sweep(path: Path, out, *, x, y, title) -> Path:
+    """Mean curve and +- one sample std band over the seeds of every grid point (the seeds of a point
+    evaluate at the same rounds; x is their mean where it differs, e.g. Gbit)."""
+    import numpy as np
+    points = _sweep_curves(path)
+    if not points:
+        raise RunError(f"the sweep in {path} has no member with metrics yet")
+    views = _views([run for runs in points.values() for run in runs], x, y)
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise RunError("plot needs matplotlib: pip install 'fedjax_sparse[plot]'") from None
+    cols = min(len(views), 2)
+    fig = Figure(figsize=(5.6 * cols, 4 * math.ceil(len(views) / cols)))
+    axes = fig.subplots(math.ceil(len(views) / cols), cols, squeeze=False)
+    for ax, (xk, yk) in zip(axes.ravel(), views):
+        scale = 100.0 if yk.endswith("accuracy") else 1.0
+        for label, runs in points.items():
+            length = min(len(run.rows) for run in runs)
+            xs = np.array([[v if v is not None else np.nan for v in run.series(xk)[:length]] for run in runs], float)
+            ys = np.array([[v if v is not None else np.nan for v in run.series(yk)[:length]] for run in runs], float)
+            if not length or np.isnan(ys).all():
+                continue
+            mean_x, mean_y = np.nanmean(xs, 0), scale * np.nanmean(ys, 0)
+            line, = ax.plot(mean_x, mean_y, label=f"{label} ({len(runs)} seeds)")
+            if len(runs) > 1:
+                std = scale * np.nanstd(ys, 0, ddof=1)
+                ax.fill_between(mean_x, mean_y - std, mean_y + std, color=line.get_color(), alpha=0.2)
+        ax.set_xlabel(_axis_label(xk))
+        ax.set_ylabel(_axis_label(yk))
+        ax.grid(alpha=0.3)
+    for ax in axes.ravel()[len(views):]:
+        ax.axis("off")
+    axes.ravel()[0].legend(fontsize=7)
+    fig.suptitle(title or f"sweep {path.name}: mean ± sample std over seeds")
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def _scale_x(ax, values: list[float]) -> None:
     """Log x when the values span more than two decades (e.g. SpaFL's thresholds-only traffic next
     to FedAvg's), symlog when a run sits at 0 (Local sends nothing); linear otherwise."""
@@ -210,6 +266,10 @@ def _pct(value) -> str:
 def report_table(paths) -> str:
     """A markdown table of the runs: final and best accuracy, Gbit, TFLOPs, density, rounds/s. A run
     without summary.json, or short of its config's rounds, is marked "round R/T (running or stopped)"."""
+    from fedjax_sparse import sweeps
+    if any(sweeps.is_sweep(p) for p in paths):
+        return "\n".join(sweeps.format_table(sweeps.load_sweep(p)) if sweeps.is_sweep(p) else report_table([p])
+                         for p in paths)
     runs = load_runs(paths)
     # A run still in progress (or stopped) has no final numbers: its row says how far it got, and the
     # column then names its numbers the latest ones.

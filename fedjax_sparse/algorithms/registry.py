@@ -162,6 +162,12 @@ def resolve_options(name: str, options: Any = None):
     return entry.options(**typed)
 
 
+def algorithm_builder(name: str) -> Callable[..., Algorithm]:
+    """The registered ``builder(task, **options)`` (no option checks: a sweep calls it with traced
+    option values after checking the concrete ones with :func:`resolve_options`)."""
+    return _entry(name).builder
+
+
 def make_algorithm(name: str, task: Task, options: Any = None) -> Algorithm:
     resolved = dataclasses.asdict(resolve_options(name, options))
     algorithm = _entry(name).builder(task, **resolved)

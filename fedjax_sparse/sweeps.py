@@ -1,0 +1,439 @@
+"""Sweeps: a grid of hyper-parameters x seeds in one process, and the table a paper needs.
+
+``sweep(config, {"lr": [0.01, 0.1], "option.alpha": [0.001, 0.002]}, seeds=[0, 1, 2])`` runs
+every grid point with every seed ("members"); member ``(point, seed)`` is the run of ``config`` with
+the point's values and that seed, written to ``OUT/<point>/seed<seed>/`` with the usual files (the
+same numbers as that run started alone: tested). ``OUT/sweep.json`` and ``OUT/sweep.md`` hold, per
+grid point, the mean +- sample std over seeds of the final and best accuracy, Gbit, TFLOPs and
+density, and the best point by ``select``.
+
+Swept keys: ``lr``, ``local_epochs``, ``malicious_fraction`` and any other ``RunConfig`` field that
+says what is computed, ``option.NAME`` (an algorithm option, e.g. SpaFL's ``option.alpha``,
+FedDrop's ``option.budget``) and ``model_option.NAME``.
+
+One compiled program serves many members. Members differing only in their seeds share one as
+``--seeds`` replicas do. Swept values that the algorithm only computes with (a learning rate, a
+regulariser's weight) enter the program as traced arrays: the algorithm is rebuilt inside the
+program from them, so every grid point runs through the same compiled round. A value the algorithm
+turns into shapes or Python control flow (``local_epochs`` sizes the local loop's shuffles, FedDrop
+branches on its budget, a model option changes the layers) cannot be traced: the members are then
+grouped by those values and each group gets a program of its own; ``sweep.json`` says which keys and
+why (the tracing error). Within a program the members run one after another (``sequential``, the
+CPU default) or vmapped over a leading member axis (``vmap``, the default elsewhere), as
+``--replica-parallelism`` chooses for replicas.
+
+A member whose training diverges is recorded (``sweep.json``: ``diverged``) and the others go on.
+``resume=True`` continues the whole sweep: finished members are kept, interrupted ones resume from
+their checkpoints, the rest start.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_sparse.algorithms.registry import algorithm_builder, algorithm_names, resolve_options
+from fedjax_sparse.checkpoint import has_checkpoint, locked_out_dir, read_metrics
+from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig, validate
+from fedjax_sparse.engine import Engine
+from fedjax_sparse.errors import RunError
+from fedjax_sparse.experiment import Experiment, wrap_algorithm
+from fedjax_sparse.replicas import RunGroup, resolve_replica_parallelism, unshareable_reason
+from fedjax_sparse.runner import RunResult, open_run
+
+# Keys whose values a program may take as traced arrays (if the algorithm's builder allows: tried).
+TRACEABLE_FIELDS = ("lr",)
+# RunConfig fields a sweep may not vary: the seed has --seeds; the rest are where and how it runs.
+NOT_SWEPT = ("seed", "out", "data_dir", "download", "algorithm", "dataset", "execution", "options",
+             "model_options", "rounds", "eval_every")
+SELECT_KEYS = ("best_accuracy", "final_accuracy")
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One run of a sweep: a grid point (``((key, value), ...)`` in axis order) and a seed."""
+    point: tuple
+    seed: int
+    config: RunConfig
+
+
+def parse_sweep(specs: Sequence[str]) -> dict[str, list]:
+    """``["lr=0.01,0.1", "option.alpha=0.001,0.002"]`` -> ``{"lr": [0.01, 0.1], ...}`` (numbers and
+    booleans parsed; other values stay strings). One-line RunError on a malformed or repeated key."""
+    axes: dict[str, list] = {}
+    for spec in specs:
+        key, sep, values = spec.partition("=")
+        key = key.strip()
+        if not sep or not key or not values.strip():
+            raise RunError(f"--sweep takes KEY=V1,V2,..., got {spec!r}: e.g. --sweep lr=0.01,0.1")
+        if key in axes:
+            raise RunError(f"--sweep names {key!r} twice; give all its values once: --sweep {key}=V1,V2")
+        parsed = [_parse_value(v.strip()) for v in values.split(",") if v.strip()]
+        if len(set(map(repr, parsed))) != len(parsed):
+            raise RunError(f"--sweep {key} lists a value twice: {values}")
+        axes[key] = parsed
+    return axes
+
+
+def _parse_value(text: str) -> Any:
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def check_axes(config: RunConfig, axes: dict[str, list]) -> None:
+    """One-line RunError for keys a sweep cannot vary (with the fix)."""
+    if not axes:
+        raise RunError("a sweep needs at least one --sweep KEY=V1,V2 (several seeds alone: --seeds)")
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    for key, values in axes.items():
+        if not values:
+            raise RunError(f"--sweep {key} has no values")
+        prefix, _, name = key.partition(".")
+        if prefix in ("option", "model_option") and name:
+            continue
+        if key in EXECUTION_FIELDS:
+            raise RunError(f"--sweep {key}: execution settings change no number; sweep what is computed")
+        if key == "seed":
+            raise RunError("--sweep seed: give the seeds with --seeds 0 1 2 (every grid point runs each)")
+        if key not in fields or key in NOT_SWEPT:
+            raise RunError(f"--sweep cannot vary {key!r}; sweep a RunConfig field (lr, local_epochs, "
+                           "malicious_fraction, ...), option.NAME or model_option.NAME")
+
+
+def grid(axes: dict[str, list]) -> list[tuple]:
+    """Every grid point, ``((key, value), ...)``, the first axis slowest."""
+    keys = list(axes)
+    return [tuple(zip(keys, values)) for values in itertools.product(*(axes[k] for k in keys))]
+
+
+def point_label(point: tuple) -> str:
+    """The point's folder name and table label, e.g. ``lr=0.01,option.alpha=0.002``."""
+    return ",".join(f"{key}={value}" for key, value in point).replace("/", "_")
+
+
+def apply_point(config: RunConfig, point: tuple) -> RunConfig:
+    """``config`` with the point's values."""
+    options, model_options, fields = dict(config.options), dict(config.model_options), {}
+    for key, value in point:
+        prefix, _, name = key.partition(".")
+        if prefix == "option":
+            options[name] = value
+        elif prefix == "model_option":
+            model_options[name] = value
+        else:
+            fields[key] = value
+    return dataclasses.replace(config, options=options, model_options=model_options, **fields)
+
+
+def members_of(config: RunConfig, axes: dict[str, list], seeds: Sequence[int]) -> list[Member]:
+    out = Path(config.out) if config.out else None
+    members = []
+    for point in grid(axes):
+        for seed in seeds:
+            member_out = str(out / point_label(point) / f"seed{seed}") if out else None
+            members.append(Member(point, int(seed), dataclasses.replace(apply_point(config, point), seed=int(seed),
+                                                                          out=member_out)))
+    return members
+
+
+# ------------------------------------------------------------------ one program for many points
+def _traceable(key: str) -> bool:
+    return key in TRACEABLE_FIELDS or key.startswith("option.")
+
+
+def _hp_of(point: tuple, keys: Sequence[str]) -> dict:
+    """The traced values of a point: {key: float32 [] array}."""
+    values = dict(point)
+    return {key: jnp.asarray(values[key], jnp.float32) for key in keys}
+
+
+def make_rebuild(exp: Experiment, keys: Sequence[str]) -> Callable[[dict], Engine]:
+    """``hp -> Engine``: ``exp``'s engine with its algorithm rebuilt from the traced values ``hp``
+    (``lr`` and ``option.NAME`` keys) by the algorithm's registered builder; everything else as
+    ``exp`` was built (its options were checked with their concrete values)."""
+    config = exp.config
+    options = resolve_options(config.algorithm, config.options)
+    concrete = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    builder = algorithm_builder(config.algorithm)
+
+    def rebuild(hp: dict) -> Engine:
+        values = dict(concrete)
+        values.update({key.partition(".")[2]: value for key, value in hp.items() if key.startswith("option.")})
+        task = dataclasses.replace(exp.task, lr=hp["lr"]) if "lr" in hp else exp.task
+        algorithm = wrap_algorithm(builder(task, **values), config)
+        return dataclasses.replace(exp.engine, algorithm=algorithm)
+    return rebuild
+
+
+def _trace_problem(exp: Experiment, state, keys: Sequence[str], point: tuple) -> str | None:
+    """None when the round traces with ``keys`` as arrays; else the tracing error's first line."""
+    rebuild = make_rebuild(exp, keys)
+    try:
+        jax.eval_shape(lambda hp, s: rebuild(hp).round_step(s, exp.data), _hp_of(point, keys), state)
+    except Exception as e:  # noqa: BLE001 - any failure to trace means: a program per value
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+    return None
+
+
+def traced_keys(exp: Experiment, state, point: tuple) -> tuple[list[str], dict[str, str]]:
+    """(keys the program takes as arrays, {key: why not} for the others): each candidate tried
+    alone, then those that traced, together."""
+    if exp.config.algorithm not in algorithm_names():
+        return [], {key: "the algorithm is an object, not a registered name: it cannot be rebuilt"
+                    for key, _ in point}
+    why: dict[str, str] = {}
+    ok = []
+    for key, _ in point:
+        if not _traceable(key):
+            why[key] = "not a learning rate or an algorithm option (shapes, data or the threat model)"
+            continue
+        problem = _trace_problem(exp, state, [key], point)
+        if problem:
+            why[key] = problem
+        else:
+            ok.append(key)
+    if ok and (problem := _trace_problem(exp, state, ok, point)):
+        why.update({key: f"traced alone, not together ({problem})" for key in ok})
+        ok = []
+    return ok, why
+
+
+# ------------------------------------------------------------------ the sweep
+@dataclasses.dataclass
+class SweepResult:
+    """What ``sweep`` returns: the members' results (None where diverged), the table's rows
+    (one per grid point), the best point and the sweep's record (``sweep.json``)."""
+    members: list[Member]
+    results: list[RunResult | None]
+    rows: list[dict]
+    best: dict | None
+    record: dict
+
+    def table(self) -> str:
+        return format_table(self.record)
+
+
+def sweep(config: RunConfig, axes: dict[str, list], seeds: Sequence[int] = (0,), *, parallelism: str = "auto",
+              select: str = "best_accuracy", resume: bool = False, overwrite: bool = False, progress: bool = True,
+              given: set[str] | None = None) -> SweepResult:
+    """Runs every grid point of ``axes`` ({key: values}) with every seed (see the module docstring)."""
+    seeds = [int(s) for s in seeds]
+    if not seeds or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds):
+        raise RunError(f"a sweep needs distinct non-negative seeds, got {seeds}")
+    check_axes(config, axes)
+    parse_select(select)
+    if config.execution.client_state == "host":
+        raise RunError("a sweep stacks its members' clients on the device; sweep with --client-state device")
+    members = members_of(config, axes, seeds)
+    for member in members:   # every member's configuration is checked before anything runs
+        validate(member.config)
+    mode = resolve_replica_parallelism(parallelism)
+    out = Path(config.out) if config.out else None
+    previous = _read_record(out) if (resume and out is not None) else {}
+    diverged: dict[str, str] = dict(previous.get("diverged", {}))
+    t_start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(locked_out_dir(out))
+            if not resume and not overwrite and (out / "sweep.json").exists():
+                raise RunError(f"{out} already holds a sweep; pass --resume to continue it, --overwrite to replace "
+                               "it, or another --out")
+        results: dict[int, RunResult] = {}
+        opened = []
+        for index, member in enumerate(members):
+            if _name(member) in diverged:
+                continue
+            member_out = Path(member.config.out) if member.config.out else None
+            if member_out is not None:
+                stack.enter_context(locked_out_dir(member_out))
+            resume_m = resume and member_out is not None and has_checkpoint(member_out)
+            run = open_run(member.config, member_out, resume=resume_m, overwrite=overwrite or (resume and not resume_m),
+                           experiment=None, given=given, quiet=True)
+            if isinstance(run, RunResult):
+                results[index] = run
+            else:
+                opened.append((index, run))
+        programs = []
+        if opened:
+            first_index, first = opened[0]
+            keys, why = traced_keys(first.exp, first.state, members[first_index].point)
+            groups: dict[tuple, list] = {}
+            for index, run in opened:
+                structural = tuple((k, v) for k, v in members[index].point if k not in keys)
+                groups.setdefault(structural, []).append((index, run))
+            for group in groups.values():
+                runs = [run for _, run in group]
+                reason = unshareable_reason(runs) if len(runs) > 1 else None
+                group_mode = mode if reason is None else "separate"
+                program = None
+                if keys and group_mode != "separate":
+                    program = (make_rebuild(runs[0].exp, keys), [_hp_of(members[i].point, keys) for i, _ in group])
+                programs.append({"points": sorted({point_label(members[i].point) for i, _ in group}),
+                                 "members": len(group), "mode": group_mode,
+                                 **({"why_separate": reason} if reason else {})})
+                runner_group = RunGroup(runs, group_mode, progress, [None] * len(runs), program, keep_going=True,
+                                        label=lambda r: f" ({r.out.parent.name}/{r.out.name})" if r.out else "")
+                try:
+                    states = runner_group.run()
+                    for j, ((index, run), state) in enumerate(zip(group, states)):
+                        if j in runner_group.diverged:
+                            diverged[_name(members[index])] = runner_group.diverged[j]
+                        else:
+                            results[index] = RunResult(run.finish(), state)
+                finally:
+                    runner_group.close()
+        else:
+            keys, why = list(previous.get("traced_keys", [])), dict(previous.get("own_program_keys", {}))
+        ordered = [results.get(i) for i in range(len(members))]
+        record = _record(config, axes, seeds, members, ordered, diverged, select, mode, keys, why,
+                         programs or previous.get("programs", []), time.perf_counter() - t_start)
+        if out is not None:
+            (out / "sweep.json").write_text(json.dumps(record, indent=2, allow_nan=False) + "\n")
+            (out / "sweep.md").write_text(format_table(record))
+        return SweepResult(members, ordered, record["points"], record["best"], record)
+
+
+def _name(member: Member) -> str:
+    return f"{point_label(member.point)}/seed{member.seed}"
+
+
+def _read_record(out: Path) -> dict:
+    path = out / "sweep.json"
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        raise RunError(f"{path} is damaged; delete it to resume the sweep's members from their own folders") from None
+
+
+# ------------------------------------------------------------------ the table
+def parse_select(select: str) -> tuple[str, float | None]:
+    """``best_accuracy`` | ``final_accuracy`` | ``accuracy_at_gbit:X`` (the best accuracy evaluated
+    within X Gbit of communication)."""
+    key, _, budget = select.partition(":")
+    if key in SELECT_KEYS and not budget:
+        return key, None
+    if key == "accuracy_at_gbit" and budget:
+        try:
+            return key, float(budget)
+        except ValueError:
+            pass
+    raise RunError(f"unknown --sweep-select {select!r}; valid: best_accuracy, final_accuracy, accuracy_at_gbit:X")
+
+
+def _accuracy_at_gbit(out: Path | None, budget: float) -> float | None:
+    if out is None or not (out / "metrics.jsonl").exists():
+        return None
+    within = [r["accuracy"] for r in read_metrics(out) if r.get("accuracy") is not None
+              and r.get("total_uplink_bits") is not None and r.get("total_downlink_bits") is not None
+              and (r["total_uplink_bits"] + r["total_downlink_bits"]) / 1e9 <= budget]
+    return max(within) if within else None
+
+
+def _mean_std(values: list) -> tuple[float | None, float | None]:
+    known = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    if not known:
+        return None, None
+    return float(np.mean(known)), (float(np.std(known, ddof=1)) if len(known) > 1 else None)
+
+
+def _record(config, axes, seeds, members, results, diverged, select, mode, keys, why, programs, seconds) -> dict:
+    key, budget = parse_select(select)
+    points = []
+    for point in grid(axes):
+        label = point_label(point)
+        mine = [(m, r) for m, r in zip(members, results) if m.point == point]
+        summaries = [r.summary if r is not None else None for _, r in mine]
+        ok = [s for s in summaries if s is not None]
+
+        row: dict[str, Any] = {"point": label, "values": dict(point), "seeds": [m.seed for m, _ in mine],
+                               "finished": len(ok), "diverged": [m.seed for m, _ in mine if _name(m) in diverged]}
+        for name, source, scale in (("final_accuracy", "final_accuracy", 1.0), ("best_accuracy", "best_accuracy", 1.0),
+                                    ("gbit", "total_gbit", 1.0), ("tflops", "total_flops", 1e-12),
+                                    ("density", "final_density", 1.0)):
+            row[name], row[f"{name}_std"] = _mean_std([None if s.get(source) is None else s[source] * scale
+                                                       for s in ok])
+        if budget is not None:
+            row[select], row[f"{select}_std"] = _mean_std(
+                [_accuracy_at_gbit(Path(m.config.out) if m.config.out else None, budget) for m, r in mine
+                 if r is not None])
+        points.append(row)
+    score = select if budget is not None else key
+    ranked = [p for p in points if p.get(score) is not None]
+    best = max(ranked, key=lambda p: p[score]) if ranked else None
+    return {"config": config.to_json(),
+            "algorithm": config.algorithm, "dataset": config.dataset, "rounds": config.rounds,
+            "axes": axes, "seeds": list(seeds), "select": select,
+            "best": None if best is None else {"point": best["point"], "values": best["values"], select: best[score]},
+            "points": points, "diverged": diverged, "parallelism": mode,
+            "traced_keys": keys, "own_program_keys": why, "programs": programs,
+            "members": [_name(m) for m in members], "seconds_this_session": seconds}
+
+
+def _fmt(mean, std, scale=100.0, digits=2, unit="%") -> str:
+    if mean is None:
+        return "n/a"
+    text = f"{mean * scale:.{digits}f}"
+    return text + (f" ± {std * scale:.{digits}f}" if std is not None else "") + unit
+
+
+def format_table(record: dict) -> str:
+    """The sweep's markdown table: mean ± sample std over seeds per grid point."""
+    select = record["select"]
+    extra = [select] if select.startswith("accuracy_at_gbit") else []
+    head = ["point", "seeds ok", "final accuracy", "best accuracy", *extra, "Gbit", "TFLOPs", "density"]
+    lines = [f"Sweep of {record['algorithm']} on {record['dataset']}, {record['rounds']} rounds, seeds "
+             f"{record['seeds']} (mean ± sample std over seeds).", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for p in record["points"]:
+        cells = [p["point"], f"{p['finished']}/{len(p['seeds'])}"
+                 + (f" (diverged: {p['diverged']})" if p["diverged"] else ""),
+                 _fmt(p["final_accuracy"], p["final_accuracy_std"]), _fmt(p["best_accuracy"], p["best_accuracy_std"]),
+                 *[_fmt(p.get(k), p.get(f"{k}_std")) for k in extra],
+                 _fmt(p["gbit"], p["gbit_std"], 1.0, 4, ""), _fmt(p["tflops"], p["tflops_std"], 1.0, 3, ""),
+                 _fmt(p["density"], p["density_std"], 1.0, 3, "")]
+        lines.append("| " + " | ".join(cells) + " |")
+    best = record["best"]
+    lines += ["", f"Best by {select}: " + ("n/a" if best is None else f"{best['point']} ({100 * best[select]:.2f}%)")]
+    if record.get("own_program_keys"):
+        lines += ["", "Keys with a program per value: " + "; ".join(
+            f"{k} ({v})" for k, v in record["own_program_keys"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def is_sweep(path: str | Path) -> bool:
+    return (Path(path) / "sweep.json").is_file()
+
+
+def load_sweep(path: str | Path) -> dict:
+    return json.loads((Path(path) / "sweep.json").read_text())
+
+
+def member_dirs(path: str | Path, record: dict | None = None) -> dict[str, list[Path]]:
+    """{point label: [its seeds' run folders that have metrics]}."""
+    record = record or load_sweep(path)
+    by_point: dict[str, list[Path]] = {}
+    for name in record["members"]:
+        label, _, _ = name.rpartition("/")
+        folder = Path(path) / name
+        if (folder / "metrics.jsonl").exists():
+            by_point.setdefault(label, []).append(folder)
+    return by_point
