@@ -91,6 +91,13 @@ class RunConfig:
     trim_fraction: float = 0.1          # trimmed / assumed-malicious fraction of the cohort
     attack: str | None = None           # min_max
     malicious_fraction: float = 0.0     # fixed fraction of malicious client ids (seeded by --seed)
+    # Client-level differential privacy (DP-FedAvg, fedjax_sparse.algorithms.private; accounting in
+    # fedjax_sparse.privacy): updates clipped to dp_clip, noise dp_noise_multiplier * dp_clip on their sum,
+    # or the noise calibrated before the run to reach dp_target_epsilon at dp_delta after all rounds.
+    dp_clip: float | None = None
+    dp_noise_multiplier: float | None = None
+    dp_target_epsilon: float | None = None
+    dp_delta: float = 1e-5
     # Pinned draws (fedjax_sparse.pinning): replay another run's partition, initial weights, cohorts.
     partition_file: str | None = None
     init_params: str | None = None
@@ -236,6 +243,7 @@ def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()
     if config.attack is not None and math.floor(config.malicious_fraction * config.num_clients) == 0:
         raise RunError(f"--malicious-fraction {config.malicious_fraction} of --num-clients {config.num_clients} "
                        f"makes no client malicious; raise it to at least {1 / config.num_clients:.3g}")
+    check_privacy(config)
     if not 0.0 <= config.trim_fraction < 0.5:
         raise RunError(f"--trim-fraction must be in [0, 0.5), got {config.trim_fraction}")
     if ex.personal_eval in ("batched", "loop"):
@@ -271,6 +279,38 @@ def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()
         raise RunError(str(e)) from None
     check_wrappers(config, options)
     return options
+
+
+def check_privacy(config: RunConfig) -> None:
+    """One-line RunError for an incomplete or inapplicable --dp-* setting."""
+    given = [f"--{name.replace('_', '-')}" for name in ("dp_noise_multiplier", "dp_target_epsilon")
+             if getattr(config, name) is not None]
+    if config.dp_clip is None:
+        if given:
+            raise RunError(f"{' and '.join(given)} need --dp-clip C (the L2 norm each client's update is clipped to)")
+        return
+    if not (isinstance(config.dp_clip, (int, float)) and 0 < config.dp_clip < math.inf):
+        raise RunError(f"--dp-clip must be a positive finite number, got {config.dp_clip!r}")
+    if len(given) != 1:
+        raise RunError("--dp-clip needs exactly one of --dp-noise-multiplier Z (noise Z * C on the sum of the "
+                       "clipped updates) or --dp-target-epsilon E (Z calibrated to reach E after --rounds)")
+    if config.dp_noise_multiplier is not None and config.dp_noise_multiplier < 0:
+        raise RunError(f"--dp-noise-multiplier must be >= 0, got {config.dp_noise_multiplier}")
+    if config.dp_target_epsilon is not None and config.dp_target_epsilon <= 0:
+        raise RunError(f"--dp-target-epsilon must be > 0, got {config.dp_target_epsilon}")
+    if not 0 < config.dp_delta < 1:
+        raise RunError(f"--dp-delta must be in (0, 1), got {config.dp_delta}")
+    if config.cohort_schedule or config.resample_every != 1:
+        raise RunError("--dp-clip accounts for a fresh cohort of K of N clients sampled every round; drop "
+                       "--cohort-schedule / --resample-every")
+    if config.aggregator is not None:
+        raise RunError("--dp-clip and --aggregator: a robust aggregator inside DP-FedAvg would see K identical "
+                       "private rows; drop one")
+    if isinstance(config.algorithm, str) and config.algorithm in algorithm_names():
+        from fedjax_sparse.algorithms.private import dp_refusal
+        reason = dp_refusal(config.algorithm, config.options)
+        if reason is not None:
+            raise RunError(f"--dp-clip: {reason}")
 
 
 def wrappable_algorithms() -> list[str]:

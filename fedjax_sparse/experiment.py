@@ -212,16 +212,33 @@ def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experi
 
 
 def wrap_algorithm(algorithm: Algorithm, config: RunConfig) -> Algorithm:
-    """``algorithm`` inside the wrappers ``config`` asks for (``--aggregator``, ``--attack``)."""
+    """``algorithm`` inside the wrappers ``config`` asks for (``--dp-clip``, ``--aggregator``,
+    ``--attack``; the attack outermost: it is what the clients send)."""
     try:
+        if config.dp_clip is not None:
+            from fedjax_sparse.algorithms.private import with_dp
+            algorithm = with_dp(algorithm, clip_norm=config.dp_clip, noise_multiplier=noise_multiplier(config),
+                                clients_per_round=config.clients_per_round)
         if config.aggregator is not None:
             algorithm = compose.with_aggregator(algorithm, config.aggregator, trim_fraction=config.trim_fraction)
         if config.attack is not None:
             algorithm = compose.with_attack(algorithm, config.attack, num_clients=config.num_clients,
                                             malicious_fraction=config.malicious_fraction, seed=config.seed)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         raise RunError(str(e)) from None
     return algorithm
+
+
+def noise_multiplier(config: RunConfig) -> float:
+    """``--dp-noise-multiplier``, or the one ``--dp-target-epsilon`` calibrates for the run's rounds
+    (the engine's sampling: K of N without replacement every round; fedjax_sparse.privacy)."""
+    if config.dp_noise_multiplier is not None:
+        return float(config.dp_noise_multiplier)
+    from fedjax_sparse import privacy
+    assert config.dp_target_epsilon is not None   # config.check_privacy
+    return privacy.calibrate_noise_multiplier(config.dp_target_epsilon, config.rounds, config.dp_delta,
+                                              num_clients=config.num_clients,
+                                              clients_per_round=config.clients_per_round)
 
 
 def _constant_init(variables: dict):

@@ -127,6 +127,11 @@ def summarize(config, exp, rows, totals, build_seconds, compile_seconds) -> dict
         # The accelerator's allocator peak (null on CPU, which keeps no such statistics).
         "peak_device_memory_mib": timing.device_peak_memory_mib(),
         "backend": jax.default_backend(), "client_parallelism": exp.engine.mode,
+        **({} if config.dp_clip is None else {
+            "dp_epsilon": final.get("dp_epsilon"), "dp_delta": config.dp_delta, "dp_clip": config.dp_clip,
+            "dp_noise_multiplier": exp.algorithm.hparams.get("dp_noise_multiplier"),
+            "dp_accounting": "RDP (dp-accounting), K of N clients sampled without replacement each round, "
+                             "replace-one-client adjacency"}),
     }
 
 

@@ -448,6 +448,13 @@ class OpenRun:
         self.t0 = 0.0
         self.last_checkpoint = time.perf_counter()
         self.checkpointer: Checkpointer | None = None
+        # --dp-clip: epsilon after each round r (index r - 1) at --dp-delta, for the engine's sampling.
+        self.dp_epsilons = None
+        if config.dp_clip is not None:
+            from fedjax_sparse import privacy
+            self.dp_epsilons = privacy.epsilon_curve(
+                float(exp.algorithm.hparams["dp_noise_multiplier"]), config.rounds, config.dp_delta,
+                num_clients=config.num_clients, clients_per_round=config.clients_per_round)
 
     @property
     def round(self) -> int:
@@ -564,6 +571,9 @@ class OpenRun:
         for key, value in metrics.items():
             if key not in row and key != "num_examples":
                 row[key] = int(value[-1]) if key in STEP_METRICS else float(value[-1])
+        if self.dp_epsilons is not None:
+            row["dp_epsilon"] = float(self.dp_epsilons[min(totals["round"], len(self.dp_epsilons)) - 1])
+            row["dp_clipped_fraction"] = row.get("server_dp_clipped_fraction")
         if self.population is not None:
             # Clients trained at least once so far (the others still hold the initial row).
             row["clients_touched"] = self.population.touched

@@ -1,0 +1,264 @@
+"""Client-level differential privacy: DP-FedAvg (McMahan, Ramage, Talwar, Zhang, "Learning
+Differentially Private Recurrent Language Models", ICLR 2018) as a wrapper around any algorithm
+whose clients send float updates (FedAvg, FedProx, FedAvgM, SCAFFOLD, Caldas et al., SpaFL's
+thresholds, the FSL paper's FedAvg and TopK).
+
+    alg = with_dp(make_algorithm("fedavg", task), clip_norm=1.0, noise_multiplier=1.0,
+                  clients_per_round=task.clients_per_round)
+
+The server side of a round: every sampled client's update (the whole message flattened to one
+vector) is clipped to L2 norm ``clip_norm`` C; the K clipped updates are summed; Gaussian noise of
+standard deviation ``noise_multiplier * clip_norm`` (z C) is added to every coordinate of the sum;
+the sum is divided by the FIXED cohort size K (``clients_per_round``), not by the clients' total
+weight: DP-FedAvg's fixed-denominator estimator, whose sensitivity does not depend on the data
+(a data-size weighted mean would let one client's weight move every other client's contribution).
+The clients' weights (training-set sizes) are ignored.
+
+* Around an ``UpdateServer`` (flat float updates [K, P] that it averages and applies: the FSL
+  paper's FedAvg in ``algorithms.robust``, TopK) the updates are the messages themselves and the
+  private mean replaces the server's own mean: it is applied exactly.
+* Around any other server the update is ``message - reference`` (``update_reference``): the
+  broadcast payload when the messages have its structure (FedAvg's, FedProx's, FedAvgM's models),
+  SpaFL's global thresholds ``tau`` (the thresholds every sampled client started its local training
+  from, so the clipped quantity is the client's change of them, not the thresholds themselves),
+  the global model for Caldas et al. (its messages are whole models) and SCAFFOLD (whose
+  ``delta_control`` is a change already), else zero (the messages are updates already: the FSL
+  paper's FedAvg inside ``with_attack``). The server then receives K copies of ``reference +
+  private mean`` (like ``compose.AggregatingServer``), so a server that (weighted-)averages its
+  messages applies the private aggregate up to float rounding.
+
+Exactness: ``noise_multiplier=0`` and ``clip_norm=inf`` give the plain algorithm's result, to float
+rounding, when the plain server takes the uniform mean (SpaFL, ``fedavg`` with ``weighted=False``,
+or equal client sizes): a data-size weighted FedAvg averages differently (its weights) from the DP
+estimator (1/K each), so the two differ whenever the sampled clients' sizes differ.
+
+What the guarantee covers: the sequence of server states (everything computed from the private
+aggregates is post-processing), with a trusted server that clips and noises; the accountant is
+``fedjax_sparse.privacy`` (one ``GaussianDpEvent`` per round, the cohort sampled as the engine does).
+It does not hold when the server uses the individual messages (wrap ``with_dp`` outside
+``with_aggregator``: the robust aggregator then sees K identical rows) or when clients' states leave
+them in other ways. Non-float messages (FSL's rankings, FedPM's masks, SignSGD's signs, HeteroFL's
+and FjORD's widths) and empty ones are refused in one line: no DP mechanism for them is implemented.
+
+The mechanism is pure functions here (``clip_rows``, ``noisy_sum``, ``DpMechanism``) and the
+wrapper ``with_dp``. Server metrics each round: ``dp_clipped_fraction`` (the fraction of the K
+updates whose norm exceeded C, before clipping) and ``dp_update_norm`` (their mean norm before
+clipping), float32.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
+
+from fedjax_sparse.algorithms.base import Algorithm, ServerContext
+from fedjax_sparse.algorithms.baselines import CaldasServerState, ScaffoldServerState
+from fedjax_sparse.algorithms.compose import UpdateServer, flatten_messages
+from fedjax_sparse.algorithms.feddrop import FedDropServerState
+from fedjax_sparse.algorithms.registry import algorithm_entry, algorithm_names, wrapper_refusal
+from fedjax_sparse.algorithms.spafl import SpaflServerState
+
+# Folded into the round's server key for the noise: an algorithm whose server draws from ``ctx.key``
+# itself then never sees the same numbers as the noise.
+DP_NOISE_STREAM = 0x44504E   # "DPN"
+DP_REFUSAL = ("DP-FedAvg clips and noises float updates, and no DP mechanism for rankings, masks, signs or "
+              "widths is implemented")
+DROPOUT_REFUSAL = ("its clients send their sampled FLOPs (a count that grows with their data) next to their model, "
+                   "and FedDrop's server also uses each client's own model (trajectory similarity)")
+
+
+# ---------------------------------------------------------------------------- the mechanism
+def clip_rows(flat: jax.Array, clip_norm: float) -> tuple[jax.Array, jax.Array]:
+    """[K, P] updates -> (each row scaled to L2 norm at most ``clip_norm`` [K, P], their norms before
+    clipping [K]). A longer row is scaled by ``clip_norm / norm``; a row within the bound by exactly 1
+    (returned bit for bit), so ``clip_norm=inf`` is the identity (inf / norm, even a zero norm, is >= 1)."""
+    flat = flat.astype(jnp.float32)
+    norms = jnp.sqrt(jnp.sum(jnp.square(flat), axis=1))
+    scale = jnp.minimum(1.0, clip_norm / jnp.maximum(norms, jnp.finfo(jnp.float32).tiny))
+    return flat * scale[:, None], norms
+
+
+def noisy_sum(clipped: jax.Array, stddev: float, key: jax.Array) -> jax.Array:
+    """[K, P] clipped updates -> their sum [P] plus N(0, stddev^2) noise, one draw per coordinate.
+    ``stddev == 0`` (a Python number) adds nothing, so the sum is exact."""
+    total = jnp.sum(clipped, axis=0)
+    if stddev == 0:
+        return total
+    return total + stddev * jax.random.normal(key, total.shape, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class DpMechanism:
+    """The Gaussian mechanism of DP-FedAvg on K flattened client updates [K, P]: clip every row to
+    ``clip_norm`` C, sum, add N(0, (z C)^2) per coordinate (z = ``noise_multiplier``), divide by the
+    fixed ``clients_per_round`` K. The noise of the returned mean has standard deviation z C / K."""
+    clip_norm: float
+    noise_multiplier: float
+    clients_per_round: int
+
+    def __post_init__(self):
+        if not self.clip_norm > 0:
+            raise ValueError(f"clip_norm must be > 0 (inf: no clipping), got {self.clip_norm}")
+        if not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
+            raise ValueError(f"noise_multiplier must be finite and >= 0, got {self.noise_multiplier}")
+        if self.noise_multiplier > 0 and math.isinf(self.clip_norm):
+            raise ValueError("noise_multiplier > 0 needs a finite clip_norm (the noise is noise_multiplier * "
+                             "clip_norm; without clipping an update's influence is unbounded)")
+        if self.clients_per_round < 1:
+            raise ValueError(f"clients_per_round must be >= 1, got {self.clients_per_round}")
+
+    @property
+    def noise_stddev(self) -> float:
+        """Standard deviation of the noise added to the sum: z C (0 when z = 0, whatever C)."""
+        return self.noise_multiplier * self.clip_norm if self.noise_multiplier else 0.0
+
+    def __call__(self, updates: jax.Array, key: jax.Array) -> tuple[jax.Array, dict]:
+        """[K, P] updates -> (private mean [P] float32, server metrics)."""
+        k = updates.shape[0]
+        if k != self.clients_per_round:
+            # The accountant and the 1/K denominator assume exactly K sampled clients per round.
+            raise ValueError(f"with_dp(clients_per_round={self.clients_per_round}) received {k} client updates; "
+                             "pass the engine's clients_per_round")
+        clipped, norms = clip_rows(updates, self.clip_norm)
+        mean = noisy_sum(clipped, self.noise_stddev, key) / self.clients_per_round
+        metrics = {"dp_clipped_fraction": jnp.mean((norms > self.clip_norm).astype(jnp.float32)),
+                   "dp_update_norm": jnp.mean(norms)}
+        return mean, metrics
+
+
+def noise_key(ctx: ServerContext) -> jax.Array:
+    """The noise's key: the round's server key folded with ``DP_NOISE_STREAM``."""
+    return jax.random.fold_in(ctx.key, DP_NOISE_STREAM)
+
+
+# ---------------------------------------------------------------------------- what an update is relative to
+def same_structure(a, b) -> bool:
+    """Whether pytrees ``a`` and ``b`` have one tree structure (then they ravel in the same order)."""
+    return bool(jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b))  # type: ignore[operator]
+
+
+def update_reference(payload, row):
+    """What one client's message ``row`` is relative to, as a pytree shaped like ``row``, or None
+    when the message is an update already (the reference is then zero).
+
+    * the payload itself when the messages have its structure (FedAvg, FedProx, FedAvgM: the model);
+    * SpaFL (``SpaflServerState``): the global thresholds ``tau`` every sampled client started from
+      (not ``delta``, the last change, which has the same structure);
+    * Caldas et al. (``CaldasServerState``): the global model; SCAFFOLD (``ScaffoldServerState``):
+      the global model for ``variables`` and zero for ``delta_control`` (a change already);
+    * FedDrop and UniDrop are refused: their messages carry each client's sampled FLOPs next to its
+      model (a count, which would dominate the norm and reveal the client's data size), and FedDrop's
+      server optimises keep probabilities from every client's own model.
+    """
+    if same_structure(payload, row):
+        return payload
+    if isinstance(payload, SpaflServerState):
+        return payload.tau
+    if isinstance(payload, CaldasServerState):
+        return payload.variables
+    if isinstance(payload, ScaffoldServerState):
+        return {**jax.tree_util.tree_map(jnp.zeros_like, row), "variables": payload.variables}
+    if isinstance(payload, FedDropServerState):
+        raise TypeError(f"with_dp cannot wrap FedDrop/UniDrop: {DROPOUT_REFUSAL}")
+    return None
+
+
+def _check_float_messages(name: str, messages) -> None:
+    """One-line TypeError for empty or non-float messages (the mechanism clips float vectors)."""
+    leaves = jax.tree_util.tree_leaves(messages)
+    if not leaves:
+        raise TypeError(f"with_dp cannot wrap {name}: its clients send nothing; {DP_REFUSAL}")
+    bad = sorted({str(leaf.dtype) for leaf in leaves if not jnp.issubdtype(leaf.dtype, jnp.floating)})
+    if bad:
+        raise TypeError(f"with_dp cannot wrap {name}: its clients send {', '.join(bad)} values, not float updates; "
+                        f"{DP_REFUSAL}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivateServer:
+    """``server_update`` of an algorithm behind DP-FedAvg's ``mechanism`` (see the module docstring).
+    ``broadcast``: the algorithm's, for the reference of the messages; ``reference(payload, row)``:
+    what a message is relative to (``update_reference``), None for zero; ``name``: for errors."""
+    server_update: Callable[[Any, Any, ServerContext], tuple[Any, dict]]
+    mechanism: DpMechanism
+    broadcast: Callable[[Any, jax.Array], Any]
+    reference: Callable[[Any, Any], Any] = update_reference
+    name: str = "the algorithm"
+
+    def __call__(self, server_state, messages, ctx: ServerContext):
+        _check_float_messages(self.name, messages)
+        inner = self.server_update
+        if isinstance(inner, UpdateServer) and inner.aggregator is None:
+            # The updates themselves; the private mean replaces the server's own (weighted or uniform) one.
+            aggregate, metrics = self.mechanism(messages, noise_key(ctx))
+            return inner.apply(server_state, aggregate), metrics
+        flat, unravel = flatten_messages(messages)
+        row = jax.tree_util.tree_map(lambda x: x[0], messages)
+        ref_tree = self.reference(self.broadcast(server_state, ctx.round), row)
+        if ref_tree is None:
+            reference = jnp.zeros(flat.shape[1], jnp.float32)
+        elif same_structure(ref_tree, row):
+            reference = ravel_pytree(ref_tree)[0].astype(jnp.float32)
+        else:
+            raise TypeError(f"with_dp: the reference of {self.name}'s messages must have their structure "
+                            f"{jax.tree_util.tree_structure(row)}, got {jax.tree_util.tree_structure(ref_tree)}")
+        aggregate, metrics = self.mechanism(flat - reference[None], noise_key(ctx))
+        private_row = unravel(reference + aggregate)
+        private = jax.tree_util.tree_map(lambda leaf, m: jnp.broadcast_to(leaf, m.shape).astype(m.dtype),
+                                         private_row, messages)
+        new_state, inner_metrics = inner(server_state, private, ctx)
+        return new_state, {**inner_metrics, **metrics}
+
+
+# ---------------------------------------------------------------------------- the wrapper
+def dp_refusal(name: str, options: Any = None) -> str | None:
+    """Why ``with_dp`` cannot wrap registered algorithm ``name`` with these options (one line), or
+    None when it can: the algorithms whose clients send something other than float updates (the
+    registry's ``unwrappable=``), and FedDrop/UniDrop (see ``update_reference``)."""
+    if name in ("feddrop", "unidrop"):
+        return f"with_dp cannot wrap {name}: {DROPOUT_REFUSAL}"
+    reason = wrapper_refusal(name, options)
+    return None if reason is None else f"with_dp cannot wrap {name}: {reason}; {DP_REFUSAL}"
+
+
+def _registered_options(alg: Algorithm) -> tuple[str, dict] | None:
+    """(registered name, its options from ``alg.hparams``) of an algorithm built by the registry, or None."""
+    name = alg.name.split("+")[0]
+    if name not in algorithm_names():
+        return None
+    fields = {f.name for f in dataclasses.fields(algorithm_entry(name).options)}
+    return name, {k: v for k, v in alg.hparams.items() if k in fields}
+
+
+def with_dp(alg: Algorithm, *, clip_norm: float, noise_multiplier: float, clients_per_round: int,
+            reference: Callable[[Any], Any] | None = None) -> Algorithm:
+    """``alg`` whose server sees DP-FedAvg's private mean of its clients' updates (module docstring).
+
+    ``clip_norm`` C (``inf``: no clipping), ``noise_multiplier`` z (noise of standard deviation z C on
+    the sum of the clipped updates, z C / K on their mean), ``clients_per_round`` K: the fixed
+    denominator, the engine's cohort size. The clients' weights are ignored (uniform 1/K).
+    ``reference(payload)``: what a message is relative to, shaped like one client's message; None:
+    ``update_reference``. Wrap it outermost among the aggregator wrappers (``with_aggregator`` outside
+    it would see the raw messages); an attack (the clients' behaviour) may wrap it.
+
+    Server metrics: ``dp_clipped_fraction`` and ``dp_update_norm``. Raises TypeError in one line for
+    algorithms whose clients send no float updates (FSL, FedPM, SignSGD, HeteroFL, FjORD, Local)."""
+    registered = _registered_options(alg)
+    if registered is not None:
+        refusal = dp_refusal(*registered)
+        if refusal is not None:
+            raise TypeError(refusal)
+    mechanism = DpMechanism(float(clip_norm), float(noise_multiplier), int(clients_per_round))
+    resolve = update_reference if reference is None else (lambda payload, row: reference(payload))
+    server = PrivateServer(alg.server_update, mechanism, alg.broadcast, resolve, alg.name)
+    hparams = {**alg.hparams, "dp_clip_norm": mechanism.clip_norm, "dp_noise_multiplier": mechanism.noise_multiplier,
+               "dp_clients_per_round": mechanism.clients_per_round}
+    return dataclasses.replace(alg, name=f"{alg.name}+dp", server_update=server, hparams=hparams)
+
+
+__all__ = ["DP_NOISE_STREAM", "DP_REFUSAL", "DROPOUT_REFUSAL", "DpMechanism", "PrivateServer", "clip_rows",
+           "dp_refusal", "noise_key", "noisy_sum", "same_structure", "update_reference", "with_dp"]

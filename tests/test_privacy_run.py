@@ -1,0 +1,69 @@
+"""Client-level DP through the CLI and the front door: --dp-* flags, dp_epsilon and dp_clipped_fraction
+in every metrics row, the calibrated noise, one-line refusals."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import fedjax_sparse as fjs
+from fedjax_sparse import privacy
+from fedjax_sparse.cli import main
+from fedjax_sparse.config import RunConfig, validate
+from fedjax_sparse.errors import RunError
+
+QUICK = ["--algorithm", "fedavg", "--dataset", "digits", "--num-clients", "20", "--clients-per-round", "5",
+         "--local-epochs", "1", "--batch-size", "32", "--rounds", "3", "--quiet"]
+
+
+def rows(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_rows_carry_epsilon_of_the_engines_sampling_and_the_clipped_fraction(tmp_path):
+    out = tmp_path / "dp"
+    assert main(["run", *QUICK, "--dp-clip", "0.01", "--dp-noise-multiplier", "1.2", "--out", str(out)]) == 0
+    expected = privacy.epsilon_curve(1.2, 3, 1e-5, num_clients=20, clients_per_round=5)
+    got = rows(out)
+    assert [r["dp_epsilon"] for r in got] == pytest.approx(list(expected))
+    assert got[0]["dp_epsilon"] < got[1]["dp_epsilon"] < got[2]["dp_epsilon"]
+    # FedAvg's updates on digits are far longer than 0.01: every sampled update is clipped.
+    assert all(r["dp_clipped_fraction"] == 1.0 and r["server_dp_update_norm"] > 0.01 for r in got)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dp_epsilon"] == pytest.approx(expected[-1]) and summary["dp_noise_multiplier"] == 1.2
+
+
+def test_target_epsilon_calibrates_the_noise_before_the_run(tmp_path):
+    config = RunConfig.from_json({"algorithm": "spafl", "dataset": "digits", "num_clients": 20, "clients_per_round": 5,
+                                  "local_epochs": 1, "rounds": 3, "dp_clip": 0.1, "dp_target_epsilon": 4.0,
+                                  "out": str(tmp_path / "spafl")})
+    result = fjs.run(config, progress=False)
+    z = json.loads((tmp_path / "spafl" / "config.json").read_text())["algorithm_options"]["dp_noise_multiplier"]
+    final = privacy.epsilon(z, 3, 1e-5, num_clients=20, clients_per_round=5)
+    assert final <= 4.0 and final == pytest.approx(4.0, rel=0.02)
+    assert result.summary["dp_epsilon"] == pytest.approx(final)
+    assert privacy.epsilon(0.97 * z, 3, 1e-5, num_clients=20, clients_per_round=5) > 4.0
+
+
+@pytest.mark.parametrize("fields,needle", [
+    (dict(dp_noise_multiplier=1.0), "need --dp-clip"),
+    (dict(dp_clip=1.0), "exactly one of --dp-noise-multiplier"),
+    (dict(dp_clip=1.0, dp_noise_multiplier=1.0, dp_target_epsilon=2.0), "exactly one of"),
+    (dict(dp_clip=-1.0, dp_noise_multiplier=1.0), "positive finite"),
+    (dict(dp_clip=1.0, dp_noise_multiplier=1.0, dp_delta=2.0), "--dp-delta must be in"),
+    (dict(dp_clip=1.0, dp_noise_multiplier=1.0, resample_every=2), "fresh cohort"),
+    (dict(dp_clip=1.0, dp_noise_multiplier=1.0, aggregator="trimmed_mean"), "K identical"),
+    (dict(dp_clip=1.0, dp_noise_multiplier=1.0, algorithm="fsl"), "cannot wrap fsl"),
+])
+@pytest.mark.fast
+def test_dp_settings_refused_in_one_line(fields, needle):
+    with pytest.raises(RunError, match=needle):
+        validate(RunConfig.from_json({"algorithm": "fedavg", **fields}))
+
+
+def test_without_dp_flags_nothing_changes(tmp_path):
+    """The non-DP path: no dp keys in rows or summary."""
+    out = tmp_path / "plain"
+    assert main(["run", *QUICK, "--out", str(out)]) == 0
+    assert not any(k.startswith("dp_") or "server_dp" in k for r in rows(out) for k in r)
+    assert "dp_epsilon" not in json.loads((out / "summary.json").read_text())
