@@ -23,7 +23,9 @@ Namespaces:
 
 Running: ``run``, ``RunConfig``, ``RunResult``, ``build`` (the ``Experiment`` a run would use:
 data, task, engine), ``Engine`` (the round engine, for your own loops), ``with_aggregator`` and
-``with_attack`` (robust aggregation and poisoning around any algorithm), ``sweep`` (a grid of
+``with_attack`` (robust aggregation and poisoning around any algorithm), ``with_dp`` (client-level
+differential privacy, DP-FedAvg; ``RunConfig(dp_clip=..., dp_target_epsilon=...)`` wraps and accounts
+for a run), ``sweep`` (a grid of
 hyper-parameters x seeds in one process: ``fjs.sweep(config, {"lr": [0.01, 0.1]}, seeds=[0, 1, 2])``
 returns a ``SweepResult`` with the mean +- std table). Reading results:
 ``format_summary``, ``plot_runs``, ``report_table``.
@@ -44,6 +46,7 @@ _EXPORTS = {
     "ServerContext": "fedjax_sparse.algorithms.base", "Task": "fedjax_sparse.algorithms.base",
     "client_metrics": "fedjax_sparse.algorithms.base",
     "with_aggregator": "fedjax_sparse.algorithms.compose", "with_attack": "fedjax_sparse.algorithms.compose",
+    "with_dp": "fedjax_sparse.algorithms.private",
     "RunConfig": "fedjax_sparse.config", "RunError": "fedjax_sparse.errors",
     "Engine": "fedjax_sparse.engine", "EngineState": "fedjax_sparse.engine",
     "Hooks": "fedjax_sparse.models.base", "Model": "fedjax_sparse.models.base",
@@ -77,6 +80,8 @@ if TYPE_CHECKING:  # what type checkers and the API reference see
     from fedjax_sparse import algorithms, data, mechanisms, models  # noqa: F401
     from fedjax_sparse.algorithms.base import Algorithm, ClientContext, ServerContext, Task, client_metrics  # noqa: F401
     from fedjax_sparse.algorithms.compose import with_aggregator, with_attack  # noqa: F401
+    from fedjax_sparse.algorithms.private import with_dp  # noqa: F401
+    from fedjax_sparse.sweeps import SweepResult, sweep  # noqa: F401
     from fedjax_sparse.config import RunConfig  # noqa: F401
     from fedjax_sparse.engine import Engine, EngineState  # noqa: F401
     from fedjax_sparse.models.base import Hooks, Model  # noqa: F401
