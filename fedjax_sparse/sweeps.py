@@ -13,7 +13,8 @@ FedDrop's ``option.budget``) and ``model_option.NAME``.
 
 One compiled program serves many members. Members differing only in their seeds share one as
 ``--seeds`` replicas do. Swept values that the algorithm only computes with (a learning rate, a
-regulariser's weight) enter the program as traced arrays: the algorithm is rebuilt inside the
+regulariser's weight: ``lr`` and options declared as floats) enter the program as traced
+float32 arrays: the algorithm is rebuilt inside the
 program from them, so every grid point runs through the same compiled round. A value the algorithm
 turns into shapes or Python control flow (``local_epochs`` sizes the local loop's shuffles, FedDrop
 branches on its budget, a model option changes the layers) cannot be traced: the members are then
@@ -153,8 +154,11 @@ def members_of(config: RunConfig, axes: dict[str, list], seeds: Sequence[int]) -
 
 
 # ------------------------------------------------------------------ one program for many points
-def _traceable(key: str) -> bool:
-    return key in TRACEABLE_FIELDS or key.startswith("option.")
+def _float_options(config: RunConfig) -> set[str]:
+    """The algorithm's options declared as floats: the only ones traced (as float32 arrays), so an
+    integer or boolean option never reaches the algorithm with another dtype than its run alone."""
+    options = resolve_options(config.algorithm, config.options)
+    return {f"option.{f.name}" for f in dataclasses.fields(options) if type(f.default) is float}
 
 
 def _hp_of(point: tuple, keys: Sequence[str]) -> dict:
@@ -199,8 +203,12 @@ def traced_keys(exp: Experiment, state, point: tuple) -> tuple[list[str], dict[s
                     for key, _ in point}
     why: dict[str, str] = {}
     ok = []
+    float_options = _float_options(exp.config)
     for key, _ in point:
-        if not _traceable(key):
+        if key.startswith("option.") and key not in float_options:
+            why[key] = "not a float option (traced values are float32 arrays)"
+            continue
+        if key not in TRACEABLE_FIELDS and key not in float_options:
             why[key] = "not a learning rate or an algorithm option (shapes, data or the threat model)"
             continue
         problem = _trace_problem(exp, state, [key], point)

@@ -106,6 +106,16 @@ def test_untraceable_values_get_a_program_each_and_the_sweep_says_why(tmp_path):
     same_rows(rows(tmp_path / "s" / "local_epochs=2,lr=0.05" / "seed0"), rows(alone))
 
 
+def test_only_float_options_are_traced():
+    """An integer option (fedavg_robust's search_steps) would reach the algorithm as a float32 array:
+    it gets a program per value instead, and the sweep says why."""
+    config = RunConfig.from_json({**BASE, "algorithm": "fedavg_robust", "rounds": 1})
+    exp = fjs.build(config)
+    state = exp.engine.init(jax.random.PRNGKey(0))
+    keys, why = sweeps.traced_keys(exp, state, (("lr", 0.1), ("option.search_steps", 5)))
+    assert keys == ["lr"] and "not a float option" in why["option.search_steps"]
+
+
 def test_a_diverging_member_is_recorded_and_the_others_go_on(tmp_path):
     result = sweeps.sweep(RunConfig.from_json({**BASE, "algorithm": "fedavg", "out": str(tmp_path / "s")}),
                               {"lr": [0.1, 1e30]}, [0, 1], progress=False)
