@@ -308,7 +308,10 @@ def check_privacy(config: RunConfig) -> None:
                        "private rows; drop one")
     if isinstance(config.algorithm, str) and config.algorithm in algorithm_names():
         from fedjax_sparse.algorithms.private import dp_refusal
-        reason = dp_refusal(config.algorithm, config.options)
+        try:
+            reason = dp_refusal(config.algorithm, config.options)
+        except ValueError as e:   # an invalid --option (dp_refusal reads FedDrop's optimize=)
+            raise RunError(str(e)) from None
         if reason is not None:
             raise RunError(f"--dp-clip: {reason}")
 

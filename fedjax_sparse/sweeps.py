@@ -180,7 +180,11 @@ def make_rebuild(exp: Experiment, keys: Sequence[str]) -> Callable[[dict], Engin
         values = dict(concrete)
         values.update({key.partition(".")[2]: value for key, value in hp.items() if key.startswith("option.")})
         task = dataclasses.replace(exp.task, lr=hp["lr"]) if "lr" in hp else exp.task
-        algorithm = wrap_algorithm(builder(task, **values), config)
+        built = builder(task, **values)
+        # The untraced options in hparams, as make_algorithm records them: with_dp reads its refusals there
+        # (FedDrop's optimize=); a traced value is an array and is left out.
+        fixed = {name: value for name, value in concrete.items() if f"option.{name}" not in hp}
+        algorithm = wrap_algorithm(dataclasses.replace(built, hparams={**fixed, **built.hparams}), config)
         return dataclasses.replace(exp.engine, algorithm=algorithm)
     return rebuild
 

@@ -15,8 +15,8 @@ from fedjax_sparse.algorithms import Algorithm, ServerContext, make_algorithm
 from fedjax_sparse.algorithms.compose import UpdateServer
 from fedjax_sparse.algorithms.baselines import CaldasServerState, ScaffoldServerState
 from fedjax_sparse.algorithms.feddrop import FedDropServerState
-from fedjax_sparse.algorithms.private import (DP_NOISE_STREAM, DpMechanism, clip_rows, dp_refusal, noisy_sum,
-                                              update_reference, with_dp)
+from fedjax_sparse.algorithms.private import (DP_NOISE_STREAM, DpMechanism, accounting_keys, clip_rows, dp_refusal,
+                                              noisy_sum, update_reference, with_dp)
 from fedjax_sparse.algorithms.spafl import SpaflServerState
 from fedjax_sparse.engine import Engine
 from helpers import make_task, tiny_federated
@@ -271,7 +271,7 @@ def test_algorithms_without_float_updates_are_refused_in_one_line():
     for name in ("signsgd", "heterofl", "local", "spafl_local", "feddrop"):
         assert dp_refusal(name).startswith(f"with_dp cannot wrap {name}: "), name
     assert dp_refusal("spafl", {"share_thresholds": False}) is not None
-    for name in ("fedavg", "spafl", "fedprox", "scaffold", "caldas", "fedavgm", "topk", "fedavg_robust"):
+    for name in ("fedavg", "spafl", "fedprox", "scaffold", "caldas", "fedavgm", "topk", "fedavg_robust", "unidrop"):
         assert dp_refusal(name) is None, name
     # An unregistered algorithm with integer messages: refused when its server runs.
     alg = with_dp(recording(None), clip_norm=1.0, noise_multiplier=1.0, clients_per_round=3)
@@ -287,7 +287,8 @@ def test_algorithms_without_float_updates_are_refused_in_one_line():
 def test_what_each_algorithms_messages_are_relative_to():
     """The reference an update is measured from: the model for model-shaped messages; SpaFL's global
     thresholds tau (not delta, which has the same structure); Caldas et al.'s global model; SCAFFOLD's
-    global model and zero for its delta_control (a change already); zero for flat updates."""
+    global model and zero for its delta_control (a change already); zero for flat updates; UniDrop's and
+    FedDrop's global model for their variables, their sampled FLOPs being accounting that passes through."""
     model = {"params": {"w": jnp.ones(3)}}
     assert update_reference(model, {"params": {"w": jnp.zeros(3)}}) is model
     tau, delta = {"conv": jnp.full(4, 0.1)}, {"conv": jnp.full(4, -0.2)}
@@ -297,8 +298,37 @@ def test_what_each_algorithms_messages_are_relative_to():
     ref = update_reference(ScaffoldServerState(control={"w": jnp.full(3, 9.0)}, variables=model), row)
     assert ref["variables"] is model and np.all(np.asarray(ref["delta_control"]["w"]) == 0)
     assert update_reference(model, jnp.zeros(3)) is None
-    with pytest.raises(TypeError, match="cannot wrap FedDrop/UniDrop: its clients send their sampled FLOPs"):
-        update_reference(FedDropServerState(jnp.ones((2, 3)), model), {"variables": model, "sampled_flops": 1.0})
+    dropout = FedDropServerState(jnp.ones((2, 3)), model)
+    message = {"variables": {"params": {"w": jnp.zeros(3)}}, "sampled_flops": jnp.float32(1e6)}
+    assert accounting_keys(dropout, message) == ("sampled_flops",)
+    ref = update_reference(dropout, {"variables": message["variables"]})
+    assert set(ref) == {"variables"} and ref["variables"] is model
+    assert accounting_keys(model, {"params": model["params"], "sampled_flops": 1.0}) == ()   # only FedDrop's
+    assert accounting_keys(dropout, {"variables": model}) == ()
+
+
+@pytest.mark.fast
+def test_feddrop_is_refused_only_when_its_server_optimises_from_each_clients_model():
+    """FedDrop's default server re-optimises each sampled client's keep probabilities from that client's
+    own model: refused, in one line that says why and the fix. optimize=false (also as the CLI's string)
+    and UniDrop are wrapped, from the options make_algorithm records."""
+    reason = dp_refusal("feddrop")
+    assert reason == dp_refusal("feddrop", {"optimize": True}) and "\n" not in reason
+    assert reason.startswith("with_dp cannot wrap feddrop: ")
+    for needle in ("keep probabilities", "own returned model", "per-client", "private mean",
+                   "--option optimize=false", "unidrop"):
+        assert needle in reason, needle
+    for options in ({"optimize": False}, {"optimize": "false"}, {"optimize": False, "budget": 0.3}):
+        assert dp_refusal("feddrop", options) is None, options
+    assert dp_refusal("unidrop") is None and dp_refusal("unidrop", {"synchronized": True}) is None
+    _, data = tiny_federated((12,) * 6)
+    task = make_task(data)
+    with pytest.raises(TypeError) as err:
+        with_dp(make_algorithm("feddrop", task), clip_norm=1.0, noise_multiplier=1.0, clients_per_round=3)
+    assert str(err.value) == reason
+    for name, options in (("feddrop", {"optimize": False}), ("unidrop", {})):
+        alg = with_dp(make_algorithm(name, task, options), clip_norm=1.0, noise_multiplier=1.0, clients_per_round=3)
+        assert alg.name == f"{name}+dp"
 
 
 @pytest.mark.parametrize("name", ["scaffold", "caldas", "topk"])
@@ -389,3 +419,54 @@ def test_dp_fedavg_on_real_messages(name):
         assert float(metrics["server_dp_clipped_fraction"][r]) == pytest.approx(hand_fraction), r
         np.testing.assert_allclose(metrics["server_dp_update_norm"][r], np.linalg.norm(updates, axis=1).mean(),
                                    rtol=1e-4)
+
+
+@pytest.mark.parametrize("name, options", [("unidrop", {}), ("feddrop", {"optimize": False})])
+def test_dp_fedavg_on_dropout_messages(name, options):
+    """UniDrop and FedDrop without the optimiser (cnn_small's conv channels dropped), equal client sizes,
+    K = 5 of 10, 3 rounds. (1) noise 0 and C = inf: the plain run to float rounding, its sampled_flops
+    metric included. (2) C between the 2nd and 3rd largest round-0 update norms, noise 0: every round the
+    new global model is the broadcast model + the mean of the hand-clipped (variables - broadcast
+    variables), every clipped update is within C, dp_update_norm is the norm of the variables' updates
+    alone, and the sampled_flops metric is the sum of the clients' sampled FLOPs as they sent them (not
+    clipped, not in the norm: it is the simulation's cost accounting); the keep probabilities stay."""
+    _, data = tiny_federated((12,) * 10)
+    task = make_task(data, clients_per_round=5, rounds=3)
+
+    def run(alg):
+        log: list = []
+        engine = Engine(recorder(alg, log), 10, 5)
+        state, metrics = engine.run_rounds(engine.init(jax.random.PRNGKey(0)), data, 3)
+        return state, metrics, log
+
+    def private(c):
+        return with_dp(make_algorithm(name, task, options), clip_norm=c, noise_multiplier=0.0, clients_per_round=5)
+
+    plain, plain_metrics, plain_log = run(make_algorithm(name, task, options))
+    same, same_metrics, _ = run(private(INF))
+    for a, b in zip(jax.tree_util.tree_leaves(plain.server), jax.tree_util.tree_leaves(same.server)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(plain_metrics["loss"], same_metrics["loss"], rtol=1e-5)
+    np.testing.assert_allclose(plain_metrics["server_sampled_flops"], same_metrics["server_sampled_flops"], rtol=1e-6)
+    assert np.all(plain_metrics["server_sampled_flops"] > 0)
+    np.testing.assert_array_equal(same_metrics["server_dp_clipped_fraction"], 0.0)
+
+    payload, messages, _ = plain_log[0]
+    norms0 = np.sort(np.linalg.norm(flat_rows(messages["variables"]) - flat_one(payload.variables), axis=1))
+    assert np.all(np.asarray(messages["sampled_flops"]) > 100 * norms0[-1])   # it would dominate any norm
+    c = float((norms0[-2] + norms0[-3]) / 2)
+    _, metrics, log = run(private(c))
+    assert len(log) == 3 and float(metrics["server_dp_clipped_fraction"][0]) == pytest.approx(0.4)
+    for r, (payload, messages, new_state) in enumerate(log):
+        reference = flat_one(payload.variables)
+        updates = flat_rows(messages["variables"]) - reference
+        clipped = hand_clip(updates, c)
+        assert np.linalg.norm(clipped, axis=1).max() <= c * (1 + 1e-6)
+        np.testing.assert_allclose(flat_one(new_state.variables), reference + clipped.mean(0), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(new_state.keep_probs, payload.keep_probs)
+        np.testing.assert_allclose(metrics["server_dp_update_norm"][r], np.linalg.norm(updates, axis=1).mean(),
+                                   rtol=1e-4)
+        assert float(metrics["server_dp_clipped_fraction"][r]) == pytest.approx(np.mean(
+            np.linalg.norm(updates, axis=1) > c)), r
+        np.testing.assert_allclose(metrics["server_sampled_flops"][r], np.asarray(messages["sampled_flops"],
+                                                                                  np.float64).sum(), rtol=1e-6)

@@ -54,11 +54,23 @@ def test_target_epsilon_calibrates_the_noise_before_the_run(tmp_path):
     (dict(dp_clip=1.0, dp_noise_multiplier=1.0, resample_every=2), "fresh cohort"),
     (dict(dp_clip=1.0, dp_noise_multiplier=1.0, aggregator="trimmed_mean"), "K identical"),
     (dict(dp_clip=1.0, dp_noise_multiplier=1.0, algorithm="fsl"), "cannot wrap fsl"),
+    (dict(dp_clip=1.0, dp_noise_multiplier=1.0, algorithm="feddrop"),
+     "cannot wrap feddrop: .*own returned model.*use --option optimize=false or --algorithm unidrop$"),
+    (dict(dp_clip=1.0, dp_noise_multiplier=1.0, algorithm="feddrop", options={"optimize": "maybe"}),
+     "optimize='maybe' of algorithm feddrop: expected a boolean"),
 ])
 @pytest.mark.fast
 def test_dp_settings_refused_in_one_line(fields, needle):
     with pytest.raises(RunError, match=needle):
         validate(RunConfig.from_json({"algorithm": "fedavg", **fields}))
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("algorithm, options", [("unidrop", {}), ("feddrop", {"optimize": "false"})])
+def test_dp_settings_accept_the_dropout_algorithms_without_the_per_client_optimiser(algorithm, options):
+    """UniDrop and FedDrop with --option optimize=false (the CLI's string) pass the DP checks."""
+    validate(RunConfig.from_json({"algorithm": algorithm, "options": options, "dp_clip": 1.0,
+                                  "dp_noise_multiplier": 1.0}))
 
 
 def test_without_dp_flags_nothing_changes(tmp_path):

@@ -171,3 +171,13 @@ def test_vmapped_members_equal_the_sequential_ones(tmp_path):
     assert vm.record["programs"][0]["mode"] == "vmap"
     for a, b in zip(seq.rows, vm.rows):
         assert a["final_accuracy"] == pytest.approx(b["final_accuracy"], abs=2e-3)
+
+
+def test_rebuilt_algorithms_keep_their_untraced_options_for_the_dp_refusal():
+    """FedDrop with optimize=false may run under DP; the rebuilt algorithm must say so to with_dp
+    (which reads the options from hparams), or every traced FedDrop+DP sweep would be refused."""
+    config = RunConfig.from_json({**BASE, "algorithm": "feddrop", "model": "cnn_small", "rounds": 1,
+                                  "options": {"optimize": "false"}, "dp_clip": 1.0, "dp_noise_multiplier": 1.0})
+    exp = fjs.build(config)
+    engine = sweeps.make_rebuild(exp, ["lr"])({"lr": jax.numpy.float32(0.05)})
+    assert engine.algorithm.hparams["optimize"] is False and engine.algorithm.name.endswith("+dp")

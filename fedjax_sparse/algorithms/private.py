@@ -1,7 +1,7 @@
 """Client-level differential privacy: DP-FedAvg (McMahan, Ramage, Talwar, Zhang, "Learning
 Differentially Private Recurrent Language Models", ICLR 2018) as a wrapper around any algorithm
 whose clients send float updates (FedAvg, FedProx, FedAvgM, SCAFFOLD, Caldas et al., SpaFL's
-thresholds, the FSL paper's FedAvg and TopK).
+thresholds, the FSL paper's FedAvg and TopK, UniDrop, FedDrop with ``optimize=False``).
 
     alg = with_dp(make_algorithm("fedavg", task), clip_norm=1.0, noise_multiplier=1.0,
                   clients_per_round=task.clients_per_round)
@@ -22,10 +22,14 @@ The clients' weights (training-set sizes) are ignored.
   SpaFL's global thresholds ``tau`` (the thresholds every sampled client started its local training
   from, so the clipped quantity is the client's change of them, not the thresholds themselves),
   the global model for Caldas et al. (its messages are whole models) and SCAFFOLD (whose
-  ``delta_control`` is a change already), else zero (the messages are updates already: the FSL
-  paper's FedAvg inside ``with_attack``). The server then receives K copies of ``reference +
-  private mean`` (like ``compose.AggregatingServer``), so a server that (weighted-)averages its
-  messages applies the private aggregate up to float rounding.
+  ``delta_control`` is a change already), and UniDrop's / FedDrop's (``FedDropServerState``), else
+  zero (the messages are updates already: the FSL paper's FedAvg inside ``with_attack``). The server
+  then receives K copies of ``reference + private mean`` (like ``compose.AggregatingServer``), so a
+  server that (weighted-)averages its messages applies the private aggregate up to float rounding.
+* Accounting leaves (``accounting_keys``): message entries that are the simulator's cost accounting,
+  not part of the update (UniDrop's and FedDrop's ``sampled_flops``, the FLOPs of the masks a client
+  drew times its examples, which the server only sums into its ``sampled_flops`` metric), are left
+  out of the clipped vector and reach the inner server unchanged, so that metric is the plain run's.
 
 Exactness: ``noise_multiplier=0`` and ``clip_norm=inf`` give the plain algorithm's result, to float
 rounding, when the plain server takes the uniform mean (SpaFL, ``fedavg`` with ``weighted=False``,
@@ -39,6 +43,9 @@ It does not hold when the server uses the individual messages (wrap ``with_dp`` 
 ``with_aggregator``: the robust aggregator then sees K identical rows) or when clients' states leave
 them in other ways. Non-float messages (FSL's rankings, FedPM's masks, SignSGD's signs, HeteroFL's
 and FjORD's widths) and empty ones are refused in one line: no DP mechanism for them is implemented.
+So is FedDrop with its default ``optimize=True``: its server re-optimises each sampled client's keep
+probabilities from that client's own returned model (trajectory similarity), a per-client use of the
+messages that the private mean does not cover (``--option optimize=false`` or ``unidrop`` is wrappable).
 
 The mechanism is pure functions here (``clip_rows``, ``noisy_sum``, ``DpMechanism``) and the
 wrapper ``with_dp``. Server metrics each round: ``dp_clipped_fraction`` (the fraction of the K
@@ -59,7 +66,7 @@ from fedjax_sparse.algorithms.base import Algorithm, ServerContext
 from fedjax_sparse.algorithms.baselines import CaldasServerState, ScaffoldServerState
 from fedjax_sparse.algorithms.compose import UpdateServer, flatten_messages
 from fedjax_sparse.algorithms.feddrop import FedDropServerState
-from fedjax_sparse.algorithms.registry import algorithm_entry, algorithm_names, wrapper_refusal
+from fedjax_sparse.algorithms.registry import algorithm_entry, algorithm_names, resolve_options, wrapper_refusal
 from fedjax_sparse.algorithms.spafl import SpaflServerState
 
 # Folded into the round's server key for the noise: an algorithm whose server draws from ``ctx.key``
@@ -67,8 +74,9 @@ from fedjax_sparse.algorithms.spafl import SpaflServerState
 DP_NOISE_STREAM = 0x44504E   # "DPN"
 DP_REFUSAL = ("DP-FedAvg clips and noises float updates, and no DP mechanism for rankings, masks, signs or "
               "widths is implemented")
-DROPOUT_REFUSAL = ("its clients send their sampled FLOPs (a count that grows with their data) next to their model, "
-                   "and FedDrop's server also uses each client's own model (trajectory similarity)")
+DROPOUT_REFUSAL = ("with optimize=true its server re-optimises each sampled client's keep probabilities from that "
+                   "client's own returned model (trajectory similarity), a per-client use of the messages that the "
+                   "private mean does not cover; use --option optimize=false or --algorithm unidrop")
 
 
 # ---------------------------------------------------------------------------- the mechanism
@@ -150,9 +158,10 @@ def update_reference(payload, row):
       (not ``delta``, the last change, which has the same structure);
     * Caldas et al. (``CaldasServerState``): the global model; SCAFFOLD (``ScaffoldServerState``):
       the global model for ``variables`` and zero for ``delta_control`` (a change already);
-    * FedDrop and UniDrop are refused: their messages carry each client's sampled FLOPs next to its
-      model (a count, which would dominate the norm and reveal the client's data size), and FedDrop's
-      server optimises keep probabilities from every client's own model.
+    * UniDrop and FedDrop (``FedDropServerState``): the global model ``variables`` for the messages'
+      ``variables``. ``row`` is then the message without its accounting leaves (``accounting_keys``:
+      ``sampled_flops``), which ``PrivateServer`` takes out before it asks. (FedDrop with
+      ``optimize=True`` is refused by ``dp_refusal``, which knows the options; a reference cannot.)
     """
     if same_structure(payload, row):
         return payload
@@ -163,8 +172,28 @@ def update_reference(payload, row):
     if isinstance(payload, ScaffoldServerState):
         return {**jax.tree_util.tree_map(jnp.zeros_like, row), "variables": payload.variables}
     if isinstance(payload, FedDropServerState):
-        raise TypeError(f"with_dp cannot wrap FedDrop/UniDrop: {DROPOUT_REFUSAL}")
+        return {"variables": payload.variables}
     return None
+
+
+# Message entries that are the simulator's cost accounting, by the type of the broadcast payload: top-level
+# keys of the (dict) messages that are not part of the update and that the server uses for metrics only.
+# Passing them through unclipped and unnoised is sound because the guarantee is about the server states, and
+# these never reach one: UniDrop's and FedDrop's ``sampled_flops`` (FLOPs of the masks a client drew, times
+# its examples) is only summed into the server metric ``sampled_flops``, the simulation's bookkeeping of what
+# the round cost (like the clients' ``flops`` metrics), not something the algorithm releases or uses (a
+# deployment that published it would have to account for it separately). Clipped with the model it would
+# dominate the norm (a count, orders of magnitude above an update's norm), and it is no update.
+ACCOUNTING_KEYS: dict[type, tuple[str, ...]] = {FedDropServerState: ("sampled_flops",)}
+
+
+def accounting_keys(payload, messages) -> tuple[str, ...]:
+    """The top-level keys of ``messages`` (a dict, one row or stacked) that ``with_dp`` passes to the
+    inner server unchanged, outside the mechanism: ``ACCOUNTING_KEYS`` of the payload's type."""
+    if not isinstance(messages, dict):
+        return ()
+    keys = next((keys for kind, keys in ACCOUNTING_KEYS.items() if isinstance(payload, kind)), ())
+    return tuple(key for key in keys if key in messages)
 
 
 def _check_float_messages(name: str, messages) -> None:
@@ -182,12 +211,14 @@ def _check_float_messages(name: str, messages) -> None:
 class PrivateServer:
     """``server_update`` of an algorithm behind DP-FedAvg's ``mechanism`` (see the module docstring).
     ``broadcast``: the algorithm's, for the reference of the messages; ``reference(payload, row)``:
-    what a message is relative to (``update_reference``), None for zero; ``name``: for errors."""
+    what a message is relative to (``update_reference``), None for zero; ``name``: for errors;
+    ``accounting(payload, messages)``: the message keys that pass through (``accounting_keys``)."""
     server_update: Callable[[Any, Any, ServerContext], tuple[Any, dict]]
     mechanism: DpMechanism
     broadcast: Callable[[Any, jax.Array], Any]
     reference: Callable[[Any, Any], Any] = update_reference
     name: str = "the algorithm"
+    accounting: Callable[[Any, Any], tuple[str, ...]] = accounting_keys
 
     def __call__(self, server_state, messages, ctx: ServerContext):
         _check_float_messages(self.name, messages)
@@ -196,9 +227,12 @@ class PrivateServer:
             # The updates themselves; the private mean replaces the server's own (weighted or uniform) one.
             aggregate, metrics = self.mechanism(messages, noise_key(ctx))
             return inner.apply(server_state, aggregate), metrics
-        flat, unravel = flatten_messages(messages)
-        row = jax.tree_util.tree_map(lambda x: x[0], messages)
-        ref_tree = self.reference(self.broadcast(server_state, ctx.round), row)
+        payload = self.broadcast(server_state, ctx.round)
+        passed = self.accounting(payload, messages)
+        updates = {k: v for k, v in messages.items() if k not in passed} if passed else messages
+        flat, unravel = flatten_messages(updates)
+        row = jax.tree_util.tree_map(lambda x: x[0], updates)
+        ref_tree = self.reference(payload, row)
         if ref_tree is None:
             reference = jnp.zeros(flat.shape[1], jnp.float32)
         elif same_structure(ref_tree, row):
@@ -209,7 +243,9 @@ class PrivateServer:
         aggregate, metrics = self.mechanism(flat - reference[None], noise_key(ctx))
         private_row = unravel(reference + aggregate)
         private = jax.tree_util.tree_map(lambda leaf, m: jnp.broadcast_to(leaf, m.shape).astype(m.dtype),
-                                         private_row, messages)
+                                         private_row, updates)
+        if passed:   # the accounting leaves as the clients sent them, in the messages' key order
+            private = {k: messages[k] if k in passed else private[k] for k in messages}
         new_state, inner_metrics = inner(server_state, private, ctx)
         return new_state, {**inner_metrics, **metrics}
 
@@ -218,8 +254,9 @@ class PrivateServer:
 def dp_refusal(name: str, options: Any = None) -> str | None:
     """Why ``with_dp`` cannot wrap registered algorithm ``name`` with these options (one line), or
     None when it can: the algorithms whose clients send something other than float updates (the
-    registry's ``unwrappable=``), and FedDrop/UniDrop (see ``update_reference``)."""
-    if name in ("feddrop", "unidrop"):
+    registry's ``unwrappable=``), and FedDrop with ``optimize=True`` (its default; ``DROPOUT_REFUSAL``).
+    ``options``: a dict (CLI strings are coerced) or the options instance; a ValueError for invalid ones."""
+    if name == "feddrop" and resolve_options(name, options).optimize:
         return f"with_dp cannot wrap {name}: {DROPOUT_REFUSAL}"
     reason = wrapper_refusal(name, options)
     return None if reason is None else f"with_dp cannot wrap {name}: {reason}; {DP_REFUSAL}"
@@ -246,7 +283,9 @@ def with_dp(alg: Algorithm, *, clip_norm: float, noise_multiplier: float, client
     it would see the raw messages); an attack (the clients' behaviour) may wrap it.
 
     Server metrics: ``dp_clipped_fraction`` and ``dp_update_norm``. Raises TypeError in one line for
-    algorithms whose clients send no float updates (FSL, FedPM, SignSGD, HeteroFL, FjORD, Local)."""
+    algorithms whose clients send no float updates (FSL, FedPM, SignSGD, HeteroFL, FjORD, Local) and for
+    FedDrop with ``optimize=True``, as read from ``alg.hparams`` (``make_algorithm`` records the options).
+    Message entries in ``ACCOUNTING_KEYS`` pass through outside the mechanism (``accounting_keys``)."""
     registered = _registered_options(alg)
     if registered is not None:
         refusal = dp_refusal(*registered)
@@ -260,5 +299,6 @@ def with_dp(alg: Algorithm, *, clip_norm: float, noise_multiplier: float, client
     return dataclasses.replace(alg, name=f"{alg.name}+dp", server_update=server, hparams=hparams)
 
 
-__all__ = ["DP_NOISE_STREAM", "DP_REFUSAL", "DROPOUT_REFUSAL", "DpMechanism", "PrivateServer", "clip_rows",
-           "dp_refusal", "noise_key", "noisy_sum", "same_structure", "update_reference", "with_dp"]
+__all__ = ["ACCOUNTING_KEYS", "DP_NOISE_STREAM", "DP_REFUSAL", "DROPOUT_REFUSAL", "DpMechanism", "PrivateServer",
+           "accounting_keys", "clip_rows", "dp_refusal", "noise_key", "noisy_sum", "same_structure", "update_reference",
+           "with_dp"]
