@@ -302,7 +302,8 @@ def _run_sweep(args, config, given: set) -> int:
         recorded = runner.RunConfig.from_json(record["config"])
         config, _ = runner.resumed_config(config, recorded, given)
     result = sweeps.sweep(config, axes, seeds, parallelism=args.replica_parallelism, select=args.sweep_select,
-                              resume=args.resume, overwrite=args.overwrite, progress=not args.quiet, given=given)
+                              resume=args.resume, overwrite=args.overwrite, progress=not args.quiet, given=given,
+                              keep_states=False)   # the files hold what the command reports
     print(result.table(), end="")
     if config.out:
         print(f"outputs: {config.out}/<point>/seed<SEED>/, {config.out}/sweep.json, {config.out}/sweep.md")

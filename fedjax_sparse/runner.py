@@ -74,11 +74,12 @@ class RunResult:
 
     ``summary``: the summary dict (also OUT/summary.json: final and best accuracy, totals, speed);
     ``state``: the final :class:`EngineState` (``state.server``: the algorithm's typed server state,
-    ``state.clients``: the clients' states stacked ``[N, ...]``); ``population``: with
+    ``state.clients``: the clients' states stacked ``[N, ...]``; None for a sweep's member unless the
+    sweep keeps states); ``population``: with
     ``--client-state host``, the clients' rows (:class:`fedjax_sparse.population.HostPopulation`;
     ``state.clients`` is then None), else None."""
     summary: dict
-    state: EngineState
+    state: EngineState | None
     population: "host_population.HostPopulation | None" = None
 
 

@@ -243,8 +243,10 @@ class SweepResult:
 
 def sweep(config: RunConfig, axes: dict[str, list], seeds: Sequence[int] = (0,), *, parallelism: str = "auto",
               select: str = "best_accuracy", resume: bool = False, overwrite: bool = False, progress: bool = True,
-              given: set[str] | None = None) -> SweepResult:
-    """Runs every grid point of ``axes`` ({key: values}) with every seed (see the module docstring)."""
+              given: set[str] | None = None, keep_states: bool = True) -> SweepResult:
+    """Runs every grid point of ``axes`` ({key: values}) with every seed (see the module docstring).
+    One program's members are open at a time. ``keep_states``: keep every member's final state in
+    ``results`` (False: ``RunResult.state`` is None, and only the running group's states are alive)."""
     seeds = [int(s) for s in seeds]
     if not seeds or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds):
         raise RunError(f"a sweep needs distinct non-negative seeds, got {seeds}")
@@ -268,10 +270,10 @@ def sweep(config: RunConfig, axes: dict[str, list], seeds: Sequence[int] = (0,),
                 raise RunError(f"{out} already holds a sweep; pass --resume to continue it, --overwrite to replace "
                                "it, or another --out")
         results: dict[int, RunResult] = {}
-        opened = []
-        for index, member in enumerate(members):
-            if _name(member) in diverged:
-                continue
+
+        def open_member(index: int):
+            """The member's OpenRun, or its RunResult when its folder holds a finished run."""
+            member = members[index]
             member_out = Path(member.config.out) if member.config.out else None
             if member_out is not None:
                 stack.enter_context(locked_out_dir(member_out))
@@ -279,18 +281,36 @@ def sweep(config: RunConfig, axes: dict[str, list], seeds: Sequence[int] = (0,),
             run = open_run(member.config, member_out, resume=resume_m, overwrite=overwrite or (resume and not resume_m),
                            experiment=None, given=given, quiet=True)
             if isinstance(run, RunResult):
-                results[index] = run
-            else:
-                opened.append((index, run))
+                results[index] = run if keep_states else RunResult(run.summary, None)
+                return None
+            return run
+
+        # The first unfinished member decides which keys trace; then the members are opened one program
+        # (group) at a time, so only one group's states are alive at once (a personalised algorithm holds
+        # every client's model per member: nine 500-client SpaFL members opened together filled 23 GiB).
+        pending = [i for i, m in enumerate(members) if _name(m) not in diverged]
+        first: tuple[int, Any] | None = None
+        for index in pending:
+            run = open_member(index)
+            if run is not None:
+                first = (index, run)
+                break
         programs = []
-        if opened:
-            first_index, first = opened[0]
-            keys, why = traced_keys(first.exp, first.state, members[first_index].point)
-            groups: dict[tuple, list] = {}
-            for index, run in opened:
-                structural = tuple((k, v) for k, v in members[index].point if k not in keys)
-                groups.setdefault(structural, []).append((index, run))
-            for group in groups.values():
+        if first is not None:
+            keys, why = traced_keys(first[1].exp, first[1].state, members[first[0]].point)
+            groups: dict[tuple, list[int]] = {}
+            for index in pending:
+                if index not in results:
+                    structural = tuple((k, v) for k, v in members[index].point if k not in keys)
+                    groups.setdefault(structural, []).append(index)
+            for indices in groups.values():
+                group = []
+                for i in indices:
+                    run = first[1] if i == first[0] else open_member(i)
+                    if run is not None:
+                        group.append((i, run))
+                if not group:
+                    continue
                 runs = [run for _, run in group]
                 reason = unshareable_reason(runs) if len(runs) > 1 else None
                 group_mode = mode if reason is None else "separate"
@@ -308,9 +328,11 @@ def sweep(config: RunConfig, axes: dict[str, list], seeds: Sequence[int] = (0,),
                         if j in runner_group.diverged:
                             diverged[_name(members[index])] = runner_group.diverged[j]
                         else:
-                            results[index] = RunResult(run.finish(), state)
+                            results[index] = RunResult(run.finish(), state if keep_states else None)
                 finally:
                     runner_group.close()
+                del group, runs, runner_group, program, states   # this group's states go before the next opens
+                first = (-1, None)
         else:
             keys, why = list(previous.get("traced_keys", [])), dict(previous.get("own_program_keys", {}))
         ordered = [results.get(i) for i in range(len(members))]

@@ -181,3 +181,30 @@ def test_rebuilt_algorithms_keep_their_untraced_options_for_the_dp_refusal():
     exp = fjs.build(config)
     engine = sweeps.make_rebuild(exp, ["lr"])({"lr": jax.numpy.float32(0.05)})
     assert engine.algorithm.hparams["optimize"] is False and engine.algorithm.name.endswith("+dp")
+
+
+def test_one_programs_members_are_open_at_a_time(tmp_path, monkeypatch):
+    """Members are opened group by group and closed before the next group opens (every member alive
+    at once filled 23 GiB with 500-client SpaFL states); keep_states=False keeps no final state."""
+    alive: set[int] = set()
+    peak = [0]
+    real_open = sweeps.open_run
+
+    def counting_open(*args, **kwargs):
+        run = real_open(*args, **kwargs)
+        real_close = run.close
+
+        def close():
+            alive.discard(id(run))
+            real_close()
+        run.close = close
+        alive.add(id(run))
+        peak[0] = max(peak[0], len(alive))
+        return run
+    monkeypatch.setattr(sweeps, "open_run", counting_open)
+    config = RunConfig.from_json({**BASE, "algorithm": "fedavg", "rounds": 1, "out": str(tmp_path / "s")})
+    result = sweeps.sweep(config, {"local_epochs": [1, 2]}, [0, 1], progress=False, keep_states=False)
+    assert len(result.record["programs"]) == 2 and all(r is not None for r in result.results)
+    assert peak[0] == 2 and not alive
+    assert all(r.state is None for r in result.results)
+
