@@ -417,3 +417,39 @@ def test_no_experiment_script_imports_another_script():
                                                                         may_use_sys_path=SIDE_BY_SIDE in p.parents)
                 for p in paths}
     assert {path: found for path, found in problems.items() if found} == {}
+
+
+def test_privacy_tradeoff_table_by_hand(tmp_path):
+    """A DP sweep with one point whose seeds all diverged (said so, never an accuracy) and one with
+    two finished seeds (mean and sample std of their final accuracies, the calibrated z from
+    config.json, the mean clipped fraction and median update norm over the rows); a non-DP reference."""
+    tool = load_script("tools/plot_privacy_tradeoff.py")
+    sweep = tmp_path / "dp"
+
+    def member(point, seed, z, acc=None, rows=()):
+        folder = sweep / point / f"seed{seed}"
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps({"config": {"dp_clip": 0.5},
+                                                        "algorithm_options": {"dp_noise_multiplier": z}}))
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        if acc is not None:
+            (folder / "summary.json").write_text(json.dumps({"final_accuracy": acc, "dp_epsilon": 3.9}))
+
+    member("dp_target_epsilon=1", 0, 9.0, rows=[{"round": 1, "dp_clipped_fraction": 1.0}])
+    member("dp_target_epsilon=4", 0, 2.5, 0.5, [{"round": 1, "dp_clipped_fraction": 0.2,
+                                                 "server_dp_update_norm": 1.0}])
+    member("dp_target_epsilon=4", 1, 2.5, 0.7, [{"round": 1, "dp_clipped_fraction": 0.4,
+                                                 "server_dp_update_norm": 3.0}])
+    (sweep / "sweep.json").write_text(json.dumps({"algorithm": "fedavg", "points": [
+        {"point": "dp_target_epsilon=1", "values": {"dp_target_epsilon": 1}, "seeds": [0], "diverged": [0]},
+        {"point": "dp_target_epsilon=4", "values": {"dp_target_epsilon": 4}, "seeds": [0, 1], "diverged": []}]}))
+    ref = tmp_path / "plain"
+    for seed, acc in ((0, 0.8), (1, 0.9)):
+        (ref / f"seed{seed}").mkdir(parents=True)
+        (ref / f"seed{seed}" / "summary.json").write_text(json.dumps({"final_accuracy": acc}))
+    tool.main([str(sweep), "--reference", f"fedavg={ref}", "--out", str(tmp_path / "fig.png")])
+    table = (tmp_path / "fig.md").read_text()
+    assert "| DP-fedavg | 1 | n/a | 9.000 | 0.5 | 0/1 (diverged: [0]) | n/a | 1.00 | n/a |" in table
+    assert "| DP-fedavg | 4 | 3.900 | 2.500 | 0.5 | 2/2 | 60.00 ± 14.14 | 0.30 | 2 |" in table
+    assert "| fedavg, no DP | ∞ | – | – | – | 2/2 | 85.00 ± 7.07 | – | – |" in table
+    assert (tmp_path / "fig.png").stat().st_size > 0
