@@ -362,6 +362,14 @@ def recorder(alg, log):
     return Algorithm(alg.name, alg.init, alg.broadcast, alg.client_update, server_update)
 
 
+def logged_run(alg, data, rounds: int = 3):
+    """(final state, metrics, the server's log) of ``alg`` on 10 clients, 5 per round, ``rounds`` rounds."""
+    log: list = []
+    engine = Engine(recorder(alg, log), 10, 5)
+    state, metrics = engine.run_rounds(engine.init(jax.random.PRNGKey(0)), data, rounds)
+    return state, metrics, log
+
+
 # name -> (reference of the messages in the payload, the server state's aggregate)
 REAL = {"fedavg": (lambda payload: payload, lambda state: state.variables),
         "spafl": (lambda payload: payload.tau, lambda state: state.tau)}
@@ -388,10 +396,7 @@ def test_dp_fedavg_on_real_messages(name):
     task = make_task(data, clients_per_round=5, rounds=3)
 
     def run(alg):
-        log: list = []
-        engine = Engine(recorder(alg, log), 10, 5)
-        state, metrics = engine.run_rounds(engine.init(jax.random.PRNGKey(0)), data, 3)
-        return state, metrics, log
+        return logged_run(alg, data)
 
     plain, plain_metrics, plain_log = run(make_algorithm(name, task))
     same, same_metrics, _ = run(with_dp(make_algorithm(name, task), clip_norm=INF, noise_multiplier=0.0,
@@ -434,10 +439,7 @@ def test_dp_fedavg_on_dropout_messages(name, options):
     task = make_task(data, clients_per_round=5, rounds=3)
 
     def run(alg):
-        log: list = []
-        engine = Engine(recorder(alg, log), 10, 5)
-        state, metrics = engine.run_rounds(engine.init(jax.random.PRNGKey(0)), data, 3)
-        return state, metrics, log
+        return logged_run(alg, data)
 
     def private(c):
         return with_dp(make_algorithm(name, task, options), clip_norm=c, noise_multiplier=0.0, clients_per_round=5)
