@@ -79,8 +79,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sweeps", nargs="+", help="sweep folders over dp_target_epsilon")
     parser.add_argument("--reference", action="append", default=[], metavar="LABEL=DIR",
-                        help="a non-DP run or --seeds folder drawn as a dashed line (repeatable); a LABEL "
-                             "naming a sweep's algorithm takes its colour")
+                        help="a non-DP run or --seeds folder drawn as a dashed line (repeatable; LABEL without '='); "
+                             "a LABEL naming a sweep's algorithm takes its colour")
     parser.add_argument("--out", required=True, help="figure path; the table goes beside it as .md")
     args = parser.parse_args(argv)
     references = []
@@ -98,27 +98,29 @@ def main(argv=None) -> int:
              "|---|---|---|---|---|---|---|---|---|"]
     all_eps: list[float] = []
     colors: dict[str, str] = {}
-    for folder in map(Path, args.sweeps):
-        algorithm, points = sweep_points(folder)
+    swept = [(Path(folder), *sweep_points(Path(folder))) for folder in args.sweeps]
+    repeated = {a for _, a, _ in swept if sum(b == a for _, b, _ in swept) > 1}
+    for folder, algorithm, points in swept:
+        name = f"DP-{algorithm} ({folder.name})" if algorithm in repeated else f"DP-{algorithm}"
         shown = [p for p in points if p["accuracy"]]
         stats = [_mean_std(p["accuracy"]) for p in shown]
         eps = [p["target"] for p in shown]
         all_eps += [p["target"] for p in points]
         mean = [100 * m for m, _ in stats]
         std = [100 * s for _, s in stats]
-        line, = ax.plot(eps, mean, marker="o", label=f"DP-{algorithm}")
-        colors[algorithm.lower()] = line.get_color()
+        line, = ax.plot(eps, mean, marker="o", label=name)
+        colors.setdefault(algorithm.lower(), line.get_color())
         ax.fill_between(eps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                         color=line.get_color(), alpha=0.2)
         lost = [p["target"] for p in points if not p["accuracy"]]
         if lost:
             ax.plot(lost, [0.0] * len(lost), linestyle="none", marker="x", markersize=9, color=line.get_color(),
-                    label=f"DP-{algorithm}: every seed diverged", clip_on=False)
+                    label=f"{name}: every seed diverged", clip_on=False)
         for p in points:
             acc_mean, acc_std = _mean_std(p["accuracy"])
             eps_mean, _ = _mean_std(p["epsilon"])
             done = f"{len(p['accuracy'])}/{p['seeds']}" + (f" (diverged: {p['diverged']})" if p["diverged"] else "")
-            lines.append(f"| DP-{algorithm} | {p['target']:g} | {_num(eps_mean, '.3f')} | "
+            lines.append(f"| {name} | {p['target']:g} | {_num(eps_mean, '.3f')} | "
                          f"{_num(p['noise_multiplier'], '.3f')} | {_num(p['clip'], 'g')} | {done} | "
                          f"{_pct(acc_mean, acc_std)} | {_num(p['clipped_fraction'], '.2f')} | "
                          f"{_num(p['update_norm'], '.3g')} |")
