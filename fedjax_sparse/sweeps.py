@@ -47,7 +47,8 @@ from fedjax_sparse.checkpoint import has_checkpoint, locked_out_dir, read_metric
 from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig, validate
 from fedjax_sparse.engine import Engine
 from fedjax_sparse.errors import RunError
-from fedjax_sparse.experiment import Experiment, wrap_algorithm
+from fedjax_sparse.data.arrays import PartitionedData
+from fedjax_sparse.experiment import Experiment, build, with_components, wrap_algorithm
 from fedjax_sparse.replicas import RunGroup, resolve_replica_parallelism, unshareable_reason
 from fedjax_sparse.runner import RunResult, open_run
 
@@ -97,8 +98,22 @@ def _parse_value(text: str) -> Any:
     return text
 
 
-def check_axes(config: RunConfig, axes: dict[str, list]) -> None:
-    """One-line RunError for keys a sweep cannot vary (with the fix)."""
+# Keys an object given to ``sweep`` decides (its config name is a label): sweeping them would change nothing.
+OBJECT_DECIDES = {"model": ("model", "model_option."),
+                  "data": ("dataset", "data_dir", "download", "dataset_options"),
+                  "partitioned data": ("num_clients", "partition", "min_client_samples", "partition_file"),
+                  "algorithm": ("algorithm", "option.")}
+
+
+def check_axes(config: RunConfig, axes: dict[str, list], objects: Sequence[str] = ()) -> None:
+    """One-line RunError for keys a sweep cannot vary (with the fix). ``objects``: the components
+    given as objects (``OBJECT_DECIDES``'s keys), whose keys cannot be swept."""
+    for kind in objects:
+        decided = [key for key in axes if any(key == k or (k.endswith(".") and key.startswith(k))
+                                              for k in OBJECT_DECIDES[kind])]
+        if decided:
+            raise RunError(f"--sweep {decided[0]}: the {kind} is an object, which decides it; sweep over objects "
+                           "with a loop of fjs.run, or give the component by name")
     if not axes:
         raise RunError("a sweep needs at least one --sweep KEY=V1,V2 (several seeds alone: --seeds)")
     fields = {f.name for f in dataclasses.fields(RunConfig)}
@@ -199,10 +214,12 @@ def _trace_problem(exp: Experiment, state, keys: Sequence[str], point: tuple) ->
     return None
 
 
-def traced_keys(exp: Experiment, state, point: tuple) -> tuple[list[str], dict[str, str]]:
+def traced_keys(exp: Experiment, state, point: tuple, algorithm_object: bool = False
+                ) -> tuple[list[str], dict[str, str]]:
     """(keys the program takes as arrays, {key: why not} for the others): each candidate tried
-    alone, then those that traced, together."""
-    if exp.config.algorithm not in algorithm_names():
+    alone, then those that traced, together. ``algorithm_object``: the algorithm was given as an
+    object (its name may still be a registered one, but the registry's builder is not what runs)."""
+    if algorithm_object or exp.config.algorithm not in algorithm_names():
         return [], {key: "the algorithm is an object, not a registered name: it cannot be rebuilt"
                     for key, _ in point}
     why: dict[str, str] = {}
@@ -243,20 +260,29 @@ class SweepResult:
 
 def sweep(config: RunConfig, axes: dict[str, list], seeds: Sequence[int] = (0,), *, parallelism: str = "auto",
               select: str = "best_accuracy", resume: bool = False, overwrite: bool = False, progress: bool = True,
-              given: set[str] | None = None, keep_states: bool = True) -> SweepResult:
+              given: set[str] | None = None, keep_states: bool = True, model=None, data=None,
+              algorithm=None) -> SweepResult:
     """Runs every grid point of ``axes`` ({key: values}) with every seed (see the module docstring).
     One program's members are open at a time. ``keep_states``: keep every member's final state in
-    ``results`` (False: ``RunResult.state`` is None, and only the running group's states are alive)."""
+    ``results`` (False: ``RunResult.state`` is None, and only the running group's states are alive).
+    ``model``, ``data``, ``algorithm``: objects replacing the config's names in every member, as in
+    ``fjs.run`` (the keys they decide cannot be swept; an algorithm object gets a program per point)."""
+    config, parts = with_components(config, model, data, algorithm)
+    objects = [kind for kind, value in (("model", parts.model), ("data", parts.data),
+                                        ("algorithm", parts.algorithm)) if value is not None]
+    if isinstance(parts.data, PartitionedData):
+        objects.append("partitioned data")
     seeds = [int(s) for s in seeds]
     if not seeds or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds):
         raise RunError(f"a sweep needs distinct non-negative seeds, got {seeds}")
-    check_axes(config, axes)
+    check_axes(config, axes, objects)
     parse_select(select)
     if config.execution.client_state == "host":
         raise RunError("a sweep stacks its members' clients on the device; sweep with --client-state device")
     members = members_of(config, axes, seeds)
+    named = {"model": "model", "data": "dataset", "algorithm": "algorithm"}
     for member in members:   # every member's configuration is checked before anything runs
-        validate(member.config)
+        validate(member.config, objects={named[kind] for kind in objects if kind in named})
     mode = resolve_replica_parallelism(parallelism)
     out = Path(config.out) if config.out else None
     previous = _read_record(out) if (resume and out is not None) else {}
@@ -278,8 +304,10 @@ def sweep(config: RunConfig, axes: dict[str, list], seeds: Sequence[int] = (0,),
             if member_out is not None:
                 stack.enter_context(locked_out_dir(member_out))
             resume_m = resume and member_out is not None and has_checkpoint(member_out)
+            experiment = (build(member.config, model=parts.model, data=parts.data, algorithm=parts.algorithm)
+                          if objects else None)
             run = open_run(member.config, member_out, resume=resume_m, overwrite=overwrite or (resume and not resume_m),
-                           experiment=None, given=given, quiet=True)
+                           experiment=experiment, given=given, quiet=True)
             if isinstance(run, RunResult):
                 results[index] = run if keep_states else RunResult(run.summary, None)
                 return None
@@ -297,7 +325,8 @@ def sweep(config: RunConfig, axes: dict[str, list], seeds: Sequence[int] = (0,),
                 break
         programs = []
         if first is not None:
-            keys, why = traced_keys(first[1].exp, first[1].state, members[first[0]].point)
+            keys, why = traced_keys(first[1].exp, first[1].state, members[first[0]].point,
+                                    algorithm_object=parts.algorithm is not None)
             groups: dict[tuple, list[int]] = {}
             for index in pending:
                 if index not in results:

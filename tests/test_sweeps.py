@@ -3,6 +3,7 @@ for traced values, a program per value where tracing cannot work (said why), div
 resume of the whole sweep, the table, report and plot."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -208,3 +209,40 @@ def test_one_programs_members_are_open_at_a_time(tmp_path, monkeypatch):
     assert peak[0] == 2 and not alive
     assert all(r.state is None for r in result.results)
 
+
+
+def test_a_sweep_of_your_flax_model_and_arrays_equals_their_runs(tmp_path):
+    """Objects (a Flax module, a user's arrays) reach every member as in fjs.run: a traced lr grid
+    over two seeds, one member equal to fjs.run with the same objects; the keys an object decides
+    are refused in one line, and an algorithm object runs each point with its own program."""
+    import flax.linen as nn
+    from sklearn.datasets import load_digits
+
+    class Small(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Conv(8, (3, 3))(x))
+            return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+    d = load_digits()
+    x = (d.images[..., None] * 16).astype(np.uint8)
+    ids = np.arange(len(d.target)) % 6
+    data = fjs.data.from_arrays(x[:1400], d.target[:1400], x[1400:], d.target[1400:], ids[:1400], ids[1400:])
+    model = fjs.models.from_flax(Small(), input_shape=(8, 8, 1))
+    config = RunConfig.from_json({**BASE, "algorithm": "fedavg", "num_clients": 6, "rounds": 2,
+                                  "out": str(tmp_path / "s")})
+    result = sweeps.sweep(config, {"lr": [0.05, 0.1]}, [0, 1], progress=False, model=model, data=data)
+    assert result.record["traced_keys"] == ["lr"] and len(result.record["programs"]) == 1
+    alone = fjs.run(dataclasses.replace(config, lr=0.1, seed=1, out=str(tmp_path / "alone")), model=model,
+                    data=data, progress=False)
+    same_rows(rows(tmp_path / "s" / "lr=0.1" / "seed1"), rows(tmp_path / "alone"))
+    assert alone.summary["final_accuracy"] == result.results[3].summary["final_accuracy"]
+    for axes, needle in (({"model_option.init": ["a"]}, "the model is an object"),
+                         ({"num_clients": [3]}, "the partitioned data is an object")):
+        with pytest.raises(RunError, match=needle):
+            sweeps.sweep(config, axes, [0], progress=False, model=model, data=data)
+    def fedavg(task):   # named like a registered algorithm, which the sweep must not rebuild it as
+        return fjs.algorithms.fedavg(task, weighted=False)
+    own = sweeps.sweep(dataclasses.replace(config, out=str(tmp_path / "own")), {"lr": [0.05, 0.1]}, [0],
+                       progress=False, data=data, model=model, algorithm=fedavg)
+    assert own.record["traced_keys"] == [] and len(own.record["programs"]) == 2
