@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import itertools
 import json
 import math
@@ -313,17 +314,46 @@ def sweep(config: RunConfig, axes: dict[str, list], seeds: Sequence[int] = (0,),
                 return None
             return run
 
+        programs: list[dict] = []
+
+        def run_group(opened: list[tuple[int, Any]], keys: list[str]) -> None:
+            """Runs one program's members (``(index, OpenRun or None when finished)``) to their end."""
+            group = [(i, run) for i, run in opened if run is not None]
+            if not group:
+                return
+            runs = [run for _, run in group]
+            reason = unshareable_reason(runs) if len(runs) > 1 else None
+            group_mode = mode if reason is None else "separate"
+            program = None
+            if keys and group_mode != "separate":
+                program = (make_rebuild(runs[0].exp, keys), [_hp_of(members[i].point, keys) for i, _ in group])
+            programs.append({"points": sorted({point_label(members[i].point) for i, _ in group}),
+                             "members": len(group), "mode": group_mode,
+                             **({"why_separate": reason} if reason else {})})
+            runner_group = RunGroup(runs, group_mode, progress, [None] * len(runs), program, keep_going=True,
+                                    label=lambda r: f" ({r.out.parent.name}/{r.out.name})" if r.out else "")
+            try:
+                states = runner_group.run()
+                for j, ((index, run), state) in enumerate(zip(group, states)):
+                    if j in runner_group.diverged:
+                        diverged[_name(members[index])] = runner_group.diverged[j]
+                    else:
+                        results[index] = RunResult(run.finish(), state if keep_states else None)
+            finally:
+                runner_group.close()
+
         # The first unfinished member decides which keys trace; then the members are opened one program
         # (group) at a time, so only one group's states are alive at once (a personalised algorithm holds
         # every client's model per member: nine 500-client SpaFL members opened together filled 23 GiB).
         pending = [i for i, m in enumerate(members) if _name(m) not in diverged]
-        first: tuple[int, Any] | None = None
-        for index in pending:
-            run = open_member(index)
-            if run is not None:
-                first = (index, run)
-                break
-        programs = []
+
+        def open_first() -> tuple[int, Any] | None:
+            for index in pending:
+                run = open_member(index)
+                if run is not None:
+                    return index, run
+            return None
+        first = open_first()
         if first is not None:
             keys, why = traced_keys(first[1].exp, first[1].state, members[first[0]].point,
                                     algorithm_object=parts.algorithm is not None)
@@ -332,36 +362,12 @@ def sweep(config: RunConfig, axes: dict[str, list], seeds: Sequence[int] = (0,),
                 if index not in results:
                     structural = tuple((k, v) for k, v in members[index].point if k not in keys)
                     groups.setdefault(structural, []).append(index)
+            handed = {first[0]: first[1]}   # the member opened to trace with, run by its group
+            del first
             for indices in groups.values():
-                group = []
-                for i in indices:
-                    run = first[1] if i == first[0] else open_member(i)
-                    if run is not None:
-                        group.append((i, run))
-                if not group:
-                    continue
-                runs = [run for _, run in group]
-                reason = unshareable_reason(runs) if len(runs) > 1 else None
-                group_mode = mode if reason is None else "separate"
-                program = None
-                if keys and group_mode != "separate":
-                    program = (make_rebuild(runs[0].exp, keys), [_hp_of(members[i].point, keys) for i, _ in group])
-                programs.append({"points": sorted({point_label(members[i].point) for i, _ in group}),
-                                 "members": len(group), "mode": group_mode,
-                                 **({"why_separate": reason} if reason else {})})
-                runner_group = RunGroup(runs, group_mode, progress, [None] * len(runs), program, keep_going=True,
-                                        label=lambda r: f" ({r.out.parent.name}/{r.out.name})" if r.out else "")
-                try:
-                    states = runner_group.run()
-                    for j, ((index, run), state) in enumerate(zip(group, states)):
-                        if j in runner_group.diverged:
-                            diverged[_name(members[index])] = runner_group.diverged[j]
-                        else:
-                            results[index] = RunResult(run.finish(), state if keep_states else None)
-                finally:
-                    runner_group.close()
-                del group, runs, runner_group, program, states   # this group's states go before the next opens
-                first = (-1, None)
+                # A function, so that the group's runs and states are released when it returns.
+                run_group([(i, handed.pop(i) if i in handed else open_member(i)) for i in indices], keys)
+                gc.collect()   # a finished run's objects hold each other (cycles): free its device arrays now
         else:
             keys, why = list(previous.get("traced_keys", [])), dict(previous.get("own_program_keys", {}))
         ordered = [results.get(i) for i in range(len(members))]
