@@ -58,6 +58,11 @@ class Components:
     data: Any = None
     algorithm: Any = None
 
+    def given(self) -> set[str]:
+        """The config fields given as objects (their names are labels): ``validate``'s ``objects``."""
+        return {name for name, value in (("model", self.model), ("dataset", self.data),
+                                         ("algorithm", self.algorithm)) if value is not None}
+
 
 def with_components(config: RunConfig, model=None, data=None, algorithm=None) -> tuple[RunConfig, Components]:
     """Splits objects out of ``config`` (``RunConfig(algorithm=my_algorithm)`` works too) and puts
@@ -100,9 +105,7 @@ def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experi
     """Data, model, algorithm and engine from ``config``; ``model``, ``data`` and ``algorithm``
     objects replace the config's names (see :class:`Components`)."""
     config, parts = with_components(config, model, data, algorithm)
-    options = validate(config, objects={name for name, value in (("model", parts.model), ("dataset", parts.data),
-                                                                  ("algorithm", parts.algorithm))
-                                        if value is not None})
+    options = validate(config, objects=parts.given())
     from fedjax_sparse.data.arrays import load as load_data
     from fedjax_sparse.data.arrays import PartitionedData
     from fedjax_sparse.data.partition import partition_dataset

@@ -46,9 +46,9 @@ import numpy as np
 from fedjax_sparse.algorithms.registry import algorithm_builder, algorithm_names, resolve_options
 from fedjax_sparse.checkpoint import has_checkpoint, locked_out_dir, read_metrics
 from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig, validate
+from fedjax_sparse.data.arrays import PartitionedData
 from fedjax_sparse.engine import Engine
 from fedjax_sparse.errors import RunError
-from fedjax_sparse.data.arrays import PartitionedData
 from fedjax_sparse.experiment import Experiment, build, with_components, wrap_algorithm
 from fedjax_sparse.replicas import RunGroup, resolve_replica_parallelism, unshareable_reason
 from fedjax_sparse.runner import RunResult, open_run
@@ -101,7 +101,7 @@ def _parse_value(text: str) -> Any:
 
 # Keys an object given to ``sweep`` decides (its config name is a label): sweeping them would change nothing.
 OBJECT_DECIDES = {"model": ("model", "model_option."),
-                  "data": ("dataset", "data_dir", "download", "dataset_options"),
+                  "dataset": ("dataset", "data_dir", "download", "dataset_options"),
                   "partitioned data": ("num_clients", "partition", "min_client_samples", "partition_file"),
                   "algorithm": ("algorithm", "option.")}
 
@@ -269,10 +269,7 @@ def sweep(config: RunConfig, axes: dict[str, list], seeds: Sequence[int] = (0,),
     ``model``, ``data``, ``algorithm``: objects replacing the config's names in every member, as in
     ``fjs.run`` (the keys they decide cannot be swept; an algorithm object gets a program per point)."""
     config, parts = with_components(config, model, data, algorithm)
-    objects = [kind for kind, value in (("model", parts.model), ("data", parts.data),
-                                        ("algorithm", parts.algorithm)) if value is not None]
-    if isinstance(parts.data, PartitionedData):
-        objects.append("partitioned data")
+    objects = sorted(parts.given()) + (["partitioned data"] if isinstance(parts.data, PartitionedData) else [])
     seeds = [int(s) for s in seeds]
     if not seeds or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds):
         raise RunError(f"a sweep needs distinct non-negative seeds, got {seeds}")
@@ -281,9 +278,8 @@ def sweep(config: RunConfig, axes: dict[str, list], seeds: Sequence[int] = (0,),
     if config.execution.client_state == "host":
         raise RunError("a sweep stacks its members' clients on the device; sweep with --client-state device")
     members = members_of(config, axes, seeds)
-    named = {"model": "model", "data": "dataset", "algorithm": "algorithm"}
     for member in members:   # every member's configuration is checked before anything runs
-        validate(member.config, objects={named[kind] for kind in objects if kind in named})
+        validate(member.config, objects=parts.given())
     mode = resolve_replica_parallelism(parallelism)
     out = Path(config.out) if config.out else None
     previous = _read_record(out) if (resume and out is not None) else {}
