@@ -15,11 +15,12 @@ between chunks. ``round_fn`` is the same round jitted alone (the per-round
 path, for comparison and for debugging).
 
 Client parallelism: ``"vmap"`` runs the sampled clients in lockstep (the
-longest client's step count; finished clients are frozen by a select) and is
-the fast path on accelerators; ``"map"`` runs them one after another inside
-the same jit, each with exactly its own step count, which wastes no work on
-CPU where vmap buys little. ``"auto"``: map on CPU, vmap
-elsewhere. All give the same numbers (tested). With ``local_epochs`` and
+longest client's step count; finished clients are frozen by a select; convolutions
+with per-client kernels run as batched matmuls, ``models.layers.conv2d``); ``"map"``
+runs them one after another inside the same jit, each with exactly its own step
+count, which wastes no work. ``"auto"``: map on one device (the faster schedule on
+every backend measured so far: docs/design.md), vmap across several accelerators or
+processes. All give the same numbers (tested). With ``local_epochs`` and
 ``batch_size`` set, each round reports ``client_steps`` (the local steps the
 sampled clients need) and ``client_steps_executed`` (what the schedule runs,
 padding included).
@@ -65,8 +66,11 @@ def resolve_parallelism(mode: str) -> str:
     if mode not in CLIENT_PARALLELISM:
         raise ValueError(f"unknown client parallelism {mode!r}; valid: {CLIENT_PARALLELISM}")
     if mode == "auto":
-        # Several processes only share the work through vmap's sharded client axis.
-        return "map" if jax.default_backend() == "cpu" and jax.process_count() == 1 else "vmap"
+        # The recorded measurements (docs/design.md, "Execution modes"): map beat vmap on CPU and on one
+        # H100. Several processes, or several accelerators, share the work only through vmap's sharded
+        # client axis.
+        several_devices = jax.default_backend() != "cpu" and jax.local_device_count() > 1
+        return "vmap" if jax.process_count() > 1 or several_devices else "map"
     return mode
 
 

@@ -85,7 +85,9 @@ def run_local_epochs(step_fn: StepFn, carry, data: ClientData, key: jax.Array, *
         carry, loss_sum = state
         epoch, b = step // jnp.maximum(spe, 1), step % jnp.maximum(spe, 1)
         batch = gather_batch(data, orders[epoch], b * batch_size, batch_size, preprocess)
-        carry, loss = step_fn(carry, batch, step, num_steps, jax.random.fold_in(key_steps, step))
+        # The scope names the step's ops in the program's metadata (programs.LOCAL_STEP_SCOPE: kernel counts).
+        with jax.named_scope("local_step"):
+            carry, loss = step_fn(carry, batch, step, num_steps, jax.random.fold_in(key_steps, step))
         return carry, loss_sum + loss * batch.mask.sum()
 
     carry, loss_sum = jax.lax.fori_loop(0, num_steps, body, (carry, jnp.zeros((), jnp.float32)))

@@ -26,19 +26,6 @@ def test_im2col_conv_matches_xla_conv_values_and_gradients(padding, stride, k):
         np.testing.assert_allclose(u, v, rtol=1e-3, atol=1e-2)
 
 
-def test_auto_convolution_is_native_outside_loops_only():
-    x = jnp.ones((2, 8, 8, 3))
-    w = jnp.ones((3, 3, 3, 4))
-
-    def primitives():
-        return {e.primitive.name for e in jax.make_jaxpr(lambda x, w: L.conv2d(x, w))(x, w).jaxpr.eqns}
-    with L.outside_loops():
-        assert "conv_general_dilated" in primitives()
-    # Leaving the block restores the backend's choice (im2col on CPU: no convolution primitive).
-    expected_inside = jax.default_backend() != "cpu"
-    assert ("conv_general_dilated" in primitives()) == expected_inside
-
-
 def test_max_pool_matches_reduce_window_including_gradient():
     x = jax.random.normal(jax.random.PRNGKey(0), (2, 9, 8, 3))
     ref = lambda x: jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")  # noqa

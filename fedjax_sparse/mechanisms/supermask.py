@@ -29,9 +29,9 @@ Speed: XLA:CPU sorts float arrays (and argsorts anything) with a comparator
 callback, several times slower than numpy on the 1.6M-edge LeNet layer
 (measured in the FSL benchmarks); numpy sorts each key packed with its index
 into one uint64 (distinct values, so the order is the stable one). ``argsort``
-therefore calls numpy through ``jax.pure_callback`` when the backend is the
-CPU (chosen at trace time, like the im2col convolutions) and ``jnp.argsort``
-elsewhere; both are stable and order floats totally (-0.0 before +0.0), so
+therefore calls numpy through ``jax.pure_callback`` on the CPU and ``jnp.argsort``
+elsewhere (chosen where the program is lowered, like the convolutions' ``"auto"``);
+both are stable and order floats totally (-0.0 before +0.0), so
 results are identical. Top-k masks never sort: ``topk_mask`` finds
 the k-th largest value over the values' order-preserving integer keys by a
 radix select (two 65536-bin histograms, a few ms for 1.6M values) or, on
@@ -147,12 +147,17 @@ def argsort(x: jax.Array) -> jax.Array:
     """Stable argsort along the last axis (int32). Jittable and vmappable.
 
     On CPU: numpy through ``pure_callback`` (faster than XLA:CPU's comparator
-    sort on large layers); elsewhere: ``jnp.argsort``.
+    sort on large layers); elsewhere: ``jnp.argsort``. Chosen where the program is lowered, so a
+    program exported for a GPU on a CPU-only host sorts as the GPU would.
     """
-    if jax.default_backend() == "cpu":
-        out = jax.ShapeDtypeStruct(x.shape, jnp.int32)
-        return jax.pure_callback(_numpy_argsort, out, x, vmap_method="expand_dims")
-    return jnp.argsort(x, axis=-1, stable=True).astype(jnp.int32)
+    def host_sort(x):
+        return jax.pure_callback(_numpy_argsort, jax.ShapeDtypeStruct(x.shape, jnp.int32), x,
+                                 vmap_method="expand_dims")
+
+    def device_sort(x):
+        return jnp.argsort(x, axis=-1, stable=True).astype(jnp.int32)
+
+    return jax.lax.platform_dependent(x, cpu=host_sort, default=device_sort)
 
 
 def ranking(scores: jax.Array) -> jax.Array:

@@ -20,10 +20,12 @@ What is derived, from one abstract forward pass (no FLOPs spent):
 How algorithms act on the model (:class:`Hooks`): ``hooks.kernel`` is applied to each layer's
 kernel before the forward pass (it is pure); ``hooks.activation`` is applied to each layer's output
 (behind its BatchNorm when it has one; ReLU, max-pool and the positive dropout scale commute, so for
-the networks here this equals the zoo's placement after the nonlinearity). On CPU, convolutions of
-the common form (2-D, equal strides, SAME/VALID padding, no dilation or groups) are computed by
-:func:`fedjax_sparse.models.layers.conv2d`, whose im2col form is several times faster inside the
-engine's scans on XLA:CPU, and ``nn.max_pool`` / ``nnx.max_pool`` over non-overlapping windows by
+the networks here this equals the zoo's placement after the nonlinearity). Convolutions of the
+common form (2-D, equal strides, SAME/VALID padding, no dilation or groups) are computed by
+:func:`fedjax_sparse.models.layers.conv2d`: its im2col form is several times faster inside the
+engine's scans on XLA:CPU, and under a ``vmap`` over clients (each its own kernel) it runs batched
+matmuls where Flax's convolution would become a grouped one (slow on GPUs); and ``nn.max_pool`` /
+``nnx.max_pool`` over non-overlapping windows by
 :func:`~fedjax_sparse.models.layers.max_pool` (the zoo's pool: same values, cheaper gradient on CPU,
 ties split as in the zoo; a ``max_pool`` imported by name before the call keeps Flax's own);
 everything else is Flax's own code.
@@ -439,7 +441,9 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
       name: the model's name in ``config.json`` and summaries (default: the class name).
       train_argument: the ``__call__`` argument that switches training mode: ``"auto"`` (the first
         of ``train``, ``training``, ``is_training``, ``deterministic`` it has), a name, or None.
-      conv_impl: ``"auto"`` (im2col inside the engine's loops on CPU), ``"xla"`` or ``"im2col"``.
+      conv_impl: ``"auto"`` (im2col inside the engine's loops on CPU; elsewhere XLA's convolution, as
+        batched matmuls where a vmap gives the kernel its own axis), ``"batched_im2col"``, ``"xla"``
+        or ``"im2col"`` (:mod:`fedjax_sparse.models.layers`).
 
     Returns a ``Model`` whose ``params`` are ``{entry: {leaf: array}}`` keyed by module path
     (``"conv1"``, ``"Block_0/Dense_0"``), whose weight layers are the module's Dense/Linear and

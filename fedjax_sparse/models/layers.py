@@ -5,28 +5,40 @@ All activations are NHWC (images) or [batch, features]; conv kernels are HWIO
 (one output neuron / filter, the unit SpaFL thresholds and FedDrop drops) is
 always ``kernel[..., i]``.
 
-Convolutions have two implementations:
+Convolutions (``impl``):
 
-* ``"xla"``: ``lax.conv_general_dilated`` (cuDNN on GPU).
-* ``"im2col"``: shifted slices concatenated into patches, then one matmul.
-  XLA:CPU runs convolutions inside ``lax.scan``/``while`` several times slower
-  than outside (measured: shared/notes/performance-facts.md) while matmuls do not suffer,
-  so on CPU the round engine's scanned local steps use this form.
+* ``"xla"``: ``lax.conv_general_dilated`` (cuDNN on GPU), as is. Under ``vmap`` with a kernel that
+  carries the vmapped axis (each client its own weights) JAX batches it into a *grouped* convolution
+  (``feature_group_count`` = clients, ``batch_group_count`` for the kernel gradient), which cuDNN runs
+  about group by group: the clients are not parallel.
+* ``"im2col"``: shifted slices concatenated into patches, then one matmul; under ``vmap`` a batched
+  matmul. XLA:CPU runs convolutions inside ``lax.scan``/``while`` several times slower than outside
+  (measured: shared/notes/performance-facts.md) while matmuls do not suffer, so on CPU the round
+  engine's scanned local steps use this form.
+* ``"batched_im2col"``: XLA's convolution where the kernel is shared, and im2col (batched matmuls)
+  wherever a ``vmap`` gives the kernel its own axis: a ``custom_vmap`` rule chooses per ``vmap``, for
+  the forward pass and (through a ``custom_vjp``) for both gradients, at any nesting of vmaps
+  (clients, seeds, sweep members). First-order reverse mode only (``jax.grad``/``vjp``); forward-mode
+  or higher derivatives need ``"xla"`` or ``"im2col"``.
 
-``"auto"`` (default) picks im2col on CPU and xla elsewhere, at trace time; inside
-``with outside_loops():`` (code traced outside any scan/while, e.g. the per-client
-evaluation) it picks xla everywhere, XLA:CPU's native convolution being the faster one there.
+``"auto"`` (default) is chosen where the program is lowered (``lax.platform_dependent``), so a program
+exported for ``"cuda"`` on a CPU-only machine is the one a GPU process runs: on CPU ``"im2col"``
+(inside ``with outside_loops():``, code traced outside any scan/while such as the per-client
+evaluation, ``"batched_im2col"``, XLA:CPU's native convolution being the faster one there), on every
+other platform ``"batched_im2col"``.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_batching import custom_vmap
 
-CONV_IMPLS = ("auto", "xla", "im2col")
+CONV_IMPLS = ("auto", "xla", "im2col", "batched_im2col")
 
 
 # Set while tracing code that runs outside scan/while loops (a trace-time choice of program, not state).
@@ -35,10 +47,10 @@ _OUTSIDE_LOOPS = contextvars.ContextVar("fedjax_sparse_outside_loops", default=F
 
 @contextlib.contextmanager
 def outside_loops():
-    """Functions traced in this block run outside scan/while loops: ``"auto"`` convolutions use
-    XLA's native convolution on every backend (same numbers to float rounding). The choice is made
-    at trace time, so a ``jax.jit`` nested inside a model would keep whichever form it was first
-    traced with (the models here have none)."""
+    """Functions traced in this block run outside scan/while loops: on CPU ``"auto"`` convolutions
+    use XLA's native convolution (same numbers to float rounding). The choice is made at trace time,
+    so a ``jax.jit`` nested inside a model would keep whichever form it was first traced with (the
+    models here have none)."""
     token = _OUTSIDE_LOOPS.set(True)
     try:
         yield
@@ -46,11 +58,14 @@ def outside_loops():
         _OUTSIDE_LOOPS.reset(token)
 
 
-def resolve_conv_impl(impl: str) -> str:
+def resolve_conv_impl(impl: str, platform: str | None = None) -> str:
+    """The concrete form ``impl`` takes on ``platform`` (default: this process's backend), in the
+    current tracing context. Raises ValueError for an unknown name."""
     if impl not in CONV_IMPLS:
         raise ValueError(f"unknown conv implementation {impl!r}; valid: {CONV_IMPLS}")
     if impl == "auto":
-        return "im2col" if jax.default_backend() == "cpu" and not _OUTSIDE_LOOPS.get() else "xla"
+        platform = platform or jax.default_backend()
+        return "im2col" if platform == "cpu" and not _OUTSIDE_LOOPS.get() else "batched_im2col"
     return impl
 
 
@@ -60,21 +75,25 @@ def _same_padding(size: int, k: int, stride: int) -> tuple[int, int]:
     return total // 2, total - total // 2
 
 
-def conv2d(x: jax.Array, kernel: jax.Array, *, stride: int = 1,
-           padding: str = "VALID", impl: str = "auto") -> jax.Array:
-    """x: [B, H, W, C], kernel: [kh, kw, C, O] -> [B, H', W', O]."""
-    impl = resolve_conv_impl(impl)
-    if impl == "xla":
-        return lax.conv_general_dilated(
-            x, kernel, (stride, stride), padding,
-            dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    kh, kw, c, o = kernel.shape
+Pads = tuple  # ((top, bottom), (left, right))
+
+
+def _explicit_padding(x_shape, kernel_shape, stride: int, padding: str) -> Pads:
+    if padding == "VALID":
+        return ((0, 0), (0, 0))
     if padding == "SAME":
-        ph = _same_padding(x.shape[1], kh, stride)
-        pw = _same_padding(x.shape[2], kw, stride)
-        x = jnp.pad(x, ((0, 0), ph, pw, (0, 0)))
-    elif padding != "VALID":
-        raise ValueError(f"padding must be 'SAME' or 'VALID', got {padding!r}")
+        return (_same_padding(x_shape[1], kernel_shape[0], stride), _same_padding(x_shape[2], kernel_shape[1], stride))
+    raise ValueError(f"padding must be 'SAME' or 'VALID', got {padding!r}")
+
+
+def _native_conv(x, kernel, stride: int, pads: Pads):
+    return lax.conv_general_dilated(x, kernel, (stride, stride), pads, dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def _im2col_conv(x, kernel, stride: int, pads: Pads):
+    kh, kw, c, o = kernel.shape
+    if any(p for pair in pads for p in pair):
+        x = jnp.pad(x, ((0, 0), pads[0], pads[1], (0, 0)))
     if kh == 1 and kw == 1:
         patches = x[:, ::stride, ::stride, :]
     else:
@@ -85,6 +104,70 @@ def conv2d(x: jax.Array, kernel: jax.Array, *, stride: int = 1,
             [x[:, i:i + stride * (ho - 1) + 1:stride, j:j + stride * (wo - 1) + 1:stride, :]
              for i in range(kh) for j in range(kw)], axis=-1)
     return patches @ kernel.reshape(kh * kw * c, o)
+
+
+def _in_axes(batched) -> tuple:
+    return tuple(0 if b else None for b in batched)
+
+
+@functools.lru_cache(maxsize=None)
+def _batched_im2col_conv(stride: int, pads: Pads):
+    """``conv(x [B, H, W, C], kernel [kh, kw, C, O])`` for one (stride, padding): XLA's convolution,
+    except that under a ``vmap`` giving the kernel (or, in the backward pass, the output gradient) an
+    axis of its own, the batched program is im2col's batched matmuls instead of the grouped
+    convolution JAX's batching rule would make. A vmap over the input alone folds it into the batch
+    and calls this function again, so an outer vmap (seeds around clients) meets the same rule."""
+    native = functools.partial(_native_conv, stride=stride, pads=pads)
+    patches = functools.partial(_im2col_conv, stride=stride, pads=pads)
+
+    @custom_vmap
+    def forward(x, kernel):
+        return native(x, kernel)
+
+    @forward.def_vmap
+    def forward_rule(axis_size, in_batched, x, kernel):
+        x_batched, kernel_batched = in_batched
+        if kernel_batched:
+            return jax.vmap(patches, in_axes=_in_axes(in_batched))(x, kernel), True
+        n, b = x.shape[:2]
+        y = forward(x.reshape((n * b,) + x.shape[2:]), kernel)
+        return y.reshape((n, b) + y.shape[1:]), True
+
+    @custom_vmap
+    def backward(x, kernel, g):
+        return jax.vjp(native, x, kernel)[1](g)
+
+    @backward.def_vmap
+    def backward_rule(axis_size, in_batched, x, kernel, g):
+        # Whatever is batched, the kernel gradient is per batch entry (a grouped convolution for XLA):
+        # the patches' transpose as batched matmuls.
+        out = jax.vmap(lambda x, k, g: jax.vjp(patches, x, k)[1](g), in_axes=_in_axes(in_batched))(x, kernel, g)
+        return out, (True, True)
+
+    @jax.custom_vjp
+    def conv(x, kernel):
+        return forward(x, kernel)
+
+    conv.defvjp(lambda x, kernel: (forward(x, kernel), (x, kernel)), lambda res, g: backward(*res, g))
+    return conv
+
+
+def conv2d(x: jax.Array, kernel: jax.Array, *, stride: int = 1,
+           padding: str = "VALID", impl: str = "auto") -> jax.Array:
+    """x: [B, H, W, C], kernel: [kh, kw, C, O] -> [B, H', W', O] (``impl``: module docstring)."""
+    if impl not in CONV_IMPLS:
+        raise ValueError(f"unknown conv implementation {impl!r}; valid: {CONV_IMPLS}")
+    pads = _explicit_padding(x.shape, kernel.shape, stride, padding)
+    if impl == "auto":
+        # Both forms are traced; lowering keeps the target platform's alone.
+        form = functools.partial(conv2d, stride=stride, padding=padding)
+        return lax.platform_dependent(x, kernel, cpu=functools.partial(form, impl=resolve_conv_impl(impl, "cpu")),
+                                      default=functools.partial(form, impl="batched_im2col"))
+    if impl == "xla":
+        return _native_conv(x, kernel, stride, pads)
+    if impl == "im2col":
+        return _im2col_conv(x, kernel, stride, pads)
+    return _batched_im2col_conv(stride, pads)(x, kernel)
 
 
 def dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
