@@ -1,4 +1,4 @@
-"""Command line: ``python -m fedjax_sparse run|partition|list ...``.
+"""Command line: ``python -m fedjax_sparse run|bench|partition|list|plot|report ...``.
 
 User errors (bad names, sizes, paths, corrupt files, an occupied --out)
 print one line ``error: ...`` naming the problem and the fix, and exit 2,
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -41,7 +42,7 @@ RUN_FLAGS = [
     ("--out", "out", str, "output directory (config.json, metrics.jsonl, summary.json, checkpoint)"),
     ("--preprocess", "preprocess", str, "input scaling: unit (x/255) | raw (0-255) | standardize"),
     ("--client-parallelism", "client_parallelism", str,
-     "auto (map on CPU, vmap elsewhere) | vmap | map | "
+     "auto (map on one device, vmap across several accelerators or processes) | vmap | map | "
      "measure (time one round of map and vmap, use the faster; recorded in config.json)"),
     ("--eval-batch-size", "eval_batch_size", int, "evaluation batch size (default: from the clients' test-set sizes)"),
     ("--personal-eval", "personal_eval", str,
@@ -74,7 +75,7 @@ RUN_FLAGS = [
 ]
 
 
-KEY_VALUE_FLAGS = ("--option", "--model-option")
+KEY_VALUE_FLAGS = ("--option", "--model-option", "--compare")
 # Flags of execution modes removed in 0.2.0 (no recorded win; see config.REMOVED_EXECUTION).
 REMOVED_FLAGS = ("--round-mode", "--client-bucket-size")
 
@@ -94,21 +95,7 @@ def _parser() -> argparse.ArgumentParser:
                                      description="Sparse federated learning simulator (JAX).")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a federated experiment")
-    run.add_argument("--config", help="JSON config file (RunConfig fields); flags given override it")
-    from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig
-    defaults = RunConfig()
-    for flag, dest, typ, text in RUN_FLAGS:
-        if "default" not in text:
-            # The flag's default is the RunConfig field's (argparse's own default stays None so that the
-            # flags given can be told apart from a config file's values).
-            default = getattr(defaults.execution if dest in EXECUTION_FIELDS else defaults, dest)
-            text = f"{text} (default: {default})"
-        run.add_argument(flag, dest=dest, type=typ, default=None, help=text)
-    for flag in REMOVED_FLAGS:   # read only to refuse them in one line (config.REMOVED_EXECUTION)
-        run.add_argument(flag, dest=flag[2:].replace("-", "_"), default=None, help=argparse.SUPPRESS)
-    run.add_argument("--option", action="append", metavar="KEY=VALUE", help="algorithm option (repeatable)")
-    run.add_argument("--model-option", action="append", metavar="KEY=VALUE", help="model option (repeatable)")
-    run.add_argument("--download", action="store_true", default=None, help="fetch the dataset with TFDS")
+    _add_config_arguments(run)
     run.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
     run.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -159,7 +146,73 @@ def _parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="markdown table of runs: final/best accuracy, Gbit, TFLOPs, rounds/s")
     report.add_argument("runs", nargs="+", metavar="RUN_DIR")
     report.add_argument("--out", default=None, help="also write the table to this file")
+
+    _add_bench_arguments(sub.add_parser(
+        "bench", help="how fast a configuration runs here: seconds per round, TFLOP/s, compile time, memory; "
+                      "variants side by side (--compare)",
+        description="Times the rounds of the configuration that `run` with the same flags would train "
+                    "(replace `run` by `bench`), and of its variants (--compare), side by side in one process. "
+                    "Writes nothing but --json FILE."))
     return parser
+
+
+def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that make a run's configuration (``run`` and ``bench`` read them alike:
+    :func:`config_from_args`)."""
+    parser.add_argument("--config", help="JSON config file (RunConfig fields); flags given override it")
+    from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig
+    defaults = RunConfig()
+    for flag, dest, typ, text in RUN_FLAGS:
+        if "default" not in text:
+            # The flag's default is the RunConfig field's (argparse's own default stays None so that the
+            # flags given can be told apart from a config file's values).
+            default = getattr(defaults.execution if dest in EXECUTION_FIELDS else defaults, dest)
+            text = f"{text} (default: {default})"
+        parser.add_argument(flag, dest=dest, type=typ, default=None, help=text)
+    for flag in REMOVED_FLAGS:   # read only to refuse them in one line (config.REMOVED_EXECUTION)
+        parser.add_argument(flag, dest=flag[2:].replace("-", "_"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--option", action="append", metavar="KEY=VALUE", help="algorithm option (repeatable)")
+    parser.add_argument("--model-option", action="append", metavar="KEY=VALUE", help="model option (repeatable)")
+    parser.add_argument("--download", action="store_true", default=None, help="fetch the dataset with TFDS")
+
+
+def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
+    """``bench``: run's configuration flags, run's other flags (so that a run command line is a bench
+    command line: each is used, ignored or refused in one line by :func:`cmd_bench`), and its own."""
+    _add_config_arguments(bench)
+    bench.add_argument("--rounds-timed", type=int, default=5, metavar="N",
+                       help="rounds timed one by one after the compiling round, per variant (default: 5)")
+    bench.add_argument("--compare", action="append", default=None, metavar="KEY=V1,V2",
+                       help="variants to time side by side (repeatable; the variants are every combination): KEY "
+                            "is a RunConfig field (clients_per_round, batch_size, ...), an execution field "
+                            "(client_parallelism, ...), option.NAME, model_option.NAME (e.g. "
+                            "model_option.conv_impl=xla,auto), matmul_precision (default, high, highest, "
+                            "bfloat16, tensorfloat32, float32) or xla_flags, whose values are separated by "
+                            "';' (XLA flags hold ',' and '='), 'none' meaning no added flags, each run in a "
+                            "child process with XLA_FLAGS extended, e.g. "
+                            "--compare 'xla_flags=none;--xla_gpu_autotune_level=0'")
+    bench.add_argument("--json", default=None, metavar="FILE",
+                       help="write the whole result as JSON (refused if FILE exists, unless --overwrite)")
+    bench.add_argument("--overwrite", action="store_true", help="replace an existing --json FILE")
+    bench.add_argument("--isolate", action="store_true",
+                       help="each variant in a fresh child process (cold compilation, its own peak memory)")
+    bench.add_argument("--matmul-size", type=int, default=None, metavar="N",
+                       help="the float32 N x N matmul whose rate achieved TFLOP/s are read against "
+                            "(default: 2048 on CPU, 8192 on accelerators)")
+    bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    bench.add_argument("--count-kernels", action="store_true",
+                       help="also count what one local step launches in each variant's compiled round program "
+                            "(kernels, loops inside the step; compiles the round once more, outside the timings)")
+    bench.add_argument("--compile-cache", default=None, metavar="DIR",
+                       help="JAX's persistent compilation cache folder (default: off, so compile times are "
+                            "cold; JAX_COMPILATION_CACHE_DIR, when set, is used by JAX itself)")
+    # run's flags that have no meaning for a benchmark: accepted so that a run command line works, then
+    # ignored (--out, --replica-parallelism, --sweep-select) or refused in one line (cmd_bench).
+    bench.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
+    for flag, kwargs in (("--coordinator", {}), ("--num-processes", {"type": int}), ("--process-id", {"type": int}),
+                         ("--seeds", {"type": int, "nargs": "+"}), ("--replica-parallelism", {}),
+                         ("--sweep", {"action": "append"}), ("--sweep-select", {})):
+        bench.add_argument(flag, default=None, help=argparse.SUPPRESS, **kwargs)
 
 
 def _model_option(value: str):
@@ -201,12 +254,11 @@ def enable_compile_cache(flag: str | None) -> None:
     jax.config.update("jax_compilation_cache_dir", str(folder))
 
 
-def cmd_run(args) -> int:
-    from fedjax_sparse import distributed, runner
-    from fedjax_sparse.config import EXECUTION_FIELDS
-    from fedjax_sparse.progress import format_summary
-    enable_compile_cache(args.compile_cache)
-    processes = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+def config_from_args(args):
+    """The RunConfig that ``run``'s flags describe (``--config`` file, then the flags given, ``--option``,
+    ``--model-option``), and the fields the user set (the config file's keys and the flags given).
+    Returns (config, given). Raises ValueError (one line) on a bad file or a removed flag."""
+    from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig
     base = {}
     if args.config:
         path = Path(args.config)
@@ -219,7 +271,7 @@ def cmd_run(args) -> int:
     if not isinstance(base, dict):
         raise ValueError(f"config file {args.config} must hold a JSON object of RunConfig fields "
                          f"(e.g. {{\"algorithm\": \"fedavg\", \"rounds\": 10}}), not a {type(base).__name__}")
-    config = runner.RunConfig.from_json(base)
+    config = RunConfig.from_json(base)
     from fedjax_sparse.config import REMOVED_EXECUTION
     for flag in REMOVED_FLAGS:
         name = flag[2:].replace("-", "_")
@@ -244,6 +296,15 @@ def cmd_run(args) -> int:
     config.model_options = {**config.model_options,
                             **{k: _model_option(v)
                                for k, v in _key_values(args.model_option, "--model-option").items()}}
+    return config, given
+
+
+def cmd_run(args) -> int:
+    from fedjax_sparse import distributed, runner
+    from fedjax_sparse.progress import format_summary
+    enable_compile_cache(args.compile_cache)
+    processes = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    config, given = config_from_args(args)
     if args.resume and not config.out:
         raise ValueError("--resume needs --out pointing at the interrupted run's directory")
     if args.sweep is not None or (args.resume and config.out and (Path(config.out) / "sweep.json").exists()):
@@ -266,6 +327,40 @@ def cmd_run(args) -> int:
     print(format_summary(summary))
     if config.out:
         print(f"outputs: {config.out}/{{config.json,metrics.jsonl,summary.json}}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    """``bench``: run's flags make the configuration; run's flags that make no sense for a benchmark
+    are refused in one line, or ignored with a notice (``--out``: bench writes nothing but ``--json``)."""
+    from fedjax_sparse import bench
+    refused = {"--resume": args.resume or None, "--seeds": args.seeds, "--sweep": args.sweep,
+               "--coordinator": args.coordinator, "--num-processes": args.num_processes,
+               "--process-id": args.process_id}
+    fixes = {"--resume": "give the run's flags or --config FILE instead",
+             "--seeds": "bench one --seed (or --compare seed=0,1)",
+             "--sweep": "time each point alone with --compare KEY=V1,V2",
+             "--coordinator": "bench times one process", "--num-processes": "bench times one process",
+             "--process-id": "bench times one process"}
+    for flag, value in refused.items():
+        if value is not None:
+            raise ValueError(f"bench does not take {flag}: {fixes[flag]}")
+    config, _ = config_from_args(args)
+    if config.out:
+        print(f"notice: bench writes no run folder; --out {config.out} ignored (--json FILE writes the result)",
+              file=sys.stderr)
+        config.out = None
+    if args.json and Path(args.json).exists() and not args.overwrite:
+        raise FileExistsError(f"{args.json} already exists; choose another --json FILE or pass --overwrite")
+    axes = bench.parse_compare(args.compare or [])
+    if args.compile_cache and args.compile_cache != "off":
+        enable_compile_cache(args.compile_cache)
+    result = bench.bench(config, axes, rounds_timed=args.rounds_timed, matmul_size=args.matmul_size,
+                         isolate=args.isolate, progress=not args.quiet, count_kernels=args.count_kernels)
+    result["command"] = "python -m fedjax_sparse " + shlex.join(args.argv)
+    print(bench.format_table(result), end="")
+    if args.json:
+        print(f"wrote {bench.write_json(result, args.json, overwrite=args.overwrite)}")
     return 0
 
 
@@ -397,11 +492,12 @@ def main(argv=None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     args = _parser().parse_args(argv)
+    args.argv = argv   # bench records its command line
     from fedjax_sparse.errors import DataError
     from fedjax_sparse.errors import RunStopped
     try:
         commands = {"run": cmd_run, "partition": cmd_partition, "list": cmd_list, "plot": cmd_plot,
-                    "report": cmd_report}
+                    "report": cmd_report, "bench": cmd_bench}
         return commands[args.command](args)
     except RunStopped as e:  # SIGTERM / SIGINT: checkpointed, one line, the conventional exit code
         print(str(e), file=sys.stderr)

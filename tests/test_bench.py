@@ -1,0 +1,156 @@
+"""``python -m fedjax_sparse bench``: the JSON it writes, its numbers against the rounds' own metrics,
+one-line refusals, and variants that compute the same rounds."""
+import json
+import math
+
+import pytest
+
+import fedjax_sparse as fjs
+from fedjax_sparse import accounting, bench
+from fedjax_sparse.cli import main
+from fedjax_sparse.models import make_model
+
+QUICK = ["--dataset", "digits", "--num-clients", "6", "--clients-per-round", "3", "--local-epochs", "1",
+         "--batch-size", "32", "--lr", "0.1", "--partition", "iid"]
+QUICK_CONFIG = dict(dataset="digits", num_clients=6, clients_per_round=3, local_epochs=1, batch_size=32, lr=0.1,
+                    partition="iid")
+RECORD_KEYS = {"name", "values", "client_parallelism", "matmul_precision", "round_seconds", "seconds_per_round",
+               "seconds_per_round_min", "seconds_per_round_max", "seconds_per_round_q1", "seconds_per_round_q3",
+               "rounds_per_second", "client_steps_per_second", "client_steps_executed_per_second", "total_flops",
+               "tflops", "matmul_tflops", "tflops_share_of_matmul", "first_round_seconds", "compile_seconds",
+               "build_seconds", "peak_device_memory_mib", "peak_host_memory_mib", "memory_estimate_device_mib",
+               "process", "metrics"}
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.fast
+def test_bench_cli_times_variants_side_by_side_and_writes_the_json(tmp_path, capsys):
+    result_file, run_dir = tmp_path / "bench.json", tmp_path / "run"
+    # A run command line with `run` replaced by `bench`: --out is ignored (nothing written there).
+    code = main(["bench", *QUICK, "--out", str(run_dir), "--rounds-timed", "2", "--matmul-size", "128",
+                 "--compare", "client_parallelism=map,vmap", "--json", str(result_file), "--quiet"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "--out" in captured.err and "ignored" in captured.err and not run_dir.exists()
+    result = json.loads(result_file.read_text())
+    assert result["schema"] == bench.SCHEMA and result["rounds_timed"] == 2
+    assert result["compare"] == {"client_parallelism": ["map", "vmap"]}
+    assert {"backend", "device_kind", "jax"} <= set(result["device"]) and result["device"]["backend"] == "cpu"
+    assert result["command"].startswith("python -m fedjax_sparse bench --dataset digits")
+    assert result["matmul"]["size"] == 128 and positive(result["matmul"]["tflops"]["default"])
+    names = [v["name"] for v in result["variants"]]
+    assert names == ["client_parallelism=map", "client_parallelism=vmap"] and result["fastest"] in names
+    for name, line in zip(names, captured.out.splitlines()[3:5]):   # the table: one row per variant
+        assert line.startswith(name)
+    # The model's exact training FLOPs per example (3 x 2 x MACs): FedAvg trains densely.
+    model = make_model("cnn_small", (8, 8, 1), 10)
+    per_example = accounting.training_flops_per_example(model)
+    for record, mode in zip(result["variants"], ["map", "vmap"]):
+        assert RECORD_KEYS <= set(record) and record["client_parallelism"] == mode
+        seconds, metrics = record["round_seconds"], record["metrics"]
+        assert len(seconds) == 2 and all(positive(s) for s in seconds)
+        assert all(len(values) == 3 for values in metrics.values())   # the compiling round + 2 timed
+        assert record["seconds_per_round_min"] <= record["seconds_per_round"] <= record["seconds_per_round_max"]
+        for key in ("rounds_per_second", "client_steps_per_second", "tflops", "matmul_tflops",
+                    "tflops_share_of_matmul", "first_round_seconds", "peak_host_memory_mib"):
+            assert positive(record[key]), key
+        assert record["peak_device_memory_mib"] is None   # XLA:CPU keeps no allocator statistics
+        # Achieved TFLOP/s = the timed rounds' FLOPs over their seconds, FLOPs counted here from the
+        # examples each round trained (not from the bench's own sums).
+        flops = [per_example * n for n in metrics["num_examples"][1:]]
+        assert metrics["flops"][1:] == flops and record["total_flops"] == sum(flops)
+        assert record["tflops"] == pytest.approx(sum(flops) / sum(seconds) / 1e12, rel=1e-9)
+        assert record["tflops_share_of_matmul"] == pytest.approx(record["tflops"] / record["matmul_tflops"])
+        steps = sum(metrics["client_steps"][1:])
+        assert record["client_steps_per_second"] == pytest.approx(steps / sum(seconds), rel=1e-9)
+        assert record["rounds_per_second"] == pytest.approx(2 / sum(seconds), rel=1e-9)
+    # The file is not replaced unless asked.
+    code = main(["bench", *QUICK, "--json", str(result_file), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and "--overwrite" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("compare, named", [
+    ("colour=red,blue", "unknown --compare key 'colour'"),
+    ("client_parallelism=", "client_parallelism"),
+    ("client_parallelism", "client_parallelism=VALUE"),
+    ("client_parallelism=map,,vmap", "empty value"),
+    ("client_parallelism=map,bogus", "client_parallelism=bogus"),
+    ("matmul_precision=default,fastest", "'fastest'"),
+    ("clients_per_round=3,many", "clients_per_round=many"),
+])
+def test_bench_refuses_a_bad_compare_in_one_line(compare, named, capsys):
+    code = main(["bench", *QUICK, "--compare", compare, "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and named in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_bench_refuses_what_a_benchmark_cannot_time(capsys):
+    for extra, named in ((["--seeds", "0", "1"], "--seeds"), (["--sweep", "lr=0.1,0.2"], "--compare"),
+                         (["--rounds-timed", "0"], "--rounds-timed")):
+        code = main(["bench", *QUICK, *extra, "--quiet"])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("error: ") and named in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_variants_of_the_same_rounds_compute_the_same_numbers():
+    """Convolution forms and matmul precisions change how, not what: the same losses (to float
+    rounding: im2col and XLA's convolution sum in another order) and exactly the same costs."""
+    result = bench.bench(fjs.RunConfig(**QUICK_CONFIG),
+                         {"model_option.conv_impl": ["im2col", "xla"], "matmul_precision": ["default", "highest"]},
+                         rounds_timed=1, matmul_size=64)
+    variants = result["variants"]
+    assert [v["values"] for v in variants] == [
+        {"model_option.conv_impl": c, "matmul_precision": p} for c in ("im2col", "xla") for p in ("default", "highest")]
+    assert set(result["matmul"]["tflops"]) == {"default", "highest"}
+    reference = variants[0]["metrics"]
+    for record in variants[1:]:
+        assert record["metrics"]["loss"] == pytest.approx(reference["loss"], rel=1e-6)
+        for key in ("flops", "uplink_bits", "downlink_bits", "num_examples", "client_steps"):
+            assert record["metrics"][key] == reference[key], key
+    assert "model_option.conv_impl=xla matmul_precision=highest" in bench.format_table(result)
+
+
+def test_bench_xla_flags_variants_run_in_child_processes(tmp_path):
+    flag = "--xla_cpu_enable_fast_math=false"
+    result = bench.bench(fjs.RunConfig(**QUICK_CONFIG), bench.parse_compare([f"xla_flags=none;{flag}"]),
+                         rounds_timed=1, matmul_size=64)
+    assert [v["name"] for v in result["variants"]] == ["xla_flags=none", f"xla_flags={flag}"]
+    plain, flagged = result["variants"]
+    assert flag not in plain["process"]["xla_flags"] and flagged["process"]["xla_flags"].endswith(flag)
+    assert flagged["values"] == {"xla_flags": flag} and positive(flagged["seconds_per_round"])
+    assert result["matmul"]["per_process"] is True and positive(flagged["matmul_tflops"])
+
+
+def test_parse_compare_reads_values_and_xla_flag_lists():
+    assert bench.parse_compare(["lr=0.1,1", "option.ramp=true,false", "eval_batch_size=none,64",
+                                "xla_flags=none;--a=1,2 --b=x"]) == {
+        "lr": [0.1, 1], "option.ramp": [True, False], "eval_batch_size": [None, 64], "xla_flags": ["", "--a=1,2 --b=x"]}
+    # The children's command line reads back to the same axes.
+    axes = {"lr": [0.1, 1], "option.ramp": [True, False], "xla_flags": ["", "--a=1,2 --b=x"]}
+    assert bench.parse_compare([bench.compare_spec(k, v) for k, v in axes.items()]) == axes
+    with pytest.raises(fjs.RunError, match="twice"):
+        bench.parse_compare(["lr=0.1", "lr=0.2"])
+
+
+def test_bench_counts_the_kernels_of_a_local_step():
+    """--count-kernels: each variant's local step, read from its compiled round program (the step's
+    matrix products among the ops); absent unless asked."""
+    config = fjs.RunConfig(**QUICK_CONFIG)
+    result = bench.bench(config, {"client_parallelism": ["map", "vmap"]}, rounds_timed=1, matmul_size=64,
+                         count_kernels=True)
+    for variant in result["variants"]:
+        step = variant["local_step"]
+        assert step["kernels"] > 0 and step["loops_inside"] == step["ops"].get("while", 0)
+        # Every fusion and library matmul launches; tuples, constants and views do not.
+        launched = step["ops"].get("fusion", 0) + step["ops"].get("dot", 0)
+        assert launched <= step["kernels"] <= sum(step["ops"].values()) - step["ops"].get("get-tuple-element", 0)
+        assert step["ops"].get("dot", 0) + step["ops"].get("fusion", 0) >= 3   # 2 dense layers + a conv at least
+    assert "kernels/step" in bench.format_table(result)
+    plain = bench.bench(config, rounds_timed=1, matmul_size=64)
+    assert "local_step" not in plain["variants"][0] and "kernels/step" not in bench.format_table(plain)
