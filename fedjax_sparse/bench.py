@@ -65,6 +65,7 @@ from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig, validate
 from fedjax_sparse.errors import RunError
 from fedjax_sparse.experiment import Components, Experiment, build, with_components
 from fedjax_sparse.progress import jsonable
+from fedjax_sparse.sweeps import parse_value
 
 SCHEMA = "fedjax_sparse.bench/1"
 PRECISION_KEY = "matmul_precision"
@@ -83,24 +84,15 @@ MATMUL_SIZE_ACCELERATOR = 8192
 
 # ---------------------------------------------------------------------------- --compare
 def _parse_value(key: str, text: str) -> Any:
-    """A compared value from its text: xla_flags and matmul_precision stay strings; otherwise
-    true/false, null/none, integers and floats are parsed and the rest stays a string (an
-    ``--option``'s string is parsed by the algorithm's typed options)."""
+    """A compared value from its text: xla_flags and matmul_precision stay strings, null/none is None,
+    the rest as ``--sweep`` reads it (:func:`fedjax_sparse.sweeps.parse_value`)."""
     if key == XLA_FLAGS_KEY:
         return "" if text == NO_XLA_FLAGS else text
     if key == PRECISION_KEY:
         return text
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered in ("none", "null"):
+    if text.lower() in ("none", "null"):
         return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+    return parse_value(text)
 
 
 def parse_compare(specs: Sequence[str]) -> dict[str, list]:

@@ -80,14 +80,16 @@ def parse_sweep(specs: Sequence[str]) -> dict[str, list]:
             raise RunError(f"--sweep takes KEY=V1,V2,..., got {spec!r}: e.g. --sweep lr=0.01,0.1")
         if key in axes:
             raise RunError(f"--sweep names {key!r} twice; give all its values once: --sweep {key}=V1,V2")
-        parsed = [_parse_value(v.strip()) for v in values.split(",") if v.strip()]
+        parsed = [parse_value(v.strip()) for v in values.split(",") if v.strip()]
         if len(set(map(repr, parsed))) != len(parsed):
             raise RunError(f"--sweep {key} lists a value twice: {values}")
         axes[key] = parsed
     return axes
 
 
-def _parse_value(text: str) -> Any:
+def parse_value(text: str) -> Any:
+    """A value given on the command line (``--sweep``, ``bench --compare``): true/false, integers and
+    floats parsed, the rest a string (an ``--option``'s string is parsed by the algorithm's typed options)."""
     lowered = text.lower()
     if lowered in ("true", "false"):
         return lowered == "true"
