@@ -12,8 +12,9 @@ partition of the same data pool:
   axis of the stacked states; each replica's client index rows padded to a common width);
 * ``sequential``: the replicas run one after another through the same compiled round, so the
   program compiles once instead of once per seed;
-* ``auto``: ``sequential`` on CPU (where a vmapped convolution over replicas' different weights
-  runs as a grouped convolution, slower than one replica at a time), ``vmap`` elsewhere.
+* ``auto``: ``sequential`` on CPU (measured faster there than vmapped replicas:
+  ``experiments/results/perf/sweep_3x3_cpu.json``), ``vmap`` elsewhere (each replica's convolutions
+  run as batched matmuls, never grouped: ``models.layers.conv2d``).
 
 Replicas whose algorithm depends on the seed beyond its keys (malicious clients chosen by seed),
 or whose data pools or preprocessing constants differ (``synthetic`` data generated per seed,
