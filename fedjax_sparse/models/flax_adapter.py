@@ -28,7 +28,15 @@ matmuls where Flax's convolution would become a grouped one (slow on GPUs); and 
 ``nnx.max_pool`` over non-overlapping windows by
 :func:`~fedjax_sparse.models.layers.max_pool` (the zoo's pool: same values, cheaper gradient on CPU,
 ties split as in the zoo; a ``max_pool`` imported by name before the call keeps Flax's own);
-everything else is Flax's own code.
+everything else is Flax's own code. The fast convolution applies only to layers that run Flax's own
+``Conv.__call__`` with its own convolution function in float32: a subclass with its own ``__call__``
+(a weight-standardised conv) is still a weight layer, and runs its own code.
+
+Never a different network: ``from_flax`` runs the adapted forward pass (fast paths included, no-op
+hooks) and the module's own code (Flax's layers and pool, the same BatchNorm/Dropout modes) on a
+probe batch of 2 random examples with the weights of ``init``, in evaluation mode and, when
+``__call__`` takes a train flag, training mode, and refuses the model (``ValueError`` naming the
+largest difference and the first layer that differs) unless the logits agree to 1e-4 of their scale.
 
 Train/eval mode: ``BatchNorm`` gets ``use_running_average=not train`` whatever the module says, a
 ``train``/``training`` argument of ``__call__`` receives ``train`` (``deterministic`` its negation).
@@ -42,6 +50,7 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import os
 from typing import Any, Callable, Sequence
 
 import jax
@@ -189,7 +198,11 @@ class _Calls:
 
     mode "record": runs the modules, records weight layers and which BatchNorm reads which layer.
     mode "probe": records each weight layer's input and returns ``probes[i]`` instead of its output.
-    mode "run": applies the activation hooks (and the CPU convolution fast path)."""
+    mode "run": applies the activation hooks (and the CPU convolution fast path).
+    mode "reference": the module's own code everywhere (no fast path, no hooks), with the adapter's
+    BatchNorm/Dropout modes: what ``from_flax``'s equivalence check compares "run" against.
+    ``layer_outputs`` keeps each weight layer's output (before its hook) in "run"/"reference" mode,
+    which names the first layer where the two differ."""
 
     def __init__(self, mode: str, *, train: bool = False, hooks: Hooks | None = None, sample_mask=None,
                  probes: Sequence | None = None, bn_of: dict | None = None, conv_impl: str = "auto", rng=None):
@@ -202,8 +215,16 @@ class _Calls:
         self.seen: set = set()
         self._outputs: dict[int, tuple[Path, Any]] = {}
         self.bn_after: dict[Path, Path] = {}
+        self.layer_outputs: dict[Path, Any] = {}
+        # Layers whose call is in progress: a subclass's ``__call__`` that calls ``super().__call__``
+        # reaches the interception again for the same layer, which is the same use, not a second one.
+        self.active: set = set()
 
     def weight_layer(self, path: Path, kind: str, kernel, x, original: Callable, conv: dict | None):
+        """``conv``: the layer's configuration when it is Flax's own ``Conv`` code (the fast path may
+        replace it), None for a Dense or a subclass that runs its own ``__call__``."""
+        if path in self.active:
+            return original()
         if path in self.seen:
             raise ValueError(f"from_flax: layer {entry_name(path)} is called twice in one forward pass "
                              "(shared weights); give each use its own module")
@@ -212,9 +233,17 @@ class _Calls:
             self.inputs.append(x)
             out = self.probes[len(self.inputs) - 1]  # type: ignore[index]
             return out
-        out = _fast_conv(x, kernel, conv, self.conv_impl) if conv is not None else None
+        out = _fast_conv(x, kernel, conv, self.conv_impl) if conv is not None and self.mode != "reference" else None
         if out is None:
-            out = original()
+            self.active.add(path)
+            try:
+                out = original()
+            finally:
+                self.active.discard(path)
+        if self.mode in ("run", "reference"):
+            self.layer_outputs[path] = out
+        if self.mode == "reference":
+            return out
         if self.mode == "record":
             self.recorded.append(_Recorded(path, kind, tuple(kernel.shape), tuple(x.shape), tuple(out.shape)))
             self._outputs[id(out)] = (path, out)
@@ -255,7 +284,15 @@ def _fast_conv(x, kernel, conv: dict, impl: str):
     return out
 
 
-def _conv_config(module, kernel, bias) -> dict:
+def _conv_config(module, kernel, bias) -> dict | None:
+    """What ``_fast_conv`` needs of a Flax ``Conv`` layer, or None when the layer computes something
+    ``layers.conv2d`` does not: its own convolution function, a compute dtype other than float32, or a
+    precision setting (its code runs then)."""
+    own_conv = getattr(module, "conv_general_dilated", None) in (None, jax.lax.conv_general_dilated)
+    if (not own_conv or getattr(module, "conv_general_dilated_cls", None) is not None
+            or module.dtype not in (None, jnp.float32) or module.precision is not None
+            or getattr(module, "preferred_element_type", None) is not None):
+        return None
     return {"kernel_size": tuple(module.kernel_size) if not isinstance(module.kernel_size, int)
             else (module.kernel_size,), "strides": module.strides, "padding": module.padding,
             "groups": module.feature_group_count, "mask": getattr(module, "mask", None),
@@ -264,11 +301,15 @@ def _conv_config(module, kernel, bias) -> dict:
 
 
 @contextlib.contextmanager
-def _zoo_max_pool():
+def _zoo_max_pool(active: bool = True):
     """While tracing, ``nn.max_pool`` / ``nnx.max_pool`` with non-overlapping windows run as the zoo's
     :func:`layers.max_pool` (reshape + max): the same forward values, the zoo's gradient (split
     evenly between tied maxima, where ``reduce_window``'s goes to one of them) and no
-    ``select_and_scatter``, which is slow on XLA:CPU. Other pools run Flax's code."""
+    ``select_and_scatter``, which is slow on XLA:CPU. Other pools run Flax's code, and all of them
+    when not ``active`` (the reference of ``from_flax``'s equivalence check)."""
+    if not active:
+        yield
+        return
     import flax.linen as nn
     import flax.linen.pooling as pooling
     from flax import nnx
@@ -283,11 +324,11 @@ def _zoo_max_pool():
     owners = [m for m in (nn, pooling, nnx) if getattr(m, "max_pool", None) is original]
     try:
         for owner in owners:
-            owner.max_pool = max_pool
+            owner.max_pool = max_pool  # type: ignore[attr-defined]
         yield
     finally:
         for owner in owners:
-            owner.max_pool = original
+            owner.max_pool = original  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------- the train argument
@@ -317,10 +358,13 @@ def _linen_parts(module, train_kwargs):
             if context.method_name != "__call__":
                 return next_fun(*args, **kwargs)
             path = tuple(m.scope.path) if m.scope is not None else ()
-            if isinstance(m, (nn.Dense, nn.Conv)):
-                params = m.variables["params"]
+            params = m.variables.get("params", {}) if isinstance(m, (nn.Dense, nn.Conv)) else {}
+            if "kernel" in params:
                 kind = "dense" if isinstance(m, nn.Dense) else "conv"
-                conv = _conv_config(m, params["kernel"], params.get("bias")) if kind == "conv" else None
+                # The fast path only where the layer runs Flax's own Conv code: a subclass that overrides
+                # __call__ (a weight-standardised conv) means something else by its kernel.
+                own = type(m).__call__ is nn.Conv.__call__
+                conv = _conv_config(m, params["kernel"], params.get("bias")) if kind == "conv" and own else None
                 return calls.weight_layer(path, kind, params["kernel"], args[0],
                                           lambda: next_fun(*args, **kwargs), conv)
             if isinstance(m, nn.BatchNorm):
@@ -346,7 +390,7 @@ def _linen_parts(module, train_kwargs):
     def apply(nested: dict, x, calls: _Calls, train: bool):
         mutable = ["batch_stats"] if train and nested.get("batch_stats") else False
         rngs = {"dropout": calls.rng} if calls.rng is not None else None
-        with intercepted(calls), _zoo_max_pool():
+        with intercepted(calls), _zoo_max_pool(calls.mode != "reference"):
             out = module.apply(nested, x, **train_kwargs(train), rngs=rngs, mutable=mutable)
         if mutable:
             logits, updated = out
@@ -361,6 +405,11 @@ def _nnx_parts(module, train_kwargs):
 
     graphdef, params_state, stats_state, rest_state = nnx.split(module, nnx.Param, nnx.BatchStat, ...)
     originals = {cls: cls.__call__ for cls in (nnx.Linear, nnx.Conv, nnx.BatchNorm, nnx.Dropout)}
+    # Subclasses of Linear/Conv that define their own __call__ (a weight-standardised conv): they are
+    # the weight layers, running their own code (no fast path); their super().__call__ runs Flax's.
+    overriding = {c: c.__dict__["__call__"] for _, m in nnx.iter_graph(module) if isinstance(m, (nnx.Linear, nnx.Conv))
+                  for c in type(m).__mro__ if c not in (nnx.Linear, nnx.Conv) and "__call__" in c.__dict__
+                  and issubclass(c, (nnx.Linear, nnx.Conv))}
 
     @contextlib.contextmanager
     def intercepted(calls: _Calls, merged):
@@ -376,7 +425,16 @@ def _nnx_parts(module, train_kwargs):
             bias = self.bias[...] if self.use_bias else None
             return calls.weight_layer(where[id(self)], "conv", kernel, x,
                                       lambda: originals[nnx.Conv](self, x, *a, **k),
-                                      _conv_config(self, kernel, bias))
+                                      _conv_config(self, kernel, bias) if not a and not k else None)
+
+        def own_call(cls):
+            def call(self, x, *a, **k):
+                kernel = getattr(self, "kernel", None)
+                if not isinstance(kernel, nnx.Param):
+                    return overriding[cls](self, x, *a, **k)
+                return calls.weight_layer(where[id(self)], "dense" if isinstance(self, nnx.Linear) else "conv",
+                                          kernel[...], x, lambda: overriding[cls](self, x, *a, **k), None)
+            return call
 
         def batch_norm(self, x, *a, **k):
             return calls.batch_norm(where[id(self)], x, lambda ura, mask: originals[nnx.BatchNorm](
@@ -386,13 +444,14 @@ def _nnx_parts(module, train_kwargs):
             if calls.mode == "run" and calls.train and calls.rng is not None:
                 return originals[nnx.Dropout](self, x, deterministic=False, rngs=calls.rng)
             return x
-        patched = {nnx.Linear: linear, nnx.Conv: conv, nnx.BatchNorm: batch_norm, nnx.Dropout: dropout}
+        patched = {nnx.Linear: linear, nnx.Conv: conv, nnx.BatchNorm: batch_norm, nnx.Dropout: dropout,
+                   **{cls: own_call(cls) for cls in overriding}}
         try:
             for cls, fn in patched.items():
                 cls.__call__ = fn  # type: ignore[method-assign]
             yield
         finally:
-            for cls, fn in originals.items():
+            for cls, fn in {**originals, **overriding}.items():
                 cls.__call__ = fn  # type: ignore[method-assign]
 
     def merge(nested: dict):
@@ -406,17 +465,154 @@ def _nnx_parts(module, train_kwargs):
 
     def init(key, x):
         # An NNX module holds its initial weights: ``key`` is not used (build the module with the
-        # seed you want, or pin weights with --init-params).
+        # seed you want, or pin weights with --init-params). Copies, never the module's own buffers:
+        # the engine donates the state it is given, which would delete the user's module's arrays.
         del key, x
-        return {"params": nnx.to_pure_dict(params_state), "batch_stats": nnx.to_pure_dict(stats_state)}
+        fresh = {"params": nnx.to_pure_dict(params_state), "batch_stats": nnx.to_pure_dict(stats_state)}
+        return jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), fresh)
 
     def apply(nested: dict, x, calls: _Calls, train: bool):
         merged = merge(nested)
-        with intercepted(calls, merged), _zoo_max_pool():
+        with intercepted(calls, merged), _zoo_max_pool(calls.mode != "reference"):
             logits = merged(x, **train_kwargs(train))
         stats = nnx.to_pure_dict(nnx.state(merged, nnx.BatchStat)) if nested.get("batch_stats") else {}
         return logits, stats
     return init, apply
+
+
+# ---------------------------------------------------------------- errors in the user's words
+def _library_dirs() -> tuple[str, ...]:
+    import sysconfig
+
+    import flax
+    import jaxlib
+    import numpy
+    dirs = [os.path.dirname(m.__file__ or "") for m in (jax, jaxlib, flax, numpy)]
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return tuple(os.path.join(d, "") for d in dirs + [package, sysconfig.get_paths()["stdlib"]])
+
+
+def _user_frame(error: BaseException) -> tuple[str, int, str] | None:
+    """(file, line, function) of the innermost traceback frame in the user's code: outside jax, flax,
+    numpy, the standard library and fedjax_sparse (whose example models count as the user's)."""
+    libraries = _library_dirs()
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        path = os.path.abspath(code.co_filename)
+        if not path.startswith(libraries) or path.endswith(os.path.join("models", "flax_examples.py")):
+            found = (path, tb.tb_lineno, code.co_name)
+        tb = tb.tb_next
+    return found
+
+
+def _failing_conv(error: BaseException):
+    """The innermost Flax ``Conv`` whose ``__call__`` is on the traceback (None if none)."""
+    import flax.linen as nn
+    from flax import nnx
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        candidate = tb.tb_frame.f_locals.get("self")
+        if isinstance(candidate, (nn.Conv, nnx.Conv)):
+            found = candidate
+        tb = tb.tb_next
+    return found
+
+
+_SHAPE_WORDS = ("shape", "dimension", "rank", "axis", "axes", "broadcast", "incompatible", "size")
+
+
+def _build_error(model_name: str, input_shape: tuple, error: Exception) -> Exception:
+    """The one-line error for a module that fails on a batch ``[1, *input_shape]``: the exception, its
+    first line and the user's file and line; the input_shape hint only for shape errors."""
+    first = str(error).splitlines()[0] if str(error).strip() else "no message"
+    where = _user_frame(error)
+    at = f" at {where[0]}:{where[1]} (in {where[2]})" if where else ""
+    what = f"from_flax: {model_name} raised {type(error).__name__}: {first}{at}, on inputs of shape [batch, " \
+           f"{', '.join(map(str, input_shape))}]"
+    conv = _failing_conv(error)
+    if conv is not None:
+        spatial = len(conv.kernel_size) if not isinstance(conv.kernel_size, int) else 1
+        if len(input_shape) != spatial + 1:
+            return ValueError(f"{what}; its {spatial}-D Conv takes inputs of rank {spatial + 2} [batch, "
+                              f"{', '.join(['size'] * spatial)}, channels] but input_shape={input_shape} gives rank "
+                              f"{len(input_shape) + 1}: give input_shape as {spatial} sizes and the channels, "
+                              "e.g. (28, 28, 1)")
+    if isinstance(error, (ZeroDivisionError, IndexError)) or any(w in first.lower() for w in _SHAPE_WORDS):
+        return ValueError(f"{what}; check input_shape (one example's shape, no batch axis) against what the "
+                          "model expects, e.g. (28, 28, 1) for 28x28 grayscale images")
+    return ValueError(f"{what}; the error is in the model's own code: call the module on a batch of that shape "
+                      "outside fedjax_sparse to debug it")
+
+
+def _not_a_module(module) -> TypeError:
+    import flax.linen as nn
+    from flax import nnx
+    if isinstance(module, type) and issubclass(module, (nn.Module, nnx.Module)):
+        return TypeError(f"from_flax takes a Flax module instance, not the class {module.__name__}: "
+                         f"pass {module.__name__}(...)")
+    what = f"{type(module).__name__} {getattr(module, '__name__', '')}".strip()
+    if callable(module):
+        return TypeError(f"from_flax takes a flax.linen or flax.nnx Module, not a {what}: wrap the function in a "
+                         "flax.linen.Module whose __call__ creates its layers (nn.Dense, nn.Conv) and calls it; "
+                         "for the project's own models use fedjax_sparse.models.make_model(name, ...)")
+    return TypeError(f"from_flax takes a flax.linen or flax.nnx Module, not {type(module).__name__}; for the "
+                     "project's own models use fedjax_sparse.models.make_model(name, ...)")
+
+
+def _check_call_arguments(module, call: Callable, train_argument: str | None) -> None:
+    """Refuses a ``__call__`` that needs more than the input and the train flag (``from_flax`` passes
+    only those): which argument, and the fix."""
+    params = list(inspect.signature(call).parameters.values())[1:]  # after self
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not positional:
+        if not any(p.kind == p.VAR_POSITIONAL for p in params):
+            raise TypeError(f"from_flax: {type(module).__name__}.__call__ takes no input argument; it must take the "
+                            "batch x [batch, *input_shape] as its first argument")
+    rest = [p for p in params if p is not (positional[0] if positional else None)]
+    flags = {"train", "training", "is_training", "deterministic", train_argument}
+    for p in rest:
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in flags:
+            raise TypeError(f"from_flax: {type(module).__name__}.__call__ requires the argument {p.name!r}, but "
+                            "from_flax passes only the input and the train flag: give it a default, or keep it in "
+                            "the module (e.g. an nnx.Rngs attribute set in __init__)")
+
+
+# ---------------------------------------------------------------- the equivalence check
+_PROBE_KEY = 20240917  # the probe batch's seed: fixed, so a model is checked on the same inputs every time
+
+
+def _check_same_network(model_name: str, model_apply: Callable, reference: Callable, variables: dict,
+                        input_shape: tuple, modes: Sequence[bool], rtol: float = 1e-4) -> None:
+    """Refuses a model whose adapted forward pass (``model_apply(variables, x, train) -> (logits,
+    layer outputs)``, fast paths included, no-op hooks) is not the module's own (``reference``, same
+    signature, Flax's code for every layer) on a probe batch x [2, *input_shape] from a fixed key:
+    the logits must agree to ``rtol`` of their scale (max |logit|), in each mode of ``modes``
+    (train flags). The first weight layer whose output differs is named when there is one."""
+    x = jax.random.normal(jax.random.PRNGKey(_PROBE_KEY), (2,) + tuple(input_shape), jnp.float32)
+    for train in modes:
+        got, got_layers = model_apply(variables, x, train)
+        want, want_layers = reference(variables, x, train)
+        got, want = jnp.asarray(got, jnp.float32), jnp.asarray(want, jnp.float32)
+        scale = float(jnp.max(jnp.abs(want))) if want.size else 0.0
+        diff = float(jnp.max(jnp.abs(got - want))) if want.size else 0.0
+        if diff <= rtol * max(scale, 1e-6) or (not math.isfinite(scale)):
+            continue
+        layer = ""
+        for path, out in want_layers.items():
+            ref = jnp.asarray(out, jnp.float32)
+            other = got_layers.get(path)
+            if other is None or other.shape != ref.shape or \
+                    float(jnp.max(jnp.abs(jnp.asarray(other, jnp.float32) - ref))) > rtol * max(
+                        float(jnp.max(jnp.abs(ref))), 1e-6):
+                layer = f" (first at layer {entry_name(path)})"
+                break
+        raise ValueError(f"from_flax: {model_name}'s adapted forward pass differs from the module's own in "
+                         f"{'training' if train else 'evaluation'} mode by up to {diff:.3g} (logits of scale "
+                         f"{scale:.3g}){layer}; try conv_impl='xla', or report it: the adapter would train a "
+                         "different network")
 
 
 # ---------------------------------------------------------------- the adapter
@@ -434,7 +630,8 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
 
     Args:
       module: a ``flax.linen.Module`` (unbound) or a ``flax.nnx.Module`` (its current weights are
-        the initial ones). ``__call__(x[, train])`` maps ``[B, *input_shape]`` float32 inputs to
+        the initial ones; ``init`` returns copies, so runs never touch the module's own arrays).
+        ``__call__(x[, train])`` maps ``[B, *input_shape]`` float32 inputs to
         ``[B, num_classes]`` logits.
       input_shape: one example's shape, e.g. ``(28, 28, 1)`` (NHWC images) or ``(60,)``.
       num_classes: checked against the logits' width when given.
@@ -444,6 +641,11 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
       conv_impl: ``"auto"`` (im2col inside the engine's loops on CPU; elsewhere XLA's convolution, as
         batched matmuls where a vmap gives the kernel its own axis), ``"batched_im2col"``, ``"xla"``
         or ``"im2col"`` (:mod:`fedjax_sparse.models.layers`).
+
+    Raises ``TypeError`` for what is not a Flax module instance or a ``__call__`` that needs more than
+    the input and the train flag, and ``ValueError`` (one line: the problem and the fix) for a module
+    that fails on ``[batch, *input_shape]`` inputs (the exception and the user's file and line) or whose
+    adapted forward pass differs from its own (see the module docstring).
 
     Returns a ``Model`` whose ``params`` are ``{entry: {leaf: array}}`` keyed by module path
     (``"conv1"``, ``"Block_0/Dense_0"``), whose weight layers are the module's Dense/Linear and
@@ -455,10 +657,10 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     if not nnx_module:
         import flax.linen as nn
         if not isinstance(module, nn.Module):
-            raise TypeError(f"from_flax takes a flax.linen or flax.nnx Module, not {type(module).__name__}; "
-                            "for the project's own models use fedjax_sparse.models.make_model(name, ...)")
+            raise _not_a_module(module)
     call = type(module).__call__
     train_kwargs = _mode_kwargs(call, train_argument)
+    _check_call_arguments(module, call, train_argument)
     init_nested, apply_nested = (_nnx_parts if nnx_module else _linen_parts)(module, train_kwargs)
     model_name = name or type(module).__name__
     x_aval = jax.ShapeDtypeStruct((2,) + input_shape, jnp.float32)
@@ -467,9 +669,7 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
         nested0 = jax.eval_shape(lambda k: init_nested(k, jnp.zeros((1,) + input_shape, jnp.float32)),
                                  jax.random.PRNGKey(0))
     except Exception as e:  # the user's module does not build on these inputs: one line, not Flax's traceback
-        raise ValueError(f"from_flax: {model_name} does not build on inputs of shape {input_shape} "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}); check "
-                         "input_shape against what the model expects (e.g. 28x28 images for LeNet-5)") from None
+        raise _build_error(model_name, input_shape, e) from None
     nested0 = dict(nested0)
     extra = sorted(set(nested0) - {"params", "batch_stats"})
     if extra and any(jax.tree_util.tree_leaves(nested0[c]) for c in extra):
@@ -492,7 +692,12 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     # 1. Record the weight layers, their shapes, and the BatchNorms that read them.
     record = _Calls("record", conv_impl=conv_impl)
     flat0 = {"params": to_flat(nested0["params"]), "batch_stats": to_flat(nested0.get("batch_stats", {}))}
-    logits_aval = jax.eval_shape(lambda v, x: apply_nested(to_nested(v), x, record, False)[0], flat0, x_aval)
+    try:
+        logits_aval = jax.eval_shape(lambda v, x: apply_nested(to_nested(v), x, record, False)[0], flat0, x_aval)
+    except Exception as e:  # an NNX module first runs here (its init only reads its weights)
+        if str(e).startswith("from_flax:"):
+            raise
+        raise _build_error(model_name, input_shape, e) from None
     if not record.recorded:
         raise ValueError(f"from_flax: {model_name} calls no Dense/Linear or Conv layer; the algorithms here act "
                          "on those layers' kernels")
@@ -540,6 +745,22 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
         logits, stats = apply_nested(to_nested({"params": params, "batch_stats": variables.get("batch_stats", {})}),
                                      x, calls, train)
         return logits, to_flat(stats) if stats else dict(variables.get("batch_stats", {}))
+
+    # 3. Never a different network: the adapted forward pass (fast paths included) against the module's
+    # own code on a probe batch, in evaluation mode and, when __call__ takes a train flag, training mode.
+    def adapted(variables, x, train):
+        calls = _Calls("run", train=train, hooks=Hooks(), bn_of=bn_of, conv_impl=conv_impl)
+        params = {"params": variables["params"], "batch_stats": variables.get("batch_stats", {})}
+        logits, _ = apply_nested(to_nested(params), x, calls, train)
+        return logits, calls.layer_outputs
+
+    def own(variables, x, train):
+        calls = _Calls("reference", train=train, bn_of=bn_of, conv_impl=conv_impl)
+        params = {"params": variables["params"], "batch_stats": variables.get("batch_stats", {})}
+        logits, _ = apply_nested(to_nested(params), x, calls, train)
+        return logits, calls.layer_outputs
+    modes = (False, True) if train_kwargs(True) else (False,)
+    _check_same_network(model_name, adapted, own, init_fn(jax.random.PRNGKey(0)), input_shape, modes)
 
     return Model(model_name, input_shape, classes, tuple(infos), init_fn, apply_fn, sequential=sequential,
                  channel_entries=channel_entries, fixed_widths=True)
