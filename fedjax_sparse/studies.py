@@ -69,7 +69,7 @@ class MaskRecorder:
         def all_clients(server, clients):
             def one(client):
                 row_mask = spafl.personal_row_masks(setup, server, client)
-                return row_mask[self.layer], spafl.mean_density(spafl.kept_fractions(row_mask))
+                return row_mask[self.layer], spafl.mean_layer_density(setup, spafl.kept_fractions(row_mask))
             return jax.lax.map(one, clients)
         return jax.jit(all_clients)
 

@@ -55,6 +55,17 @@ Options (``--option key=value``; defaults in :data:`SPAFL_OPTIONS`):
 * ``share_thresholds=False``: no communication at all, clients prune with
   their own thresholds (the paper's "Local" baseline).
 * ``eval_thresholds``: "own" or "global" (see above).
+* ``dense_layers``: comma-separated names of layers SpaFL leaves dense (e.g.
+  ``"fc2"``; default "" = none): never masked, no thresholds (none trained,
+  sent or counted in the bits), dense FLOPs, counted as fully kept (1) in
+  ``density``; eq. (13) does not touch them. Pruning papers often keep the
+  classifier dense; it is the fix for a layer that starts fully pruned.
+
+A layer whose every row starts pruned (``mean|w_row| <= 0``, the initial
+threshold: an all-zero kernel, as a zero-initialised ViT-style classifier head)
+would never get a gradient (pruned rows pass none, and |w| has slope 0 at 0):
+the builder refuses such a model in one line naming the layers, unless they
+are listed in ``dense_layers``.
 
 Aliases: ``spafl_no_eq13``, ``spafl_thresholds_only``, ``spafl_local``.
 
@@ -65,7 +76,7 @@ unthresholded layers are dense): sum over layers of kept rows x examples x
 the training FLOPs of one row, plus 1.5 x (thresholded weights) per eq. (13)
 application (Appendix A.4). The ``density`` metric is the mean over
 thresholded layers of the kept fraction of the client's model after training
-(the paper's density), averaged over the round's sampled clients;
+(the paper's density; a ``dense_layers`` layer counts as 1), averaged over the round's sampled clients;
 ``density_all_clients`` (at evaluation) averages it over all clients, as the
 authors' code logs it.
 """
@@ -90,7 +101,7 @@ SPAFL_OPTIONS = dict(
     alpha=0.002, ramp=False, momentum=0.9, keep_optimizer_state=True, clip_norm=0.0,
     lr_decay=1.0, lr_min=0.0, ste="identity", clamp=False, eq13=True, eq13_divisor="fan_in",
     eq13_apply="sampled_before", train_weights=True, reset_threshold=True, share_thresholds=True,
-    eval_thresholds="own")
+    eval_thresholds="own", dense_layers="")
 EQ13_DIVISORS = ("fan_in", "kernel_area")
 EQ13_APPLY = ("sampled_before", "all_after")
 EVAL_THRESHOLDS = ("own", "global")
@@ -252,6 +263,7 @@ class SpaflSetup:
     eval_thresholds: str
     train_weights: bool = True
     clamp: bool = False
+    dense_layers: tuple[str, ...] = ()   # layers left dense (option dense_layers): no thresholds
 
     @property
     def num_thresholds(self) -> int:
@@ -278,14 +290,67 @@ def make_setup(model: Model, options: Mapping) -> SpaflSetup:
     if not o["train_weights"] and o["eq13"] and o["share_thresholds"]:
         raise ValueError("train_weights=false freezes the weights but eq. (13) would move them; "
                          "also pass eq13=false (as spafl_thresholds_only does)")
-    layers = thresholded_layers(model)
-    if not layers:
+    hooked = thresholded_layers(model)
+    if not hooked:
         raise ValueError(f"model {model.name} routes no kernel through hooks.kernel: nothing to threshold")
+    dense = parse_dense_layers(o["dense_layers"], model, hooked)
+    layers = tuple(layer for layer in hooked if layer.name not in dense)
+    if not layers:
+        raise ValueError(f"dense_layers={o['dense_layers']!r} keeps every layer SpaFL thresholds in model "
+                         f"{model.name} dense: nothing left to prune (train it with fedavg instead)")
     return SpaflSetup(model=model, layers=layers, ste=o["ste"], reset_threshold=bool(o["reset_threshold"]),
                       divisors=eq13_divisors(layers, o["eq13_divisor"]),
                       eq13=bool(o["eq13"]) and bool(o["share_thresholds"]), eq13_apply=o["eq13_apply"],
                       share_thresholds=bool(o["share_thresholds"]), eval_thresholds=o["eval_thresholds"],
-                      train_weights=bool(o["train_weights"]), clamp=bool(o["clamp"]))
+                      train_weights=bool(o["train_weights"]), clamp=bool(o["clamp"]), dense_layers=dense)
+
+
+def parse_dense_layers(text: str, model: Model, hooked: tuple[LayerInfo, ...]) -> tuple[str, ...]:
+    """Option ``dense_layers`` ("fc2,head") -> layer names, in ``model.layers`` order; every name must
+    be a layer SpaFL would threshold (``hooked``), else a one-line ValueError listing those."""
+    names = [n.strip() for n in str(text).split(",") if n.strip()]
+    valid = [layer.name for layer in hooked]
+    wrong = [n for n in names if n not in valid]
+    if wrong:
+        others = [n for n in wrong if n in {layer.name for layer in model.layers}]
+        why = f" ({', '.join(others)}: not thresholded, dense already)" if others else ""
+        raise ValueError(f"dense_layers={text!r}: {', '.join(wrong)} is not a layer SpaFL thresholds in model "
+                         f"{model.name}{why}; valid: {', '.join(valid)}")
+    return tuple(n for n in valid if n in names)
+
+
+def dead_layers(setup: SpaflSetup, params: dict) -> list[str]:
+    """Thresholded layers of which every row is pruned by the initial thresholds (all 0): ``mean|w_row|
+    <= 0``, i.e. an all-zero kernel. Such a layer never gets a gradient (a pruned row passes none to
+    its weights, and |w| has slope 0 at w = 0), so it stays pruned for the whole run."""
+    tau0 = init_thresholds(setup.layers)
+    return [name for name, mask in row_masks(params, tau0, setup.ste).items() if not bool(jnp.any(mask > 0))]
+
+
+def check_no_dead_layers(setup: SpaflSetup, model: Model, name: str = "spafl") -> None:
+    """Refuses, in one line naming the layers and the fixes, a model with a layer that starts fully
+    pruned (:func:`dead_layers` of ``model.init``'s weights; its init is key-independent for all-zero
+    kernels). Skipped when the weights cannot be evaluated (the builder traced by a sweep, which checked
+    the same model and options concretely first)."""
+    with jax.ensure_compile_time_eval():
+        params = model.init(jax.random.PRNGKey(0))["params"]
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(params)):
+            return
+        dead = dead_layers(setup, params)
+    if dead:
+        listed = ",".join(setup.dense_layers + tuple(dead))
+        raise ValueError(
+            f"{name}: layer(s) {', '.join(dead)} of model {model.name} start fully pruned (every row has "
+            f"mean|w| = 0, not above its initial threshold 0: an all-zero kernel) and would never train; keep "
+            f"them dense with --option dense_layers={listed}, or initialise them non-zero")
+
+
+def mean_layer_density(setup: SpaflSetup, kept: Mapping[str, jax.Array]) -> jax.Array:
+    """The ``density`` metric: :func:`mean_density` over the thresholded layers' kept fractions and
+    the ``dense_layers`` (each fully kept: 1)."""
+    if not setup.dense_layers:
+        return mean_density(kept)
+    return mean_density({**kept, **{name: jnp.ones((), jnp.float32) for name in setup.dense_layers}})
 
 
 def replay_eq13(setup: SpaflSetup, params: dict, history: jax.Array, start: jax.Array,
@@ -366,12 +431,13 @@ def spafl_local_step(setup: SpaflSetup, optimizer: optax.GradientTransformation,
 # ---------------------------------------------------------------------------- the algorithm
 def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum, keep_optimizer_state,
                 clip_norm, lr_decay, lr_min, ste, clamp, eq13, eq13_divisor, eq13_apply, train_weights,
-                reset_threshold, share_thresholds, eval_thresholds) -> Algorithm:
+                reset_threshold, share_thresholds, eval_thresholds, dense_layers="") -> Algorithm:
     model = task.model
     setup = make_setup(model, dict(
         ste=ste, reset_threshold=reset_threshold, eq13=eq13, eq13_divisor=eq13_divisor,
         eq13_apply=eq13_apply, train_weights=train_weights, share_thresholds=share_thresholds,
-        eval_thresholds=eval_thresholds, clamp=clamp))
+        eval_thresholds=eval_thresholds, clamp=clamp, dense_layers=dense_layers))
+    check_no_dead_layers(setup, model, name)
     layers = setup.layers
     use_ramp = bool(ramp)
     n_tau = setup.num_thresholds
@@ -438,7 +504,7 @@ def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum,
                                       params=trainable["params"], synced=synced, tau=trainable["tau"])
         # Density of the model the client now holds (what evaluation masks with).
         final_tau = reset_layer_thresholds(trainable["tau"], kept) if reset_threshold else trainable["tau"]
-        density = mean_density(kept_fractions(row_masks(trainable["params"], final_tau, ste)))
+        density = mean_layer_density(setup, kept_fractions(row_masks(trainable["params"], final_tau, ste)))
         message = trainable["tau"] if share_thresholds else ()
         training = accounting.Cost.terms(row_flops, flops)
         eq13_cost = accounting.Cost.term(eq13_flops, eq13_applied.astype(jnp.int32))
@@ -460,7 +526,7 @@ def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum,
         return new, {"global_tau_mean": jnp.mean(flatten_thresholds(new_tau, layers))}
 
     def personal_density(server_state: SpaflServerState, client_state: SpaflClientState):
-        return mean_density(kept_fractions(personal_row_masks(setup, server_state, client_state)))
+        return mean_layer_density(setup, kept_fractions(personal_row_masks(setup, server_state, client_state)))
 
     def personal_predict(server_state: SpaflServerState, client_state: SpaflClientState, client_id, x):
         params = personal_params(setup, server_state, client_state)
