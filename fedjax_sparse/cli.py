@@ -120,9 +120,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="a grid (repeatable): KEY is lr, local_epochs, malicious_fraction (any RunConfig field), "
                           "option.NAME or model_option.NAME; every point runs every --seeds seed, in "
                           "OUT/<point>/seed<SEED>/, with OUT/sweep.json and OUT/sweep.md (mean +- std over seeds)")
-    run.add_argument("--sweep-select", default="best_accuracy", metavar="KEY",
-                     help="--sweep: how the best point is chosen: best_accuracy | final_accuracy | "
-                          "accuracy_at_gbit:X (best accuracy within X Gbit)")
+    run.add_argument("--sweep-select", default=None, metavar="KEY",
+                     help="--sweep: how the best point is chosen: best_accuracy (default; on --resume the recorded "
+                          "one) | final_accuracy | accuracy_at_gbit:X (best accuracy within X Gbit)")
 
     part = sub.add_parser("partition", help="partition a dataset and write the partition report")
     part.add_argument("--dataset", required=True)
@@ -385,20 +385,16 @@ def _run_replicas(args, config, given: set) -> int:
 
 
 def _run_sweep(args, config, given: set) -> int:
-    from fedjax_sparse import runner, sweeps
+    from fedjax_sparse import sweeps
     if "seed" in given and args.seeds is not None:
         raise ValueError("give either --seed or --seeds with --sweep, not both")
-    seeds = args.seeds if args.seeds is not None else [config.seed]
-    if args.sweep is not None:
-        axes = sweeps.parse_sweep(args.sweep)
-    else:   # --resume of a sweep: the recorded grid, seeds and configuration (flags given override it)
-        record = sweeps.load_sweep(config.out)
-        axes, seeds = record["axes"], (args.seeds or record["seeds"])
-        recorded = runner.RunConfig.from_json(record["config"])
-        config, _ = runner.resumed_config(config, recorded, given)
+    seeds = args.seeds if args.seeds is not None else ([config.seed] if "seed" in given or not args.resume else None)
+    # --resume of a sweep: the grid, seeds and configuration left out are the recorded ones; given ones
+    # may only extend it (sweeps.resume_plan: refused in one line otherwise).
+    axes = sweeps.parse_sweep(args.sweep) if args.sweep is not None else None
     result = sweeps.sweep(config, axes, seeds, parallelism=args.replica_parallelism, select=args.sweep_select,
-                              resume=args.resume, overwrite=args.overwrite, progress=not args.quiet, given=given,
-                              keep_states=False)   # the files hold what the command reports
+                          resume=args.resume, overwrite=args.overwrite, progress=not args.quiet, given=given,
+                          keep_states=False)   # the files hold what the command reports
     print(result.table(), end="")
     if config.out:
         print(f"outputs: {config.out}/<point>/seed<SEED>/, {config.out}/sweep.json, {config.out}/sweep.md")

@@ -25,7 +25,9 @@ CPU default) or vmapped over a leading member axis (``vmap``, the default elsewh
 
 A member whose training diverges is recorded (``sweep.json``: ``diverged``) and the others go on.
 ``resume=True`` continues the whole sweep: finished members are kept, interrupted ones resume from
-their checkpoints, the rest start.
+their checkpoints, the rest start. The grid, seeds and configuration left out are the recorded ones
+(``sweep.json``); a larger grid or more seeds extend the sweep, keeping and listing every old point;
+anything else is refused in one line (``resume_plan`` states the rule).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ import gc
 import itertools
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -51,7 +54,7 @@ from fedjax_sparse.engine import Engine
 from fedjax_sparse.errors import RunError
 from fedjax_sparse.experiment import Experiment, build, with_components, wrap_algorithm
 from fedjax_sparse.replicas import RunGroup, resolve_replica_parallelism, unshareable_reason
-from fedjax_sparse.runner import RunResult, open_run
+from fedjax_sparse.runner import RESUMABLE_CHANGES, RunResult, open_run, resumed_config
 
 # Keys whose values a program may take as traced arrays (if the algorithm's builder allows: tried).
 TRACEABLE_FIELDS = ("lr",)
@@ -261,20 +264,38 @@ class SweepResult:
         return format_table(self.record)
 
 
-def sweep(config: RunConfig, axes: dict[str, list], seeds: Sequence[int] = (0,), *, parallelism: str = "auto",
-              select: str = "best_accuracy", resume: bool = False, overwrite: bool = False, progress: bool = True,
-              given: set[str] | None = None, keep_states: bool = True, model=None, data=None,
+def sweep(config: RunConfig, axes: dict[str, list] | None = None, seeds: Sequence[int] | None = None, *,
+              parallelism: str = "auto", select: str | None = None, resume: bool = False, overwrite: bool = False,
+              progress: bool = True, given: set[str] | None = None, keep_states: bool = True, model=None, data=None,
               algorithm=None) -> SweepResult:
     """Runs every grid point of ``axes`` ({key: values}) with every seed (see the module docstring).
     One program's members are open at a time. ``keep_states``: keep every member's final state in
     ``results`` (False: ``RunResult.state`` is None, and only the running group's states are alive).
     ``model``, ``data``, ``algorithm``: objects replacing the config's names in every member, as in
-    ``fjs.run`` (the keys they decide cannot be swept; an algorithm object gets a program per point)."""
+    ``fjs.run`` (the keys they decide cannot be swept; an algorithm object gets a program per point).
+    ``seeds``: default ``(0,)``; ``select``: default ``best_accuracy``.
+
+    ``resume=True`` with ``config.out`` holding a sweep continues it (see :func:`resume_plan`): ``axes``,
+    ``seeds`` and ``select`` left None are the recorded ones, and ``config`` must be the recorded
+    configuration (``given``: the fields the user set, as for ``fjs.run``; None compares every field);
+    a larger grid or more seeds extend the sweep, anything else is refused in one line."""
     config, parts = with_components(config, model, data, algorithm)
     objects = sorted(parts.given()) + (["partitioned data"] if isinstance(parts.data, PartitionedData) else [])
-    seeds = [int(s) for s in seeds]
-    if not seeds or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds):
+    out = Path(config.out) if config.out else None
+    previous = _read_record(out) if (resume and out is not None) else {}
+    seeds = None if seeds is None else [int(s) for s in seeds]
+    if seeds is not None and (not seeds or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds)):
         raise RunError(f"a sweep needs distinct non-negative seeds, got {seeds}")
+    if previous:
+        assert out is not None
+        config, axes, seeds, select, notice = resume_plan(config, axes, seeds, select, previous, given, out)
+        if notice:
+            print(notice, file=sys.stderr)
+    elif axes is None:
+        raise RunError("a sweep needs at least one --sweep KEY=V1,V2"
+                       + (f" ({out} holds no sweep.json to resume)" if resume and out is not None else ""))
+    seeds = [0] if seeds is None else seeds
+    select = select or "best_accuracy"
     check_axes(config, axes, objects)
     parse_select(select)
     if config.execution.client_state == "host":
@@ -283,8 +304,6 @@ def sweep(config: RunConfig, axes: dict[str, list], seeds: Sequence[int] = (0,),
     for member in members:   # every member's configuration is checked before anything runs
         validate(member.config, objects=parts.given())
     mode = resolve_replica_parallelism(parallelism)
-    out = Path(config.out) if config.out else None
-    previous = _read_record(out) if (resume and out is not None) else {}
     diverged: dict[str, str] = dict(previous.get("diverged", {}))
     t_start = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -371,14 +390,106 @@ def sweep(config: RunConfig, axes: dict[str, list], seeds: Sequence[int] = (0,),
         ordered = [results.get(i) for i in range(len(members))]
         record = _record(config, axes, seeds, members, ordered, diverged, select, mode, keys, why,
                          programs or previous.get("programs", []), time.perf_counter() - t_start)
+        if previous and _without_time(record) == _without_time(previous):
+            record = previous   # nothing ran and nothing changed: the files stay as they are, byte for byte
         if out is not None:
-            (out / "sweep.json").write_text(json.dumps(record, indent=2, allow_nan=False) + "\n")
-            (out / "sweep.md").write_text(format_table(record))
+            for name, text in (("sweep.json", json.dumps(record, indent=2, allow_nan=False) + "\n"),
+                               ("sweep.md", format_table(record))):
+                path = out / name
+                if not path.exists() or path.read_text() != text:
+                    path.write_text(text)
         return SweepResult(members, ordered, record["points"], record["best"], record)
 
 
 def _name(member: Member) -> str:
     return f"{point_label(member.point)}/seed{member.seed}"
+
+
+def _without_time(record: dict) -> dict:
+    """The record as JSON holds it, less the session's seconds (which change on every resume) and the
+    folder it was written to (a sweep moved elsewhere and resumed is the same sweep)."""
+    plain = {k: v for k, v in json.loads(json.dumps(record)).items() if k != "seconds_this_session"}
+    plain["config"] = {k: v for k, v in plain.get("config", {}).items() if k != "out"}
+    return plain
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _same(a, b) -> bool:
+    """Two grid values are the same point when they make the same folder name (``1`` and ``1.0`` do not)."""
+    return str(a) == str(b)
+
+
+def resume_plan(config: RunConfig, axes: dict[str, list] | None, seeds: list[int] | None, select: str | None,
+                record: dict, given: set[str] | None, out: Path) -> tuple[RunConfig, dict, list[int], str, str | None]:
+    """What resuming the sweep recorded in ``out`` (``record``: its sweep.json) runs: (config, axes,
+    seeds, select, notice or None). The rule:
+
+    * the configuration is the recorded one; fields set (``given``; None: every field, the API's
+      ``config``) must equal it, except ``runner.RESUMABLE_CHANGES`` (``--rounds`` may grow) and
+      execution settings, as for one run's resume; the swept keys and the seed are the grid's;
+    * ``axes`` None: the recorded grid. Otherwise it must sweep the same keys; each key's values become
+      the recorded ones followed by the new ones (the grid is their product), so old points are never
+      dropped and new values extend the sweep; ``seeds`` likewise (None: the recorded seeds);
+    * ``select`` None: the recorded one (another only changes the table).
+
+    Anything else is refused in one RunError listing every difference, with the fix (another out,
+    or overwrite). ``notice``: one line naming the new points and seeds when the sweep grows."""
+    cli = given is not None
+    recorded = RunConfig.from_json(record["config"])
+    old_axes: dict[str, list] = {k: list(v) for k, v in record["axes"].items()}
+    old_seeds = [int(s) for s in record["seeds"]]
+    problems = []
+    if axes is not None and set(axes) != set(old_axes):
+        problems.append(f"swept keys {sorted(axes)} (recorded: {sorted(old_axes)})")
+    swept = set(old_axes) | set(axes or {})
+    # The configuration: the recorded one; what the user set must agree with it (swept keys and the seed aside).
+    fields = [f.name for f in dataclasses.fields(RunConfig) if f.name not in ("execution", "seed", *swept)]
+    asked = [f for f in fields if given is None or f in given]
+
+    def shown(name: str, value) -> str:
+        return f"{_flag(name)} {value!r}" if cli else f"{name}={value!r}"
+    for name in asked:
+        if name in RESUMABLE_CHANGES:
+            continue
+        mine, theirs = getattr(config, name), getattr(recorded, name)
+        if isinstance(mine, dict) and isinstance(theirs, dict):
+            prefix = "option." if name == "options" else "model_option." if name == "model_options" else ""
+            for key, value in mine.items():
+                if f"{prefix}{key}" not in swept and str(value) != str(theirs.get(key)):
+                    problems.append(f"{shown(name, {key: value})} (recorded: {theirs.get(key)!r})")
+        elif mine != theirs:
+            problems.append(f"{shown(name, mine)} (recorded: {theirs!r})")
+    if problems:
+        fix = "run it in a new --out, or replace it with --overwrite (without --resume)" if cli else \
+            "run it in another config.out, or replace it with overwrite=True (without resume)"
+        raise RunError(f"{out} holds a sweep that {'--resume' if cli else 'resume=True'} can only continue or extend "
+                       f"(more values of its swept keys, more seeds), but this would change it: {'; '.join(problems)}; "
+                       f"{fix}")
+    # Swept fields and the seed take the recorded base values; the rest is runner.resumed_config's merge.
+    clean = dataclasses.replace(
+        config, seed=recorded.seed, **{k: getattr(recorded, k) for k in swept if "." not in k},
+        options={k: v for k, v in config.options.items() if f"option.{k}" not in swept},
+        model_options={k: v for k, v in config.model_options.items() if f"model_option.{k}" not in swept})
+    merged, _ = resumed_config(clean, recorded, None if given is None else given - {"seed"} - swept)
+    new_axes = old_axes
+    if axes is not None:
+        new_axes = {k: v + [x for x in axes[k] if not any(_same(x, y) for y in v)] for k, v in old_axes.items()}
+    new_seeds = old_seeds + [s for s in (seeds or []) if s not in old_seeds]
+    old_points = {point_label(p) for p in grid(old_axes)}
+    added = [point_label(p) for p in grid(new_axes) if point_label(p) not in old_points]
+    notice = None
+    if added or len(new_seeds) > len(old_seeds):
+        what = []
+        if added:
+            what.append(f"{len(added)} new point{'s' * (len(added) != 1)} ({', '.join(added)})")
+        if len(new_seeds) > len(old_seeds):
+            what.append(f"new seeds {new_seeds[len(old_seeds):]} for every point")
+        notice = (f"notice: extending the sweep in {out}: {' and '.join(what)}; {len(old_points)} recorded "
+                  f"point{'s' * (len(old_points) != 1)} x seeds {old_seeds} kept")
+    return merged, new_axes, new_seeds, select or record.get("select", "best_accuracy"), notice
 
 
 def _read_record(out: Path) -> dict:
