@@ -39,6 +39,18 @@ class LocalStats(NamedTuple):
 StepFn = Callable[[object, Batch, jax.Array, jax.Array, jax.Array], tuple[object, jax.Array]]
 
 
+# The model's own randomness (its dropout layers) draws from ``fold_in(step_key, MODEL_RNG_STREAM)``: a
+# stream of its own, so it changes no other draw a step makes (models without dropout are unchanged).
+MODEL_RNG_STREAM = 0x6D6F64  # "mod"
+
+
+def model_rng(step_key: jax.Array) -> jax.Array:
+    """The key a local training step passes to ``Model.apply(..., train=True, rng=...)`` for the model's
+    own randomness (a Flax model's dropout): derived from the step's key, so the same seed gives the
+    same numbers; evaluation passes none (dropout off)."""
+    return jax.random.fold_in(step_key, MODEL_RNG_STREAM)
+
+
 def steps_per_epoch(count: jax.Array, batch_size: int) -> jax.Array:
     return (count + batch_size - 1) // batch_size
 

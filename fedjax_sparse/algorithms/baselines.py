@@ -41,7 +41,7 @@ from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, repli
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import local_train, sgd, zeros_like_tree
 from fedjax_sparse.models.base import Hooks, Model
-from fedjax_sparse.training import masked_cross_entropy, run_local_epochs
+from fedjax_sparse.training import masked_cross_entropy, model_rng, run_local_epochs
 
 
 # State fields are declared in the sorted order of the dict keys these states had before they were
@@ -110,7 +110,7 @@ def full_local_gradient(model: Model, params: dict, stats: dict, data, *, batch_
     def step(grad_sum, batch, step_index, num_steps, key):
         def loss_fn(p):
             logits, _ = model.apply({"params": p, "batch_stats": stats}, batch.x, train=True,
-                                    sample_mask=batch.mask)
+                                    sample_mask=batch.mask, rng=model_rng(key))
             return masked_cross_entropy(logits, batch.y, batch.mask)
         loss, grads = jax.value_and_grad(loss_fn)(params)
         n = batch.mask.sum()

@@ -48,7 +48,7 @@ from fedjax_sparse.mechanisms.syncdrop import (INIT_SCHEMES, ChannelLayout, Spar
                                               channel_uniforms, dropout_aware_init, dropout_scale, keep_mask,
                                               solve_scaling)
 from fedjax_sparse.models.base import Model
-from fedjax_sparse.training import masked_cross_entropy, run_local_epochs
+from fedjax_sparse.training import masked_cross_entropy, model_rng, run_local_epochs
 
 PSD_SHIFTS = ("always", "negative", "none")
 
@@ -230,16 +230,17 @@ def syncdrop_local_train(model: Model, optimizer: optax.GradientTransformation, 
     ``channel_uniforms(draw_key, s)``: pass the round's shared key for SyncDrop,
     a private key for independent dropout. Returns (variables, LocalStats,
     sampled forward FLOPs summed over the examples seen)."""
-    def loss_fn(params, stats, batch, hooks):
+    def loss_fn(params, stats, batch, hooks, rng):
         logits, new_stats = model.apply({"params": params, "batch_stats": stats}, batch.x,
-                                        train=True, hooks=hooks, sample_mask=batch.mask)
+                                        train=True, hooks=hooks, sample_mask=batch.mask, rng=rng)
         return masked_cross_entropy(logits, batch.y, batch.mask), new_stats
 
     def step(carry, batch, step_index, num_steps, step_key):
         params, stats, opt_state, sampled = carry
         mask = keep_mask(channel_uniforms(draw_key, step_index, layout), keep_probs)
         hooks = channel_scale_hooks(layout, dropout_scale(mask, keep_probs, rescale))
-        (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, stats, batch, hooks)
+        (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, stats, batch, hooks,
+                                                                            model_rng(step_key))
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         sampled = sampled + flops.forward_of_mask(mask) * batch.mask.sum()

@@ -45,7 +45,7 @@ from fedjax_sparse import accounting
 from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, tree_weighted_mean
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.models.base import Hooks, Model
-from fedjax_sparse.training import masked_cross_entropy, run_local_epochs
+from fedjax_sparse.training import masked_cross_entropy, model_rng, run_local_epochs
 
 ESTIMATORS = ("mode", "mean")
 EVAL_MASKS = ("sample", "threshold")
@@ -152,7 +152,8 @@ def fedpm(task: Task, *, weight_scale: float, estimator: str, epsilon: float, ev
         def loss_fn(logits, stats, batch, key):
             masks = {n: bernoulli_st(jax.random.fold_in(key, i), logits[n]) for i, n in enumerate(names)}
             out, new_stats = model.apply({"params": server.weights, "batch_stats": stats}, batch.x, train=True,
-                                         hooks=mask_hooks(weights, masks), sample_mask=batch.mask)
+                                         hooks=mask_hooks(weights, masks), sample_mask=batch.mask,
+                                         rng=model_rng(key))
             return masked_cross_entropy(out, batch.y, batch.mask), new_stats
 
         def step(carry, batch, step_index, num_steps, step_key):

@@ -68,7 +68,7 @@ from fedjax_sparse.algorithms.supervised import predict_fn
 from fedjax_sparse.mechanisms import attacks
 from fedjax_sparse.mechanisms import supermask as sm
 from fedjax_sparse.models.base import Hooks
-from fedjax_sparse.training import Batch, masked_cross_entropy, run_local_epochs
+from fedjax_sparse.training import Batch, masked_cross_entropy, model_rng, run_local_epochs
 
 FSL_OPTIONS = dict(subnet_fraction=0.5, upload_fraction=1.0, weight_init="signed_constant", mask_by="abs",
                    momentum=0.9, weight_decay=1e-4, lr_decay=0.999, lr_schedule="cosine_epoch",
@@ -110,16 +110,18 @@ def global_kernels(ranking: dict, weights: dict, sorted_scores: dict, fraction: 
 
 
 def fsl_local_step(model, optimizer: optax.GradientTransformation, params: dict, subnet_fraction: float,
-                   mask_by: str, lr: jax.Array, carry: tuple, batch: Batch) -> tuple[tuple, jax.Array]:
+                   mask_by: str, lr: jax.Array, carry: tuple, batch: Batch,
+                   rng: jax.Array | None = None) -> tuple[tuple, jax.Array]:
     """One edge-popup step: the frozen ``params`` masked by the top ``subnet_fraction`` of
     each layer's scores (straight-through gradient to the scores), SGD ``scores -= lr * update``.
-    ``carry``: (scores {layer: kernel-shaped}, optimizer state). Returns (carry, loss)."""
+    ``carry``: (scores {layer: kernel-shaped}, optimizer state); ``rng``: the model's own randomness
+    (its dropout: ``training.model_rng(step_key)``). Returns (carry, loss)."""
     scores, opt_state = carry
 
     def loss_fn(scores):
         hooks = Hooks(kernel=lambda layer, w: w * sm.supermask(scores[layer], subnet_fraction, mask_by))
         logits, _ = model.apply({"params": params, "batch_stats": {}}, batch.x, train=True, hooks=hooks,
-                                sample_mask=batch.mask)
+                                sample_mask=batch.mask, rng=rng)
         return masked_cross_entropy(logits, batch.y, batch.mask)
 
     loss, grads = jax.value_and_grad(loss_fn)(scores)
@@ -183,7 +185,8 @@ def fsl(task: Task, *, subnet_fraction, upload_fraction, weight_init, mask_by, m
 
         def step(carry, batch, step_index, num_steps, key):
             lr = local_lr(task.lr, lr_decay, ctx.round, step_index, num_steps, epochs, lr_schedule)
-            return fsl_local_step(model, optimizer, params, subnet_fraction, mask_by, lr, carry, batch)
+            return fsl_local_step(model, optimizer, params, subnet_fraction, mask_by, lr, carry, batch,
+                                  model_rng(key))
 
         (scores, _), stats = run_local_epochs(step, (scores, optimizer.init(scores)), data, ctx.key,
                                               epochs=epochs, batch_size=task.batch_size,

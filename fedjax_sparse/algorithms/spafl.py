@@ -95,7 +95,7 @@ from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.data.federated import ClientData
 from fedjax_sparse.mechanisms import threshold_masks as masks_lib
 from fedjax_sparse.models.base import Hooks, LayerInfo, Model
-from fedjax_sparse.training import Batch, masked_cross_entropy, run_local_epochs
+from fedjax_sparse.training import Batch, masked_cross_entropy, model_rng, run_local_epochs
 
 SPAFL_OPTIONS = dict(
     alpha=0.002, ramp=False, momentum=0.9, keep_optimizer_state=True, clip_norm=0.0,
@@ -148,7 +148,8 @@ def thresholded_layers(model: Model) -> tuple[LayerInfo, ...]:
 
     variables = jax.eval_shape(model.init, jax.random.PRNGKey(0))
     x = jax.ShapeDtypeStruct((2,) + tuple(model.input_shape), jnp.float32)
-    jax.eval_shape(lambda v, xx: model.apply(v, xx, train=True, hooks=Hooks(kernel=record)), variables, x)
+    jax.eval_shape(lambda v, xx: model.apply(v, xx, train=True, hooks=Hooks(kernel=record),
+                                             rng=jax.random.PRNGKey(0)), variables, x)
     unknown = seen - {layer.name for layer in model.layers}
     if unknown:
         raise ValueError(f"{model.name}: hooked kernels {sorted(unknown)} have no LayerInfo")
@@ -391,11 +392,13 @@ class SpaflCarry(NamedTuple):
 
 
 def spafl_local_step(setup: SpaflSetup, optimizer: optax.GradientTransformation, lr: jax.Array,
-                     reg_coeff: jax.Array, carry: SpaflCarry, batch: Batch) -> tuple[SpaflCarry, jax.Array]:
+                     reg_coeff: jax.Array, carry: SpaflCarry, batch: Batch,
+                     rng: jax.Array | None = None) -> tuple[SpaflCarry, jax.Array]:
     """One step on ``CE + reg_coeff * sum exp(-tau)`` (eq. 5) of the masked model (eq. 1),
     straight-through gradients to weights and thresholds, SGD ``p -= lr * update``.
     Before the forward pass the reset rule zeroes a layer's thresholds when it kept <= 1 % of
-    its rows in the previous pass. Returns (carry, the batch's cross-entropy)."""
+    its rows in the previous pass. ``rng``: the model's own randomness (its dropout:
+    ``training.model_rng(step_key)``). Returns (carry, the batch's cross-entropy)."""
     model = setup.model
     trainable, resets = carry.trainable, carry.resets
     tau = trainable["tau"]
@@ -407,7 +410,8 @@ def spafl_local_step(setup: SpaflSetup, optimizer: optax.GradientTransformation,
     def loss_fn(tr):
         row_mask = row_masks(tr["params"], tr["tau"], setup.ste)
         logits, new_stats = model.apply({"params": tr["params"], "batch_stats": carry.batch_stats}, batch.x,
-                                        train=True, hooks=masking_hooks(row_mask), sample_mask=batch.mask)
+                                        train=True, hooks=masking_hooks(row_mask), sample_mask=batch.mask,
+                                        rng=rng)
         ce = masked_cross_entropy(logits, batch.y, batch.mask)
         return ce + reg_coeff * regulariser(tr["tau"]), (ce, new_stats, row_mask)
 
@@ -495,7 +499,7 @@ def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum,
                            jnp.zeros((len(model.layers),), jnp.int32), jnp.zeros((), jnp.float32))
 
         def step(carry, batch, step_index, num_steps, key):
-            return spafl_local_step(setup, optimizer, lr_t, coeff_t, carry, batch)
+            return spafl_local_step(setup, optimizer, lr_t, coeff_t, carry, batch, model_rng(key))
         (trainable, stats, opt_state, kept, flops, resets), local = run_local_epochs(
             step, carry, data, ctx.key, epochs=task.local_epochs, batch_size=task.batch_size,
             preprocess=task.preprocess)

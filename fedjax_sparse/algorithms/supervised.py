@@ -9,7 +9,7 @@ import optax
 
 from fedjax_sparse.data.federated import ClientData
 from fedjax_sparse.models.base import Hooks, Model, NO_HOOKS
-from fedjax_sparse.training import Batch, masked_cross_entropy, run_local_epochs
+from fedjax_sparse.training import Batch, masked_cross_entropy, model_rng, run_local_epochs
 
 
 def sgd(lr: float, momentum: float = 0.0, weight_decay: float = 0.0, clip_norm: float | None = None):
@@ -33,9 +33,9 @@ def local_train(model: Model, optimizer: optax.GradientTransformation, variables
     ``grad_transform`` edits gradients before the optimiser (SCAFFOLD's
     control-variate correction). Returns (variables, opt_state, LocalStats).
     """
-    def loss_fn(params, stats, batch: Batch):
+    def loss_fn(params, stats, batch: Batch, rng):
         logits, new_stats = model.apply({"params": params, "batch_stats": stats}, batch.x,
-                                        train=True, hooks=hooks, sample_mask=batch.mask)
+                                        train=True, hooks=hooks, sample_mask=batch.mask, rng=rng)
         loss = masked_cross_entropy(logits, batch.y, batch.mask)
         if extra_loss is not None:
             loss = loss + extra_loss(params)
@@ -43,7 +43,8 @@ def local_train(model: Model, optimizer: optax.GradientTransformation, variables
 
     def step(carry, batch, step_index, num_steps, step_key):
         params, stats, opt_state = carry
-        (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, stats, batch)
+        (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, stats, batch,
+                                                                            model_rng(step_key))
         if grad_transform is not None:
             grads = grad_transform(grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)

@@ -35,14 +35,23 @@ everything else is Flax's own code. The fast convolution applies only to layers 
 Never a different network: ``from_flax`` runs the adapted forward pass (fast paths included, no-op
 hooks) and the module's own code (Flax's layers and pool, the same BatchNorm/Dropout modes) on a
 probe batch of 2 random examples with the weights of ``init``, in evaluation mode and, when
-``__call__`` takes a train flag, training mode, and refuses the model (``ValueError`` naming the
-largest difference and the first layer that differs) unless the logits agree to 1e-4 of their scale.
+``__call__`` takes a train flag, training mode (dropout on, the same key on both sides), and refuses
+the model (``ValueError`` naming the largest difference and the first layer that differs) unless the
+logits agree to 1e-4 of their scale.
 
 Train/eval mode: ``BatchNorm`` gets ``use_running_average=not train`` whatever the module says, a
 ``train``/``training`` argument of ``__call__`` receives ``train`` (``deterministic`` its negation).
-``Dropout`` runs only when an ``rng`` reaches ``Model.apply`` (the engine's local training passes
-none, so user dropout layers are inactive there). Weight sharing (one Dense called twice) is
-refused, and so are variable collections other than ``params`` and ``batch_stats``.
+Randomness the model's authors wrote: in training, ``Model.apply(..., rng=key)`` gives linen the key as
+the ``dropout`` stream (``nn.Dropout``, attention dropout in ``nn.MultiHeadDotProductAttention``, a
+module's own ``self.make_rng('dropout')``) and each ``nnx.Dropout`` the key folded with its path; the
+algorithms' local steps pass ``training.model_rng(step_key)``, a fresh key per step derived from the
+client's step key (the same seed gives the same numbers), and evaluation passes none (dropout off:
+``Dropout`` is the identity, the train flag is false). Without a key ``Dropout`` is the identity in
+training too. ``from_flax`` traces training mode with a key and refuses, in one line naming the layer and
+the fix, a module that asks for another rng stream (``self.make_rng('noise')``) or computes over a device
+axis (``BatchNorm(axis_name=...)``: the engine's vmap over clients binds none). ``nnx`` layers that hold
+their own ``Rngs`` (other than ``nnx.Dropout``) draw from them as their code says. Weight sharing (one
+Dense called twice) is refused, and so are variable collections other than ``params`` and ``batch_stats``.
 """
 from __future__ import annotations
 
@@ -51,6 +60,8 @@ import dataclasses
 import inspect
 import math
 import os
+import re
+import zlib
 from typing import Any, Callable, Sequence
 
 import jax
@@ -377,9 +388,11 @@ def _linen_parts(module, train_kwargs):
                     return next_fun(x, use_running_average=use_running_average, mask=mask)
                 return calls.batch_norm(path, x, original)
             if isinstance(m, nn.Dropout):
-                # The engine passes no dropout keys: without one the layer is the identity.
-                if calls.mode == "run" and calls.train and calls.rng is not None:
-                    return next_fun(*args, **{**kwargs, "deterministic": False})
+                # Active in training when a key reached Model.apply (the engine's local steps pass one),
+                # the identity otherwise; a ``deterministic`` the module set itself is respected.
+                if calls.mode in ("run", "reference") and calls.train and calls.rng is not None:
+                    return next_fun(*args, **(kwargs if m.deterministic is not None
+                                              else {**kwargs, "deterministic": False}))
                 return args[0]
             return next_fun(*args, **kwargs)
         return nn.intercept_methods(interceptor)
@@ -441,8 +454,10 @@ def _nnx_parts(module, train_kwargs):
                 self, x, use_running_average=ura, mask=mask))
 
         def dropout(self, x, *a, **k):
-            if calls.mode == "run" and calls.train and calls.rng is not None:
-                return originals[nnx.Dropout](self, x, deterministic=False, rngs=calls.rng)
+            # Each layer its own key: the step's key folded with the layer's path.
+            if calls.mode in ("run", "reference") and calls.train and calls.rng is not None:
+                key = jax.random.fold_in(calls.rng, zlib.crc32(entry_name(where[id(self)]).encode()))
+                return originals[nnx.Dropout](self, x, deterministic=False, rngs=key)
             return x
         patched = {nnx.Linear: linear, nnx.Conv: conv, nnx.BatchNorm: batch_norm, nnx.Dropout: dropout,
                    **{cls: own_call(cls) for cls in overriding}}
@@ -524,9 +539,61 @@ def _failing_conv(error: BaseException):
 _SHAPE_WORDS = ("shape", "dimension", "rank", "axis", "axes", "broadcast", "incompatible", "size")
 
 
-def _build_error(model_name: str, input_shape: tuple, error: Exception) -> Exception:
+def _failing_module(error: BaseException, classes: tuple):
+    """The innermost module of one of ``classes`` whose method is on the traceback (None if none)."""
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        candidate = tb.tb_frame.f_locals.get("self")
+        if isinstance(candidate, classes):
+            found = candidate
+        tb = tb.tb_next
+    return found
+
+
+def _module_name(module) -> str:
+    scope = getattr(module, "scope", None)
+    path = tuple(scope.path) if scope is not None else ()
+    return f"layer {entry_name(path)!r} ({type(module).__name__})" if path else f"{type(module).__name__}.__call__"
+
+
+def _engine_error(model_name: str, error: Exception, train: bool) -> Exception | None:
+    """What the engine cannot give the module, in one line with the fix (None for other errors): an rng
+    stream other than ``dropout`` (or a dropout key in evaluation), or a collective over an axis name
+    (a cross-device BatchNorm: the engine's vmap over clients binds none)."""
+    import flax.linen as nn
+    from flax import nnx
+    first = str(error).splitlines()[0] if str(error).strip() else ""
+    where = _user_frame(error)
+    at = f" at {where[0]}:{where[1]}" if where else ""
+    stream = re.search(r'needs PRNG for "([^"]*)"', first)
+    if stream:
+        module = _failing_module(error, (nn.Module,))
+        who = _module_name(module) if module is not None else "a layer"
+        if stream.group(1) == "dropout" and not train:
+            return ValueError(f"from_flax: {model_name}: {who} asks for a 'dropout' key in evaluation mode{at}; "
+                              "evaluation passes none (dropout off): draw it only in training (gate "
+                              "self.make_rng('dropout') on the module's train/deterministic argument)")
+        return ValueError(f"from_flax: {model_name}: {who} asks for the rng stream {stream.group(1)!r}{at}, but "
+                          "the engine gives a model only a 'dropout' key (fresh per local training step, none in "
+                          "evaluation): draw from self.make_rng('dropout') instead")
+    axis = re.search(r"unbound axis name: ?([^\s.,]+)", first)
+    if isinstance(error, NameError) and axis:
+        module = _failing_module(error, (nn.BatchNorm, nnx.BatchNorm))
+        who = _module_name(module) if module is not None else "a layer"
+        return ValueError(f"from_flax: {model_name}: {who} computes over the device axis {axis.group(1)!r}{at} "
+                          "(BatchNorm axis_name: cross-device statistics), which the engine's vmap over clients "
+                          "does not bind: drop axis_name (each client's statistics are its own)")
+    return None
+
+
+def _build_error(model_name: str, input_shape: tuple, error: Exception, train: bool = False) -> Exception:
     """The one-line error for a module that fails on a batch ``[1, *input_shape]``: the exception, its
-    first line and the user's file and line; the input_shape hint only for shape errors."""
+    first line and the user's file and line; the input_shape hint only for shape errors. Rng streams
+    and axis names the engine does not provide are said as such (``_engine_error``)."""
+    engine = _engine_error(model_name, error, train)
+    if engine is not None:
+        return engine
     first = str(error).splitlines()[0] if str(error).strip() else "no message"
     where = _user_frame(error)
     at = f" at {where[0]}:{where[1]} (in {where[2]})" if where else ""
@@ -746,16 +813,32 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
                                      x, calls, train)
         return logits, to_flat(stats) if stats else dict(variables.get("batch_stats", {}))
 
-    # 3. Never a different network: the adapted forward pass (fast paths included) against the module's
+    # 3. Training mode as the engine's local steps run it (a dropout key, statistics over the real samples):
+    # a module asking for another rng stream or a cross-device BatchNorm is refused here, in one line.
+    def train_trace(v, x, key):
+        calls = _Calls("run", train=True, hooks=Hooks(), sample_mask=jnp.ones((x.shape[0],), jnp.float32),
+                       bn_of=bn_of, conv_impl=conv_impl, rng=key)
+        return apply_nested(to_nested(v), x, calls, True)
+    try:
+        jax.eval_shape(train_trace, flat0, x_aval, jax.random.PRNGKey(0))
+    except Exception as e:
+        if str(e).startswith("from_flax:"):
+            raise
+        raise _build_error(model_name, input_shape, e, train=True) from None
+
+    # 4. Never a different network: the adapted forward pass (fast paths included) against the module's
     # own code on a probe batch, in evaluation mode and, when __call__ takes a train flag, training mode.
+    check_key = jax.random.PRNGKey(_PROBE_KEY)  # dropout on in training mode, the same masks on both sides
+
     def adapted(variables, x, train):
-        calls = _Calls("run", train=train, hooks=Hooks(), bn_of=bn_of, conv_impl=conv_impl)
+        calls = _Calls("run", train=train, hooks=Hooks(), bn_of=bn_of, conv_impl=conv_impl,
+                       rng=check_key if train else None)
         params = {"params": variables["params"], "batch_stats": variables.get("batch_stats", {})}
         logits, _ = apply_nested(to_nested(params), x, calls, train)
         return logits, calls.layer_outputs
 
     def own(variables, x, train):
-        calls = _Calls("reference", train=train, bn_of=bn_of, conv_impl=conv_impl)
+        calls = _Calls("reference", train=train, bn_of=bn_of, conv_impl=conv_impl, rng=check_key if train else None)
         params = {"params": variables["params"], "batch_stats": variables.get("batch_stats", {})}
         logits, _ = apply_nested(to_nested(params), x, calls, train)
         return logits, calls.layer_outputs
