@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 import jax
 
+from fedjax_sparse.training import LOCAL_STEP_SCOPE
+
 # HLO instructions that launch no kernel of their own (bookkeeping, views, control flow whose bodies
 # are counted separately).
 _NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "while", "conditional",
@@ -63,7 +65,6 @@ def stablehlo_op_counts(text: str) -> Counter:
 # ---------------------------------------------------------------- loops of a program
 # ``training.run_local_epochs`` runs each local step under ``jax.named_scope(LOCAL_STEP_SCOPE)``: the scope
 # reaches the ops' metadata, which is how the local-step loop is told from the loops around and inside it.
-LOCAL_STEP_SCOPE = "local_step"
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = [^=]*?\b([a-z][a-z0-9\-]*)\(")

@@ -44,6 +44,10 @@ StepFn = Callable[[object, Batch, jax.Array, jax.Array, jax.Array], tuple[object
 MODEL_RNG_STREAM = 0x6D6F64  # "mod"
 
 
+# The name scope of one local training step (``run_local_epochs``), which tells its loop apart in a program.
+LOCAL_STEP_SCOPE = "local_step"
+
+
 def model_rng(step_key: jax.Array) -> jax.Array:
     """The key a local training step passes to ``Model.apply(..., train=True, rng=...)`` for the model's
     own randomness (a Flax model's dropout): derived from the step's key, so the same seed gives the
@@ -97,8 +101,8 @@ def run_local_epochs(step_fn: StepFn, carry, data: ClientData, key: jax.Array, *
         carry, loss_sum = state
         epoch, b = step // jnp.maximum(spe, 1), step % jnp.maximum(spe, 1)
         batch = gather_batch(data, orders[epoch], b * batch_size, batch_size, preprocess)
-        # The scope names the step's ops in the program's metadata (programs.LOCAL_STEP_SCOPE: kernel counts).
-        with jax.named_scope("local_step"):
+        # The scope names the step's ops in the program's metadata (fedjax_sparse.programs counts its kernels).
+        with jax.named_scope(LOCAL_STEP_SCOPE):
             carry, loss = step_fn(carry, batch, step, num_steps, jax.random.fold_in(key_steps, step))
         return carry, loss_sum + loss * batch.mask.sum()
 
