@@ -446,7 +446,8 @@ def cmd_list(args) -> int:
 
 def cmd_plot(args) -> int:
     from fedjax_sparse.reporting import plot_runs
-    print(f"wrote {plot_runs(args.runs, args.out, x=args.x, y=args.y, title=args.title)}")
+    plot_runs(args.runs, args.out, x=args.x, y=args.y, title=args.title)
+    print(f"wrote {Path(args.out)}")
     return 0
 
 

@@ -153,7 +153,7 @@ def run_replicas(config: RunConfig, seeds: Sequence[int], *, parallelism: str = 
             group = RunGroup(runs, mode if shared else "separate", progress, hooks)
             try:
                 for run, state in zip(runs, group.run()):
-                    results[run.config.seed] = RunResult(run.finish(), state)
+                    results[run.config.seed] = RunResult(run.finish(), state, rows=run.rows, config=run.config)
             finally:
                 group.close()
         ordered = [results[s] for s in seeds]

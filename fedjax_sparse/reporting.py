@@ -12,9 +12,13 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fedjax_sparse.checkpoint import read_metrics
 from fedjax_sparse.errors import RunError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # Config fields that tell runs apart in a legend, in the order they are shown.
 LABEL_FIELDS = ("algorithm", "options", "dataset", "model", "lr", "local_epochs", "clients_per_round",
@@ -93,10 +97,30 @@ def load_run(path: str | Path) -> RunRecord:
 
 
 def load_runs(paths) -> list[RunRecord]:
-    runs = [load_run(p) for p in paths]
-    for run, label in zip(runs, legend_labels([r.config for r in runs], [r.path for r in runs])):
+    """Runs from folders and/or in-memory :class:`RunResult` s (a list), or ``{label: folder or result}``;
+    labelled by the dict's keys, else by :func:`legend_labels`."""
+    labels = [str(k) for k in paths] if isinstance(paths, dict) else None
+    items = list(paths.values()) if isinstance(paths, dict) else list(paths)
+    runs = [_record(item, f"run{i + 1}") for i, item in enumerate(items)]
+    for run, label in zip(runs, labels or legend_labels([r.config for r in runs], [r.path for r in runs])):
         run.label = label
     return runs
+
+
+def _record(item, name: str) -> RunRecord:
+    """A folder's run, or an in-memory result's (``name``: its legend label without a config)."""
+    from fedjax_sparse.runner import RunResult
+    if isinstance(item, RunResult):
+        config = item.config.to_json() if item.config is not None else {}
+        return RunRecord(Path(name), config, list(item.rows), dict(item.summary))
+    if isinstance(item, (str, Path)):
+        return load_run(item)
+    raise RunError(f"expected a run folder or a RunResult, got {type(item).__name__}")
+
+
+def _is_sweep(item) -> bool:
+    from fedjax_sparse import sweeps
+    return isinstance(item, sweeps.SweepResult) or (isinstance(item, (str, Path)) and sweeps.is_sweep(item))
 
 
 def _short(value) -> str:
@@ -152,16 +176,18 @@ def _axis_label(key: str) -> str:
             "density": "density (kept fraction)"}.get(key, key)
 
 
-def plot_runs(paths, out: str | Path, *, x: str | None = None, y: str | None = None, title: str | None = None) -> Path:
-    """Draws the runs' curves into ``out`` (PNG/PDF/SVG by its suffix). Returns the path. A sweep's
-    folder (``sweep.json``) is drawn as one mean curve per grid point with a band of +- one sample
-    std over its seeds."""
-    from fedjax_sparse import sweeps
-    paths = [Path(p) for p in paths]
-    if any(sweeps.is_sweep(p) for p in paths):
-        if len(paths) != 1:
+def plot_runs(paths, out: str | Path | None = None, *, x: str | None = None, y: str | None = None,
+              title: str | None = None) -> "Figure":
+    """Draws the runs' curves; returns the matplotlib ``Figure`` (a notebook shows it inline) and saves
+    it to ``out`` (PNG/PDF/SVG by its suffix) only when given. ``paths``: run folders and/or in-memory
+    :class:`RunResult` s, a list or ``{label: folder or result}`` (the keys are the legend). A sweep
+    (its folder, with ``sweep.json``, or a :class:`SweepResult`) is drawn alone, as one mean curve per
+    grid point with a band of +- one sample std over its seeds."""
+    items = list(paths.values()) if isinstance(paths, dict) else list(paths)
+    if any(_is_sweep(item) for item in items):
+        if len(items) != 1:
             raise RunError("plot draws one sweep at a time (its grid points' mean curves); pass its folder alone")
-        return _plot_sweep(paths[0], out, x=x, y=y, title=title)
+        return _plot_sweep(items[0], out, x=x, y=y, title=title)
     runs = load_runs(paths)
     views = _views(runs, x, y)   # unknown keys are refused before anything is drawn
     try:
@@ -193,25 +219,27 @@ def plot_runs(paths, out: str | Path, *, x: str | None = None, y: str | None = N
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    return out
+    return _saved(fig, out)
 
 
-def _sweep_curves(path: Path) -> dict[str, list[RunRecord]]:
+def _sweep_curves(sweep) -> dict[str, list[RunRecord]]:
+    """The sweep's (its folder's or a :class:`SweepResult`'s) members' runs by grid point."""
     from fedjax_sparse import sweeps
+    if isinstance(sweep, sweeps.SweepResult):
+        return {label: [_record(r, f"{label}/seed{seed}") for seed, r in by_seed.items() if r is not None]
+                for label, by_seed in sweep.by_point.items() if any(r is not None for r in by_seed.values())}
     return {label: [load_run(folder) for folder in folders]
-            for label, folders in sweeps.member_dirs(path).items()}
+            for label, folders in sweeps.member_dirs(Path(sweep)).items()}
 
 
-def _plot_sweep(path: Path, out, *, x, y, title) -> Path:
+def _plot_sweep(sweep, out, *, x, y, title) -> "Figure":
     """Mean curve and +- one sample std band over the seeds of every grid point (the seeds of a point
     evaluate at the same rounds; x is their mean where it differs, e.g. Gbit)."""
     import numpy as np
-    points = _sweep_curves(path)
+    points = _sweep_curves(sweep)
+    name = Path(sweep).name if isinstance(sweep, (str, Path)) else "(in memory)"
     if not points:
-        raise RunError(f"the sweep in {path} has no member with metrics yet")
+        raise RunError(f"the sweep {name} has no member with metrics yet")
     views = _views([run for runs in points.values() for run in runs], x, y)
     try:
         from matplotlib.figure import Figure
@@ -239,12 +267,18 @@ def _plot_sweep(path: Path, out, *, x, y, title) -> Path:
     for ax in axes.ravel()[len(views):]:
         ax.axis("off")
     axes.ravel()[0].legend(fontsize=7)
-    fig.suptitle(title or f"sweep {path.name}: mean ± sample std over seeds")
+    fig.suptitle(title or f"sweep {name}: mean ± sample std over seeds")
     fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    return out
+    return _saved(fig, out)
+
+
+def _saved(fig: "Figure", out: str | Path | None) -> "Figure":
+    """The figure, written to ``out`` first when given."""
+    if out is not None:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=110)
+    return fig
 
 
 def _scale_x(ax, values: list[float]) -> None:
@@ -265,11 +299,19 @@ def _pct(value) -> str:
 
 def report_table(paths) -> str:
     """A markdown table of the runs: final and best accuracy, Gbit, TFLOPs, density, rounds/s. A run
-    without summary.json, or short of its config's rounds, is marked "round R/T (running or stopped)"."""
+    without summary.json, or short of its config's rounds, is marked "round R/T (running or stopped)".
+    ``paths``: as for :func:`plot_runs` (folders and/or results, a list or ``{label: ...}``); a sweep
+    (folder or :class:`SweepResult`) gives its own table."""
     from fedjax_sparse import sweeps
-    if any(sweeps.is_sweep(p) for p in paths):
-        return "\n".join(sweeps.format_table(sweeps.load_sweep(p)) if sweeps.is_sweep(p) else report_table([p])
-                         for p in paths)
+    entries = list(paths.items()) if isinstance(paths, dict) else [(None, p) for p in paths]
+    if any(_is_sweep(item) for _, item in entries):
+        def one(label, item) -> str:
+            if isinstance(item, sweeps.SweepResult):
+                return item.table()
+            if _is_sweep(item):
+                return sweeps.format_table(sweeps.load_sweep(item))
+            return report_table([item] if label is None else {label: item})
+        return "\n".join(one(label, item) for label, item in entries)
     runs = load_runs(paths)
     # A run still in progress (or stopped) has no final numbers: its row says how far it got, and the
     # column then names its numbers the latest ones.

@@ -43,7 +43,7 @@ from fedjax_sparse.engine import STEP_METRICS, Engine, EngineState
 from fedjax_sparse.sinks import MetricSinks
 
 from fedjax_sparse.experiment import Experiment, build, with_components
-from fedjax_sparse.progress import COST_KEYS, Progress, exact_number, jsonable, summarize
+from fedjax_sparse.progress import COST_KEYS, Progress, exact_number, format_summary, jsonable, summarize
 
 
 MEASURED_SCHEDULES = ("map", "vmap")
@@ -68,7 +68,7 @@ def measure_client_parallelism(engine: Engine, state: EngineState, data: Federat
     return min(seconds, key=seconds.__getitem__), seconds
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class RunResult:
     """What ``run`` returns.
 
@@ -77,10 +77,23 @@ class RunResult:
     ``state.clients``: the clients' states stacked ``[N, ...]``; None for a sweep's member unless the
     sweep keeps states); ``population``: with
     ``--client-state host``, the clients' rows (:class:`fedjax_sparse.population.HostPopulation`;
-    ``state.clients`` is then None), else None."""
+    ``state.clients`` is then None), else None; ``rows``: the per-evaluation rows, in order, the dicts
+    ``metrics.jsonl`` gets (also without ``out``; after a resume, the whole run's: the file's earlier
+    rows and the new ones); ``config``: the run's resolved configuration.
+
+    ``fjs.plot_runs({"a": result_a, "b": result_b})`` draws results without output folders; ``repr``
+    is a few lines (the numbers, never the state's arrays)."""
     summary: dict
     state: EngineState | None
     population: "host_population.HostPopulation | None" = None
+    rows: list[dict] = dataclasses.field(default_factory=list)
+    config: RunConfig | None = None
+
+    def __repr__(self) -> str:
+        # progress's summary table, not reporting's: reporting reads runs and sweeps (an import cycle).
+        return f"RunResult ({len(self.rows)} evaluations in .rows; .summary, .state)\n" + format_summary(self.summary)
+
+    __str__ = __repr__
 
 
 # Fields a resumed run may change besides ``execution`` (all of which may): they decide how long it
@@ -266,7 +279,7 @@ def _run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool, 
             bar.close()
             if signals.received is not None:
                 raise RunStopped(signals.received, opened.round, out)
-            return RunResult(opened.finish(), state, opened.population)
+            return RunResult(opened.finish(), state, opened.population, opened.rows, opened.config)
         finally:
             bar.close()
             opened.close()
@@ -348,12 +361,12 @@ def open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bo
                       "larger --rounds to extend it", file=sys.stderr)
                 summary_path = out / "summary.json"
                 if summary_path.exists():
-                    return RunResult(json.loads(summary_path.read_text()), state, population)
+                    return RunResult(json.loads(summary_path.read_text()), state, population, rows, config)
                 # Killed between its last checkpoint and its summary: write the summary now.
                 summary = summarize(config, exp, rows, totals, build_seconds, 0.0)
                 if writes:
                     summary_path.write_text(json.dumps(jsonable(summary), indent=2, allow_nan=False))
-                return RunResult(summary, state, population)
+                return RunResult(summary, state, population, rows, config)
         elif overwrite and writes:
             clear_outputs(out)  # only now that the new run has built
     measured = None

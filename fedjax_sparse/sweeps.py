@@ -250,10 +250,12 @@ def traced_keys(exp: Experiment, state, point: tuple, algorithm_object: bool = F
 
 
 # ------------------------------------------------------------------ the sweep
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class SweepResult:
     """What ``sweep`` returns: the members' results (None where diverged), the table's rows
-    (one per grid point), the best point and the sweep's record (``sweep.json``)."""
+    (one per grid point), the best point and the sweep's record (``sweep.json``). ``by_point``: the
+    results as ``{point label: {seed: RunResult or None}}`` (each with its metrics ``rows``);
+    ``repr`` is the table (never the states' arrays)."""
     members: list[Member]
     results: list[RunResult | None]
     rows: list[dict]
@@ -262,6 +264,19 @@ class SweepResult:
 
     def table(self) -> str:
         return format_table(self.record)
+
+    @property
+    def by_point(self) -> dict[str, dict[int, RunResult | None]]:
+        """The members' results by grid point (its label, e.g. ``lr=0.1``; the grid's order) and seed."""
+        points: dict[str, dict[int, RunResult | None]] = {}
+        for member, result in zip(self.members, self.results):
+            points.setdefault(point_label(member.point), {})[member.seed] = result
+        return points
+
+    def __repr__(self) -> str:
+        return "SweepResult (.by_point[point][seed]: the members' results)\n" + self.table()
+
+    __str__ = __repr__
 
 
 def sweep(config: RunConfig, axes: dict[str, list] | None = None, seeds: Sequence[int] | None = None, *,
@@ -327,7 +342,7 @@ def sweep(config: RunConfig, axes: dict[str, list] | None = None, seeds: Sequenc
             run = open_run(member.config, member_out, resume=resume_m, overwrite=overwrite or (resume and not resume_m),
                            experiment=experiment, given=given, quiet=True)
             if isinstance(run, RunResult):
-                results[index] = run if keep_states else RunResult(run.summary, None)
+                results[index] = run if keep_states else dataclasses.replace(run, state=None)
                 return None
             return run
 
@@ -355,7 +370,8 @@ def sweep(config: RunConfig, axes: dict[str, list] | None = None, seeds: Sequenc
                     if j in runner_group.diverged:
                         diverged[_name(members[index])] = runner_group.diverged[j]
                     else:
-                        results[index] = RunResult(run.finish(), state if keep_states else None)
+                        results[index] = RunResult(run.finish(), state if keep_states else None, rows=run.rows,
+                                                   config=run.config)
             finally:
                 runner_group.close()
 
