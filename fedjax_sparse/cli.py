@@ -490,12 +490,12 @@ def main(argv=None) -> int:
         return 2
     args = _parser().parse_args(argv)
     args.argv = argv   # bench records its command line
-    from fedjax_sparse.errors import DataError
-    from fedjax_sparse.errors import RunStopped
+    from fedjax_sparse.errors import DataError, RunStopped, cli_caller
     try:
         commands = {"run": cmd_run, "partition": cmd_partition, "list": cmd_list, "plot": cmd_plot,
                     "report": cmd_report, "bench": cmd_bench}
-        return commands[args.command](args)
+        with cli_caller():   # errors name flags, not Python arguments (errors.in_callers_words)
+            return commands[args.command](args)
     except RunStopped as e:  # SIGTERM / SIGINT: checkpointed, one line, the conventional exit code
         print(str(e), file=sys.stderr)
         return e.exit_code

@@ -3,13 +3,25 @@
 Each message is one line naming the problem and the fix; the CLI prints it after ``error:`` and exits
 with status 2 (``RunStopped``: 128 + the signal's number). All but ``RunStopped`` are ``ValueError``s,
 so ``except ValueError`` catches any user error.
+
+Messages are written once, in the CLI's words (``--overwrite``, ``--model-option KEY=VALUE``). One
+place translates them for Python callers: the API's entry points (``fjs.run``, ``fjs.sweep``,
+``fjs.build``, ``fjs.data.load``, ``fjs.models.make_model``) are wrapped by :func:`in_callers_words`,
+which rewrites a message's flags into the arguments that set them (``overwrite=True``,
+``RunConfig(model_options={'KEY': VALUE})``) unless the CLI is the caller (:func:`cli_caller`).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
+import re
 import signal
 from pathlib import Path
+from typing import Callable, Iterator, TypeVar
 
-__all__ = ["DataError", "PinningError", "RunError", "RunStopped"]
+__all__ = ["DataError", "PinningError", "RunError", "RunStopped", "cli_caller", "in_callers_words",
+           "python_words"]
 
 
 class RunError(ValueError):
@@ -39,3 +51,132 @@ class RunStopped(Exception):
         else:
             what = f"continue with: python -m fedjax_sparse run --out {out} --resume"
         super().__init__(f"{name}: stopped at round {round_}; {what}")
+
+
+# ------------------------------------------------------------------ the caller's words
+_CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("fedjax_sparse_caller", default="python")
+
+
+@contextlib.contextmanager
+def cli_caller() -> Iterator[None]:
+    """Within it errors keep the CLI's words (the command line sets it around a command)."""
+    token = _CALLER.set("cli")
+    try:
+        yield
+    finally:
+        _CALLER.reset(token)
+
+
+# Flags that are not RunConfig fields: their Python spelling (VALUE: the flag's value, if it has one).
+_ARGUMENTS = {
+    "--resume": "resume=True", "--overwrite": "overwrite=True", "--quiet": "progress=False",
+    "--download": "RunConfig(download=True)", "--seeds": "seeds=[VALUE]", "--sweep-select": "select=VALUE",
+    "--replica-parallelism": "parallelism=VALUE",
+}
+# Words that follow a flag without being its value ("--lr must be ...").
+_NOT_VALUES = frozenset(
+    "a an and are as at by cannot continues differ directory does exists expects fixes for from gives has have "
+    "in instead is it keeps lists lower must names need needs of on or per pins pointing reads sets splits "
+    "stacks such takes that the times to was which with accounts ones".split())
+_FLAG = re.compile(r"--[a-z][a-z0-9-]*")
+_VALUE = re.compile(r" ('[^']*'|\"[^\"]*\"|\{[^}]*\}|\[[^\]]*\]|[^\s;,)(]*[^\s;,)(.:])")
+_KEY_VALUES = re.compile(r" ([A-Za-z_.][A-Za-z0-9_.]*=[^\s;)(]*[^\s;)(.:,])")   # --option k=v1,v2
+
+
+def _python_value(text: str) -> str:
+    """A flag's value as Python writes it: numbers, quoted strings and placeholders as they are, a
+    bare word quoted."""
+    if text[:1] in "'\"{[" or re.fullmatch(r"-?[0-9][0-9.e+-]*|[A-Z][A-Z0-9_]*|true|false|none|null", text):
+        return {"true": "True", "false": "False", "none": "None", "null": "None"}.get(text, text)
+    return repr(text)
+
+
+def _key_value(text: str) -> str:
+    """``KEY=VALUE`` as a dict entry (``KEY`` placeholders stay bare)."""
+    key, _, value = text.partition("=")
+    key = key if re.fullmatch(r"[A-Z][A-Z0-9_]*", key) or key[:1] in "'\"" else repr(key)
+    return f"{key}: {_python_value(value) if value else 'VALUE'}"
+
+
+def python_words(message: str, arguments: dict[str, str] | None = None) -> str:
+    """``message`` (written in the CLI's words) with every flag of a run replaced by the Python
+    argument that sets it: ``--overwrite`` -> ``overwrite=True``, ``--lr 0.01`` ->
+    ``RunConfig(lr=0.01)``, ``--client-state host`` -> ``RunConfig(execution=Execution(client_state='host'))``,
+    ``--option k=v`` -> ``RunConfig(options={'k': 'v'})``, ``--sweep lr=0.1,1`` -> ``axes={'lr': [0.1, 1]}``.
+    Flags of other commands are left as they are. ``arguments``: spellings of the entry point's own
+    keywords (``{"--download": "download=True", "--data-dir": "data_dir=VALUE"}``), used first."""
+    from fedjax_sparse.cli import RUN_FLAGS   # stdlib-only at import
+    from fedjax_sparse.config import EXECUTION_FIELDS
+    own = {**_ARGUMENTS, **(arguments or {})}
+    fields = {flag: field for flag, field, _, _ in RUN_FLAGS if flag not in own}
+    message = re.sub(r"python -m fedjax_sparse run --out (\S+) --resume",
+                     lambda m: f"fjs.run(config, resume=True) with config.out={m.group(1)!r}", message)
+    message = re.sub(r" \(flag --[a-z0-9-]+\)", "", message)
+
+    def value_after(end: int, flag: str) -> tuple[str | None, int]:
+        match = (flag in ("--option", "--model-option", "--sweep") and _KEY_VALUES.match(message, end)) \
+            or _VALUE.match(message, end)
+        if match is None or match.group(1) in _NOT_VALUES or match.group(1).startswith("--"):
+            return None, end
+        return match.group(1), match.end()
+
+    out, position = [], 0
+    for match in _FLAG.finditer(message):
+        if match.start() < position:
+            continue
+        flag = match.group(0)
+        if flag not in fields and flag not in own and flag not in ("--option", "--model-option", "--sweep"):
+            continue
+        value, end = value_after(match.end(), flag)
+        if flag in ("--option", "--model-option"):
+            name = "options" if flag == "--option" else "model_options"
+            entry = _key_value(value) if value and "=" in value else None
+            text = f"RunConfig({name}={{{entry}}})" if entry else f"RunConfig({name}=...)"
+            end = end if entry else match.end()
+        elif flag == "--sweep":
+            if value and "=" in value:
+                key, _, values = value.partition("=")
+                text = f"axes={{{_key_value(key)[:-7]}: [{', '.join(_python_value(v) for v in values.split(','))}]}}"
+            elif value:
+                text = f"axes[{_python_value(value)}]"
+            else:
+                text = "axes"
+        elif flag in own:
+            spelled = own[flag]
+            if "VALUE" in spelled:
+                if flag == "--seeds" and value is not None:   # --seeds 0 1 2
+                    more = re.match(r"(?: [0-9]+)*", message[end:])
+                    numbers = (value + (more.group(0) if more else "")).split()
+                    end += len(more.group(0)) if more else 0
+                    text = spelled.replace("VALUE", ", ".join(numbers))
+                else:
+                    text = spelled.replace("VALUE", _python_value(value)) if value else spelled.split("=")[0]
+            else:
+                text, end = spelled, match.end()
+        else:
+            field = fields[flag]
+            shown = f"{field}={_python_value(value) if value else '...'}"
+            text = f"RunConfig(execution=Execution({shown}))" if field in EXECUTION_FIELDS else f"RunConfig({shown})"
+        out.append(message[position:match.start()] + text)
+        position = end
+    return "".join(out) + message[position:]
+
+
+F = TypeVar("F", bound=Callable)
+
+
+def in_callers_words(function: F | None = None, *, arguments: dict[str, str] | None = None):
+    """Wraps an API entry point: a user error raised inside names Python arguments
+    (:func:`python_words`; ``arguments``: the entry point's own keywords) unless the CLI called it
+    (:func:`cli_caller`). The exception is the same object, re-raised with its message rewritten."""
+    def wrap(function: F) -> F:
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            try:
+                return function(*args, **kwargs)
+            except (ValueError, FileExistsError, FileNotFoundError, RunStopped) as e:
+                if _CALLER.get() != "cli" and len(e.args) == 1 and isinstance(e.args[0], str):
+                    e.args = (python_words(e.args[0], arguments),)
+                raise
+        return wrapper  # type: ignore[return-value]
+    return wrap if function is None else wrap(function)

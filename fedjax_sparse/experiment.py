@@ -17,7 +17,7 @@ import numpy as np
 from fedjax_sparse import pinning
 from fedjax_sparse.algorithms import Algorithm, Task, compose, make_algorithm
 from fedjax_sparse.config import DEFAULT_MODELS, RunConfig, validate
-from fedjax_sparse.errors import DataError, RunError
+from fedjax_sparse.errors import DataError, RunError, in_callers_words
 from fedjax_sparse.data.federated import FederatedData, build_federated_data
 from fedjax_sparse.engine import Engine
 from fedjax_sparse.models import Model, make_model
@@ -101,6 +101,7 @@ def with_components(config: RunConfig, model=None, data=None, algorithm=None) ->
     return dataclasses.replace(config, **changes), Components(model, data, algorithm)
 
 
+@in_callers_words
 def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experiment:
     """Data, model, algorithm and engine from ``config``; ``model``, ``data`` and ``algorithm``
     objects replace the config's names (see :class:`Components`)."""

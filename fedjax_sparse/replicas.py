@@ -40,7 +40,7 @@ import numpy as np
 
 from fedjax_sparse.checkpoint import has_checkpoint, locked_out_dir
 from fedjax_sparse.config import RunConfig
-from fedjax_sparse.errors import RunError
+from fedjax_sparse.errors import RunError, in_callers_words
 from fedjax_sparse.data.federated import FederatedData, pad_index_rows
 from fedjax_sparse.engine import Engine, metrics_to_host
 from fedjax_sparse.progress import Progress
@@ -106,6 +106,7 @@ def _take(tree, i: int):
     return jax.tree_util.tree_map(lambda x: x[i], tree)
 
 
+@in_callers_words
 def run_replicas(config: RunConfig, seeds: Sequence[int], *, parallelism: str = "auto", resume: bool = False,
                  overwrite: bool = False, progress: bool = True, given: set[str] | None = None,
                  on_eval_for_seed: Callable[[int], Callable | None] | None = None) -> list:

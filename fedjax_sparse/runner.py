@@ -37,7 +37,7 @@ from fedjax_sparse.checkpoint import (Checkpointer, clear_outputs,
                                       load_checkpoint, locked_out_dir, prepare_out_dir, read_metrics,
                                       write_metrics)
 from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig
-from fedjax_sparse.errors import RunError, RunStopped
+from fedjax_sparse.errors import RunError, RunStopped, in_callers_words
 from fedjax_sparse.data.federated import FederatedData
 from fedjax_sparse.engine import STEP_METRICS, Engine, EngineState
 from fedjax_sparse.sinks import MetricSinks
@@ -145,6 +145,7 @@ def resumed_config(config: RunConfig, saved: RunConfig, given: set[str] | None) 
     return merged, {**changes, **execution_changes}
 
 
+@in_callers_words
 def run(config: RunConfig, *, model=None, data=None, algorithm=None, resume: bool = False,
         overwrite: bool = False, progress: bool = True,
         on_eval: Callable[[dict, EngineState, Experiment], None] | None = None,

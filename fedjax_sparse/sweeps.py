@@ -51,7 +51,7 @@ from fedjax_sparse.checkpoint import has_checkpoint, locked_out_dir, read_metric
 from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig, validate
 from fedjax_sparse.data.arrays import PartitionedData
 from fedjax_sparse.engine import Engine
-from fedjax_sparse.errors import RunError
+from fedjax_sparse.errors import RunError, in_callers_words
 from fedjax_sparse.experiment import Experiment, build, with_components, wrap_algorithm
 from fedjax_sparse.replicas import RunGroup, resolve_replica_parallelism, unshareable_reason
 from fedjax_sparse.runner import RESUMABLE_CHANGES, RunResult, open_run, resumed_config
@@ -279,6 +279,7 @@ class SweepResult:
     __str__ = __repr__
 
 
+@in_callers_words
 def sweep(config: RunConfig, axes: dict[str, list] | None = None, seeds: Sequence[int] | None = None, *,
               parallelism: str = "auto", select: str | None = None, resume: bool = False, overwrite: bool = False,
               progress: bool = True, given: set[str] | None = None, keep_states: bool = True, model=None, data=None,

@@ -314,7 +314,7 @@ def test_load_npz_errors(tmp_path):
     path = str(good)
     with pytest.raises(DataError, match=r"unknown option\(s\) verify_checksums"):
         load("npz:" + path, verify_checksums=False)
-    with pytest.raises(DataError, match="--download does not apply"):
+    with pytest.raises(DataError, match="download=True does not apply"):   # the API's words
         load("npz:" + path, download=True)
     with pytest.raises(DataError, match="names no file"):
         load("npz:")

@@ -263,7 +263,7 @@ def test_resume_refuses_other_data(tmp_path):
 def test_width_scaling_and_federated_dropout_on_a_foreign_model_with_batchnorm():
     model = fjs.models.from_flax(WithBatchNorm(), (8, 8, 1))
     config = dict(dataset="digits", rounds=1, num_clients=6, clients_per_round=3, local_epochs=1, partition="iid")
-    with pytest.raises(fjs.RunError, match="add --option sliced=false"):
+    with pytest.raises(fjs.RunError, match=r"add RunConfig\(options=\{'sliced': False\}\)"):
         fjs.run(fjs.RunConfig(algorithm="heterofl", **config), model=model, progress=False)
     masked = fjs.run(fjs.RunConfig(algorithm="heterofl", options={"sliced": False}, **config), model=model,
                      progress=False)

@@ -101,6 +101,6 @@ def test_host_state_refusals(tmp_path):
     # A device run cannot be resumed as a host run: the checkpoint holds no population.
     out = tmp_path / "device"
     runner.run(flat_config(algorithm="fedavg", out=str(out), **{**BASE, "rounds": 3}), progress=False)
-    with pytest.raises(RunError, match="--client-state"):
+    with pytest.raises(RunError, match=r"Execution\(client_state='host'\)"):   # the API's words
         runner.run(flat_config(algorithm="fedavg", out=str(out), client_state="host", **BASE), resume=True,
                    progress=False, given={"client_state", "rounds"})

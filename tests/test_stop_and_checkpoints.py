@@ -145,7 +145,7 @@ def test_a_signal_stops_with_a_checkpoint_and_resume_ends_exactly_as_uninterrupt
         assert "nothing to resume" in str(stop.value)
         runner.run(config, progress=False)   # the same command again starts afresh in the same folder
     else:
-        assert f"--out {out} --resume" in str(stop.value)
+        assert f"fjs.run(config, resume=True) with config.out={str(out)!r}" in str(stop.value)   # the API's words
         assert max(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == stopped_at
         runner.run(config, resume=True, progress=False)
     assert rows(out) == uninterrupted

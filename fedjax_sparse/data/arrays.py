@@ -61,7 +61,7 @@ import numpy as np
 
 from fedjax_sparse.data.datasets import NPZ_PREFIX, Dataset, load_dataset
 
-from fedjax_sparse.errors import DataError
+from fedjax_sparse.errors import DataError, in_callers_words
 from fedjax_sparse.data.federated import FederatedData, build_federated_data
 from fedjax_sparse.data.partition import Partition, partition_dataset
 
@@ -488,6 +488,7 @@ def partition(dataset: Dataset, spec: str, num_clients: int, seed: int = 0, *,
     return PartitionedData(dataset, part)
 
 
+@in_callers_words(arguments={"--download": "download=True", "--data-dir": "data_dir=VALUE"})
 def load(name: str, data_dir: str | os.PathLike | None = None, *, download: bool = False, **options) -> Dataset:
     """A built-in data set by name (`load_dataset`), or your own ``.npz`` file as ``"npz:PATH"`` (the
     path as given, relative to the current directory; `data_dir` is ignored; `load_npz`; no options)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 import inspect
 from typing import Callable
 
+from fedjax_sparse.errors import in_callers_words
 from fedjax_sparse.models.base import Model
 
 _BUILDERS: dict[str, Callable[..., Model]] = {}
@@ -81,6 +82,7 @@ def _is_module_instance(obj) -> bool:
     return isinstance(obj, (nn.Module, nnx.Module))
 
 
+@in_callers_words
 def make_model(name: str, input_shape, num_classes: int, **options) -> Model:
     if is_model_reference(name):
         from fedjax_sparse.models.flax_adapter import from_flax
