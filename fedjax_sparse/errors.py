@@ -20,7 +20,7 @@ import signal
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
-__all__ = ["DataError", "PinningError", "RunError", "RunStopped", "cli_caller", "in_callers_words",
+__all__ = ["DataError", "DataWarning", "PinningError", "RunError", "RunStopped", "cli_caller", "in_callers_words",
            "python_words"]
 
 
@@ -34,6 +34,11 @@ class DataError(ValueError):
 
 class PinningError(ValueError):
     """A pinned-draw file that cannot be used; the message names the file and the fix."""
+
+
+class DataWarning(UserWarning):
+    """Data that trains but not as the user may think (a class with no training example); the
+    message names it and how to silence it (``warnings.filterwarnings("ignore", category=DataWarning)``)."""
 
 
 class RunStopped(Exception):

@@ -47,6 +47,12 @@ class Experiment:
     def model(self):
         return self.task.model
 
+    def __repr__(self) -> str:  # the default one prints every array of the data and the task
+        c = self.config
+        return (f"Experiment({c.algorithm} on {c.dataset}: {self.data.num_clients} clients ({c.partition}), "
+                f"{c.clients_per_round} per round, model {self.model.name}, {c.rounds} rounds; "
+                f".data .task .engine .algorithm .model)")
+
 
 @dataclasses.dataclass(frozen=True)
 class Components:

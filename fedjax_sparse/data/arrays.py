@@ -322,6 +322,16 @@ def _build(
                 f"{where}: {split} has label {top} but num_classes={num_classes} (labels must be in "
                 f"0..{num_classes - 1}); raise num_classes or remap the labels"
             )
+    untrained = np.setdiff1d(np.unique(y_te), np.unique(y_tr))
+    if len(untrained):
+        import warnings
+
+        from fedjax_sparse.errors import DataWarning
+        warnings.warn(DataWarning(
+            f"{where}: class(es) {_list(untrained.tolist())} appear in y_test ({int(np.isin(y_te, untrained).sum())} "
+            f"examples) but in no training example: the model cannot learn them and every such test example "
+            f"counts as wrong; give them training examples, drop them from the test split, or silence this with "
+            f"warnings.filterwarnings('ignore', category=fedjax_sparse.errors.DataWarning)"), stacklevel=3)
 
     train_key, test_key = id_keys
     codes_tr = codes_te = None

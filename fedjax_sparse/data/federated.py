@@ -53,6 +53,11 @@ class FederatedData:
     def num_clients(self) -> int:
         return int(self.train_idx.shape[0])
 
+    def __repr__(self) -> str:  # the default one prints every array
+        return (f"FederatedData({self.num_clients} clients, {self.train_x.shape[0]} train / "
+                f"{self.test_x.shape[0]} test examples of shape {tuple(self.input_shape)}, "
+                f"{self.num_classes} classes, preprocess={self.preprocess_name!r})")
+
     def preprocess(self, x: jax.Array) -> jax.Array:
         """Raw pool samples -> float32 model inputs."""
         x = x.astype(jnp.float32)

@@ -65,15 +65,47 @@ def load_model_reference(name: str, **options):
     if not hasattr(module, attribute):
         raise ValueError(f"--model {name}: {module_name} has no attribute {attribute!r}")
     target = getattr(module, attribute)
-    if isinstance(target, type) or (callable(target) and not _is_module_instance(target)):
-        try:
-            return target(**options)
-        except TypeError as e:
-            raise ValueError(f"--model {name}: building it failed ({e}); a Module class must build without "
-                             "arguments (or with --model-option KEY=VALUE ones)") from None
-    if options:
-        raise ValueError(f"--model {name} is an instance; --model-option needs a class or factory")
-    return target
+    what = "a Flax module (flax.linen / flax.nnx), a Model, or a factory building one without arguments"
+    if isinstance(target, type) and not _is_model_class(target):
+        raise ValueError(f"--model {name}: {module_name}.{attribute} is the class {target.__name__}, not {what}")
+    if _is_model(target):
+        if options:
+            raise ValueError(f"--model {name} is an instance; --model-option needs a class or factory")
+        return target
+    if not callable(target):
+        raise ValueError(f"--model {name}: {module_name}.{attribute} is a {type(target).__name__}, not {what}")
+    if not isinstance(target, type) and _needs_arguments(target, options):
+        raise ValueError(f"--model {name}: {module_name}.{attribute} is a function that needs argument(s) "
+                         f"{', '.join(_needs_arguments(target, options))}, not {what}")
+    try:
+        built = target(**options)
+    except TypeError as e:
+        raise ValueError(f"--model {name}: building it failed ({e}); a Module class must build without "
+                         "arguments (or with --model-option KEY=VALUE ones)") from None
+    if not _is_model(built):
+        raise ValueError(f"--model {name}: {module_name}.{attribute}() returned a {type(built).__name__}, not {what}")
+    return built
+
+
+def _is_model(obj) -> bool:
+    """A Flax module instance or a :class:`Model`."""
+    return isinstance(obj, Model) or _is_module_instance(obj)
+
+
+def _is_model_class(cls: type) -> bool:
+    import flax.linen as nn
+    from flax import nnx
+    return issubclass(cls, (nn.Module, nnx.Module, Model))
+
+
+def _needs_arguments(function, options: dict) -> list[str]:
+    """The required parameters of ``function`` that ``options`` do not give ([] when unknown)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in parameters if p.default is p.empty and p.name not in options
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def _is_module_instance(obj) -> bool:
