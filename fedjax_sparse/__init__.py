@@ -38,7 +38,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+try:   # the installed distribution's version (pyproject.toml's; the CHANGELOG's top section names it)
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as _version
+    __version__ = _version("fedjax_sparse")
+except PackageNotFoundError:   # a source tree on sys.path that was never installed
+    __version__ = "0+unknown"
 
 # name -> the module that defines it (loaded on first access: PEP 562).
 _EXPORTS = {

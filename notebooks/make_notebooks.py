@@ -15,7 +15,7 @@ HERE = Path(__file__).resolve().parent
 
 # ---------------------------------------------------------------- shared cells
 SETUP = '''\
-import json, os, tempfile, time
+import json, os, shutil, time
 from pathlib import Path
 
 {imports}
@@ -30,7 +30,10 @@ SMOKE = os.environ.get("FEDJAX_SPARSE_NOTEBOOK_SMOKE") == "1"
 # Real data: the `shared/data` folder beside the repository (notebooks/ -> repo -> its parent).
 DATA_DIR = Path("..") / ".." / "shared" / "data"
 REAL = (not SMOKE) and (DATA_DIR / "{real}").is_dir()
-RUNS = Path(tempfile.mkdtemp(prefix="fedjax_sparse_{name}_"))  # run folders (config, metrics.jsonl, summary)
+# Run folders (config, metrics.jsonl, summary): runs/{name} beside the notebook (FEDJAX_SPARSE_NOTEBOOK_RUNS: another
+# parent; the test suite's is its own temporary folder), emptied first so that a rerun starts afresh.
+RUNS = Path(os.environ.get("FEDJAX_SPARSE_NOTEBOOK_RUNS", "runs")) / "{name}"
+shutil.rmtree(RUNS, ignore_errors=True)
 
 
 print("smoke run" if SMOKE else "full run", "| data:", DATA_DIR.resolve() if REAL else "embedded digits",
@@ -179,11 +182,9 @@ ax.set_xlabel("round"); ax.set_ylabel("personalised accuracy (%)"); ax.legend();
 commands): accuracy against rounds, against cumulative communication and against training FLOPs.
 Local sends nothing, so its communication axis sits at 0.'''),
     ("code", '''\
-from IPython.display import Image
-
 table = fjs.report_table(list(run_dirs.values()))
 display(Markdown(table))
-display(Image(filename=str(fjs.plot_runs(list(run_dirs.values()), RUNS / "comparison.png"))))'''),
+display(fjs.plot_runs(list(run_dirs.values()), RUNS / "comparison.png"))  # a Figure, also saved there'''),
     ("md", "The checks the test suite relies on (a failing `assert` fails the notebook's test):"),
     ("code", '''\
 checks = {
@@ -420,11 +421,9 @@ for ax in (ax1, ax2):
     ax.set_ylabel("personalised accuracy (%)"); ax.grid(alpha=0.3)
 ax1.legend(fontsize=8); plt.tight_layout(); plt.show()'''),
     ("code", '''\
-from IPython.display import Image
-
 table = fjs.report_table(list(run_dirs.values()))
 display(Markdown(table))
-display(Image(filename=str(fjs.plot_runs(list(run_dirs.values()), RUNS / "comparison.png"))))'''),
+display(fjs.plot_runs(list(run_dirs.values()), RUNS / "comparison.png"))  # a Figure, also saved there'''),
     ("md", "Checks for the test suite:"),
     ("code", '''\
 def out_units(model):
