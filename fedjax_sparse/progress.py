@@ -146,7 +146,8 @@ def format_summary(summary: dict) -> str:
          f"{pct(summary['final_accuracy'])} ± {pct(summary['final_accuracy_std'])}"),
         ("final global accuracy", pct(summary["final_global_accuracy"])),
         ("best accuracy (round)", f"{pct(summary['best_accuracy'])} ({summary['best_round']})"),
-        ("density", "n/a" if summary["final_density"] is None else f"{summary['final_density']:.3f}"),
+        ("density (sampled clients)",   # reporting.DENSITY_SHOWN: report shows the same
+         "n/a" if summary["final_density"] is None else f"{summary['final_density']:.3f}"),
         ("communication (up + down)",
          "not counted" if summary["total_gbit"] is None else f"{summary['total_gbit']:.4f} Gbit"),
         ("training compute",

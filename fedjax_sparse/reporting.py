@@ -297,6 +297,11 @@ def _pct(value) -> str:
     return "–" if value is None else f"{100 * value:.2f}"
 
 
+# The density a run's table and report show: metrics.jsonl's ``density``, over the final round's sampled
+# clients (``density_all_clients``, over every client's personal model, is in metrics.jsonl too).
+DENSITY_SHOWN = "density (sampled clients)"
+
+
 def report_table(paths) -> str:
     """A markdown table of the runs: final and best accuracy, Gbit, TFLOPs, density, rounds/s. A run
     without summary.json, or short of its config's rounds, is marked "round R/T (running or stopped)".
@@ -316,7 +321,8 @@ def report_table(paths) -> str:
     # A run still in progress (or stopped) has no final numbers: its row says how far it got, and the
     # column then names its numbers the latest ones.
     final = "final acc % (std)" if all(run.finished for run in runs) else "final (or latest) acc % (std)"
-    lines = [f"| run | rounds | {final} | best acc % (round) | Gbit (up+down) | TFLOPs | density | rounds/s |",
+    # Density as the run's own table shows it (format_summary): the final round's sampled clients'.
+    lines = [f"| run | rounds | {final} | best acc % (round) | Gbit (up+down) | TFLOPs | {DENSITY_SHOWN} | rounds/s |",
              "|---|---|---|---|---|---|---|---|"]
     for run in runs:
         rounds = f"{run.progress} (running or stopped)" if run.progress else str(run.reached)
@@ -332,7 +338,7 @@ def report_table(paths) -> str:
         gbit = _safe(DERIVED["gbit"][1], last)
         tflops = _safe(DERIVED["tflops"][1], last)
         rate = run.summary.get("rounds_per_second_after_first_chunk")
-        density = last.get("density_all_clients", last.get("density"))
+        density = last.get("density")
         lines.append(f"| {run.label} | {rounds} | {acc} | {best_s} | "
                      f"{'–' if gbit is None else f'{gbit:.4g}'} | {'–' if tflops is None else f'{tflops:.4g}'} | "
                      f"{'–' if density is None else f'{density:.3f}'} | {'–' if rate is None else f'{rate:.3g}'} |")
