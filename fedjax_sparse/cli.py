@@ -79,6 +79,41 @@ KEY_VALUE_FLAGS = ("--option", "--model-option", "--compare")
 # Flags of execution modes removed in 0.2.0 (no recorded win; see config.REMOVED_EXECUTION).
 REMOVED_FLAGS = ("--round-mode", "--client-bucket-size")
 
+# `run --help` in argument groups (and `bench --help` for the flags it shares): each flag's group, in one place.
+HELP_GROUPS = {
+    "configuration": ("--config", "--setting"),
+    "data": ("--dataset", "--data-dir", "--download", "--num-clients", "--partition", "--min-client-samples",
+             "--preprocess", "--partition-file"),
+    "model": ("--model", "--model-option", "--init-params"),
+    "algorithm": ("--algorithm", "--option", "--rounds", "--clients-per-round", "--client-sampling",
+                  "--resample-every", "--local-epochs", "--batch-size", "--lr", "--seed", "--cohort-schedule"),
+    "privacy": ("--dp-clip", "--dp-noise-multiplier", "--dp-target-epsilon", "--dp-delta", "--dp-accountant"),
+    "robustness": ("--aggregator", "--trim-fraction", "--attack", "--malicious-fraction"),
+    "seeds and sweeps": ("--seeds", "--sweep", "--sweep-select", "--replica-parallelism"),
+    "execution": ("--client-parallelism", "--eval-batch-size", "--personal-eval", "--client-state",
+                  "--client-storage", "--host-chunk-rounds", "--max-chunk-seconds", "--compile-cache",
+                  "--coordinator", "--num-processes", "--process-id"),
+    "outputs": ("--out", "--eval-every", "--checkpoint-every", "--checkpoint-seconds", "--log", "--resume",
+                "--overwrite", "--quiet"),
+}
+RUN_EXAMPLES = """examples:
+  python -m fedjax_sparse run --algorithm fedavg --dataset digits --rounds 20 --out runs/fedavg
+  python -m fedjax_sparse run --algorithm spafl --dataset fashion_mnist --data-dir ../shared/data \\
+      --option alpha=0.002 --lr 0.001 --out runs/spafl_fmnist
+  python -m fedjax_sparse run --dataset digits --dp-clip 1.0 --dp-target-epsilon 8 --out runs/dp
+  python -m fedjax_sparse run --dataset digits --sweep lr=0.01,0.1 --seeds 0 1 2 --out runs/lr_sweep
+  python -m fedjax_sparse run --out runs/spafl --resume --rounds 500     # continue (or extend) a run
+  python -m fedjax_sparse list       # algorithms, data sets, models, partitions"""
+
+
+def _group(parser: argparse.ArgumentParser, flag: str):
+    """The argument group of ``parser`` that ``flag`` belongs to (HELP_GROUPS), created on first use."""
+    name = next((g for g, flags in HELP_GROUPS.items() if flag in flags), "other")
+    groups = parser.__dict__.setdefault("_fjs_groups", {})
+    if name not in groups:
+        groups[name] = parser.add_argument_group(name)
+    return groups[name]
+
 
 def _key_values(pairs, flag):
     out = {}
@@ -94,33 +129,35 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fedjax_sparse",
                                      description="Sparse federated learning simulator (JAX).")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run a federated experiment")
+    run = sub.add_parser("run", help="run a federated experiment", epilog=RUN_EXAMPLES,
+                         usage="python -m fedjax_sparse run [FLAGS]   (by group below; examples at the end)",
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_config_arguments(run)
-    run.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
-    run.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
-    run.add_argument("--quiet", action="store_true", help="no progress bar")
-    run.add_argument("--compile-cache", default=None, metavar="DIR|off",
+    _group(run, "--resume").add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
+    _group(run, "--overwrite").add_argument("--overwrite", action="store_true", help="replace the run already in --out")
+    _group(run, "--quiet").add_argument("--quiet", action="store_true", help="no progress bar")
+    _group(run, "--compile-cache").add_argument("--compile-cache", default=None, metavar="DIR|off",
                      help="folder of JAX's persistent compilation cache, so a rerun, a resume or another seed "
                           "of the same shapes skips compiling (default: $FEDJAX_SPARSE_COMPILE_CACHE, else "
                           "$XDG_CACHE_HOME/fedjax_sparse/jax, i.e. ~/.cache/...; 'off' disables it)")
-    run.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+    _group(run, "--coordinator").add_argument("--coordinator", default=None, metavar="HOST:PORT",
                      help="multi-process run (jax.distributed): address of process 0; with --num-processes and "
                           "--process-id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
-    run.add_argument("--num-processes", type=int, default=None, metavar="N",
+    _group(run, "--num-processes").add_argument("--num-processes", type=int, default=None, metavar="N",
                      help="multi-process run: how many processes (one command per process, same flags)")
-    run.add_argument("--process-id", type=int, default=None, metavar="I",
+    _group(run, "--process-id").add_argument("--process-id", type=int, default=None, metavar="I",
                      help="multi-process run: this process's index, 0 .. N-1 (process 0 writes the files)")
-    run.add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED",
+    _group(run, "--seeds").add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED",
                      help="replicas: run the configuration once per seed in one process, each in OUT/seed<SEED>/ "
                           "(OUT/replicas.json: mean and std over seeds); replaces --seed")
-    run.add_argument("--replica-parallelism", default="auto",
+    _group(run, "--replica-parallelism").add_argument("--replica-parallelism", default="auto",
                      help="--seeds and --sweep: auto (sequential on CPU, vmap elsewhere) | vmap (all members in one "
                           "program) | sequential (one member after another through one compiled program)")
-    run.add_argument("--sweep", action="append", default=None, metavar="KEY=V1,V2",
+    _group(run, "--sweep").add_argument("--sweep", action="append", default=None, metavar="KEY=V1,V2",
                      help="a grid (repeatable): KEY is lr, local_epochs, malicious_fraction (any RunConfig field), "
                           "option.NAME or model_option.NAME; every point runs every --seeds seed, in "
                           "OUT/<point>/seed<SEED>/, with OUT/sweep.json and OUT/sweep.md (mean +- std over seeds)")
-    run.add_argument("--sweep-select", default=None, metavar="KEY",
+    _group(run, "--sweep-select").add_argument("--sweep-select", default=None, metavar="KEY",
                      help="--sweep: how the best point is chosen: best_accuracy (default; on --resume the recorded "
                           "one) | final_accuracy | accuracy_at_gbit:X (best accuracy within X Gbit)")
 
@@ -159,7 +196,10 @@ def _parser() -> argparse.ArgumentParser:
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags that make a run's configuration (``run`` and ``bench`` read them alike:
     :func:`config_from_args`)."""
-    parser.add_argument("--config", help="JSON config file (RunConfig fields); flags given override it")
+    for name in HELP_GROUPS:   # the groups in HELP_GROUPS's order
+        _group(parser, HELP_GROUPS[name][0])
+    _group(parser, "--config").add_argument("--config",
+                                            help="JSON config file (RunConfig fields); flags given override it")
     from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig
     defaults = RunConfig()
     for flag, dest, typ, text in RUN_FLAGS:
@@ -168,12 +208,15 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
             # flags given can be told apart from a config file's values).
             default = getattr(defaults.execution if dest in EXECUTION_FIELDS else defaults, dest)
             text = f"{text} (default: {default})"
-        parser.add_argument(flag, dest=dest, type=typ, default=None, help=text)
+        _group(parser, flag).add_argument(flag, dest=dest, type=typ, default=None, help=text)
     for flag in REMOVED_FLAGS:   # read only to refuse them in one line (config.REMOVED_EXECUTION)
         parser.add_argument(flag, dest=flag[2:].replace("-", "_"), default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--option", action="append", metavar="KEY=VALUE", help="algorithm option (repeatable)")
-    parser.add_argument("--model-option", action="append", metavar="KEY=VALUE", help="model option (repeatable)")
-    parser.add_argument("--download", action="store_true", default=None, help="fetch the dataset with TFDS")
+    _group(parser, "--option").add_argument("--option", action="append", metavar="KEY=VALUE",
+                                            help="algorithm option (repeatable; `list` shows each algorithm's)")
+    _group(parser, "--model-option").add_argument("--model-option", action="append", metavar="KEY=VALUE",
+                                                  help="model option (repeatable)")
+    _group(parser, "--download").add_argument("--download", action="store_true", default=None,
+                                              help="fetch the dataset with TFDS")
 
 
 def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
@@ -428,18 +471,24 @@ def cmd_list(args) -> int:
     import dataclasses
 
     from fedjax_sparse.algorithms import algorithm_names, algorithm_options
+    from fedjax_sparse.config import DEFAULT_MODELS
     from fedjax_sparse.data import datasets
     from fedjax_sparse.data.partition import PARTITION_SCHEMES
+    from fedjax_sparse.catalog import ALGORITHMS, MODELS
     from fedjax_sparse.models import model_names
-    print("algorithms: (--option KEY=VALUE; type = default)")
+    print("algorithms: (--algorithm NAME: what it is, its paper; then --option KEY=VALUE: type = default)")
     for name in algorithm_names():
         fields = dataclasses.fields(algorithm_options(name))
         options = ", ".join(f"{f.name}: {type(f.default).__name__} = {f.default!r}" for f in fields)
-        print(f"  {name:<24} {options or '(no options)'}")
+        print(f"  {name:<24} {ALGORITHMS.get(name, '(your algorithm)')}")
+        print(f"  {'':<24}   options: {options or '(none)'}")
     from fedjax_sparse.config import wrappable_algorithms
     print("--aggregator / --attack wrap: " + ", ".join(wrappable_algorithms()) + " (their clients send float updates)")
     print("datasets:   " + ", ".join(datasets.DATASETS))
-    print("models:     " + ", ".join(model_names()))
+    print("models: (--model NAME: the data sets it suits; default per data set: "
+          + ", ".join(f"{d} {m}" for d, m in DEFAULT_MODELS.items()) + ")")
+    for name in model_names():
+        print(f"  {name:<24} {MODELS.get(name, '(your model)')}")
     print("partitions: " + ", ".join(PARTITION_SCHEMES))
     return 0
 

@@ -34,3 +34,55 @@ def test_report_shows_and_names_the_density_the_runs_own_table_shows(tmp_path):
                "final_density": 0.679, "total_gbit": None, "total_flops": None, "seconds": 1.0,
                "first_chunk_seconds_incl_compile": 1.0}
     assert "density (sampled clients)" in format_summary(summary) and "0.679" in format_summary(summary)
+
+
+def _help(capsys, *command) -> str:
+    from fedjax_sparse.cli import main
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    return capsys.readouterr().out
+
+
+@pytest.mark.fast
+def test_run_help_is_in_argument_groups_with_examples_at_the_end(capsys):
+    from fedjax_sparse.cli import HELP_GROUPS, RUN_EXAMPLES, RUN_FLAGS, _parser
+    text = _help(capsys, "run")
+    sections = re.split(r"\n\n(?=[a-z][a-z ]*:\n)", text)
+    titles = [section.split(":\n")[0] for section in sections[1:]]
+    assert titles == ["options", *HELP_GROUPS, "examples"], titles
+    assert sections[1].count("\n  -") == 1   # "options" holds -h alone: every flag is in its group
+    for flag, *_ in RUN_FLAGS:   # every configuration flag has a group (a new flag must name one)
+        assert any(flag in flags for flags in HELP_GROUPS.values()), flag
+    assert text.rstrip().endswith(RUN_EXAMPLES.splitlines()[-1].strip())
+    for line in RUN_EXAMPLES.replace("\\\n", "").splitlines()[1:]:   # every example parses
+        argv = line.split("#")[0].split()[3:]
+        _parser().parse_args(argv)
+
+
+@pytest.mark.fast
+def test_list_describes_each_algorithm_and_the_data_sets_each_model_suits(capsys):
+    from fedjax_sparse.algorithms import algorithm_names
+    from fedjax_sparse.catalog import ALGORITHMS, MODELS
+    from fedjax_sparse.cli import main
+    from fedjax_sparse.models import model_names
+    assert set(ALGORITHMS) == set(algorithm_names()) and set(MODELS) == set(model_names())
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "  spafl                    SpaFL: trainable per-neuron thresholds" in out and "NeurIPS 2024" in out
+    assert "  lenet5_caffe             fashion_mnist, mnist" in out
+    assert "options: alpha: float = 0.002" in out
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("doc", ["sweeps.md", "privacy.md"])
+def test_the_sweeps_and_privacy_docs_open_with_a_copyable_example(doc):
+    from fedjax_sparse.cli import _parser
+    text = (ROOT / "docs" / doc).read_text()
+    opening = text.split("\n## ")[0]
+    shell = re.search(r"```bash\n(.*?)```", opening, re.S).group(1).replace("\\\n", "")
+    for line in shell.splitlines():
+        assert line.startswith("python -m fedjax_sparse ")
+        _parser().parse_args(line.split("#")[0].split()[3:])
+    code = re.search(r"```python\n(.*?)```", opening, re.S).group(1)
+    compile(code, doc, "exec")
+    assert text.index("```bash") < 400   # the first thing after the title
