@@ -75,6 +75,9 @@ class RunConfig:
     num_clients: int = 20
     clients_per_round: int = 5
     resample_every: int = 1  # keep each sampled cohort for this many rounds
+    # fixed: exactly clients_per_round K of the N clients each round | poisson: each client independently
+    # with probability q = K / N (a cohort of varying size; fedjax_sparse.engine, docs/privacy.md)
+    client_sampling: str = "fixed"
     rounds: int = 30
     local_epochs: int = 2
     batch_size: int = 32
@@ -98,6 +101,8 @@ class RunConfig:
     dp_noise_multiplier: float | None = None
     dp_target_epsilon: float | None = None
     dp_delta: float = 1e-5
+    # The accountant --dp-target-epsilon calibrates with: rdp | pld (Poisson sampling only; the tighter).
+    dp_accountant: str = "rdp"
     # Pinned draws (fedjax_sparse.pinning): replay another run's partition, initial weights, cohorts.
     partition_file: str | None = None
     init_params: str | None = None
@@ -243,6 +248,7 @@ def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()
     if config.attack is not None and math.floor(config.malicious_fraction * config.num_clients) == 0:
         raise RunError(f"--malicious-fraction {config.malicious_fraction} of --num-clients {config.num_clients} "
                        f"makes no client malicious; raise it to at least {1 / config.num_clients:.3g}")
+    check_sampling(config)
     check_privacy(config)
     if not 0.0 <= config.trim_fraction < 0.5:
         raise RunError(f"--trim-fraction must be in [0, 0.5), got {config.trim_fraction}")
@@ -281,6 +287,24 @@ def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()
     return options
 
 
+def check_sampling(config: RunConfig) -> None:
+    """One-line RunError for a --client-sampling the run cannot take (which algorithms can is decided
+    when the algorithm is built: ``Algorithm.varying_cohort``)."""
+    from fedjax_sparse.engine import CLIENT_SAMPLINGS
+    if config.client_sampling not in CLIENT_SAMPLINGS:
+        raise RunError(f"unknown --client-sampling {config.client_sampling!r}; valid: {', '.join(CLIENT_SAMPLINGS)}")
+    if config.client_sampling != "poisson":
+        return
+    fixed = [flag for flag, given in (("--cohort-schedule", config.cohort_schedule),
+                                      ("--resample-every", config.resample_every != 1),
+                                      ("--aggregator", config.aggregator is not None),
+                                      ("--attack", config.attack is not None)) if given]
+    if fixed:
+        raise RunError(f"--client-sampling poisson draws a cohort of varying size every round, which "
+                       f"{' and '.join(fixed)} cannot take (fixed cohorts of K / robust aggregation over K rows); "
+                       f"drop {' and '.join(fixed)} or use --client-sampling fixed")
+
+
 def check_privacy(config: RunConfig) -> None:
     """One-line RunError for an incomplete or inapplicable --dp-* setting."""
     given = [f"--{name.replace('_', '-')}" for name in ("dp_noise_multiplier", "dp_target_epsilon")
@@ -300,6 +324,11 @@ def check_privacy(config: RunConfig) -> None:
         raise RunError(f"--dp-target-epsilon must be > 0, got {config.dp_target_epsilon}")
     if not 0 < config.dp_delta < 1:
         raise RunError(f"--dp-delta must be in (0, 1), got {config.dp_delta}")
+    if config.dp_accountant not in ("rdp", "pld"):
+        raise RunError(f"unknown --dp-accountant {config.dp_accountant!r}; valid: rdp, pld")
+    if config.dp_accountant == "pld" and config.client_sampling != "poisson":
+        raise RunError("--dp-accountant pld accounts Poisson sampling only (dp-accounting's PLD does not support "
+                       "K of N without replacement); add --client-sampling poisson or use --dp-accountant rdp")
     if config.cohort_schedule or config.resample_every != 1:
         raise RunError("--dp-clip accounts for a fresh cohort of K of N clients sampled every round; drop "
                        "--cohort-schedule / --resample-every")

@@ -25,6 +25,20 @@ processes. All give the same numbers (tested). With ``local_epochs`` and
 sampled clients need) and ``client_steps_executed`` (what the schedule runs,
 padding included).
 
+Poisson client sampling (``client_sampling="poisson"``, ``--client-sampling poisson``): every
+client joins a round independently with probability q = K / N (one uniform draw per client from
+the round's sampling key), so the cohort's size is Binomial(N, q) and may be 0. The round runs
+``cohort_capacity`` slots, the 1 - 1e-9 quantile of that binomial (``poisson_capacity``, at least
+K): the members in increasing id order, then padded slots (id N, training-set size 0, ``mask``
+False). Members beyond the capacity (probability <= 1e-9 a round) are left out, the highest ids
+first, counted in the ``cohort_overflow`` metric and warned about by the runner. Padded slots run
+nothing under ``map`` (``lax.cond``; under ``vmap``, and across stacked replicas, the cond becomes a
+select: they are computed on zero data and masked), report zero examples, bits, FLOPs and steps,
+are left out of the averaged metrics, write no client state back, and reach the server with
+weight 0 and ``ServerContext.mask`` False; only algorithms declaring ``Algorithm.varying_cohort``
+(their server honours the mask, and an empty round keeps the model) take it. Rows gain ``clients``
+(the round's real cohort size) and ``cohort_overflow``.
+
 Devices: with more than one device and ``vmap``, the sampled clients are
 sharded over a 1-D ``clients`` mesh (K must divide evenly; otherwise the round
 runs on one device). XLA partitions the vmapped client updates and inserts
@@ -37,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, NamedTuple
 
 import chex
@@ -53,6 +68,14 @@ from fedjax_sparse.evaluation import Evaluator
 CLIENT_PARALLELISM = ("auto", "vmap", "map")
 # Per-round integer counts of local steps (see the module docstring).
 STEP_METRICS = ("client_steps", "client_steps_executed")
+# How a round's cohort is drawn: exactly K of N without replacement, or every client independently
+# with probability q = K / N (a cohort of varying size, padded to ``poisson_capacity``).
+CLIENT_SAMPLINGS = ("fixed", "poisson")
+# Per-round integer counts of a varying (Poisson) cohort: its real size, and the members beyond the
+# capacity that were left out (never silently: the runner warns and totals them).
+COHORT_METRICS = ("clients", "cohort_overflow")
+# The capacity of a Poisson cohort holds it with probability at least 1 - this, every round.
+POISSON_OVERFLOW_PROBABILITY = 1e-9
 
 
 class EngineState(NamedTuple):
@@ -79,6 +102,35 @@ def sample_clients(key: jax.Array, num_clients: int, clients_per_round: int) -> 
     if clients_per_round == num_clients:
         return jnp.arange(num_clients, dtype=jnp.int32)
     return jax.random.choice(key, num_clients, (clients_per_round,), replace=False).astype(jnp.int32)
+
+
+def poisson_capacity(num_clients: int, rate: float, tail: float = POISSON_OVERFLOW_PROBABILITY) -> int:
+    """The smallest k with P(Binomial(N, q) > k) <= ``tail``: the padded cohort size of Poisson
+    sampling (the log-space binomial pmf summed from the top; no scipy). N when q = 1."""
+    if not 0 < rate <= 1:
+        raise ValueError(f"the client sampling rate must be in (0, 1], got {rate}")
+    if rate == 1:
+        return num_clients
+    k = np.arange(num_clients, dtype=np.float64)
+    # log pmf(k + 1) - log pmf(k) = log((N - k) / (k + 1)) + log(q / (1 - q))
+    steps = np.log(num_clients - k) - np.log(k + 1) + math.log(rate) - math.log1p(-rate)
+    log_pmf = np.concatenate([[num_clients * math.log1p(-rate)], num_clients * math.log1p(-rate) + np.cumsum(steps)])
+    # log P(X > k) for k = 0..N (the last is P(X > N) = 0: -inf)
+    rev = np.logaddexp.accumulate(log_pmf[::-1])[::-1]
+    log_tail = np.concatenate([rev[1:], [-np.inf]])
+    return int(np.argmax(log_tail <= math.log(tail)))
+
+
+def sample_poisson_clients(key: jax.Array, num_clients: int, rate: float, capacity: int):
+    """Every client joins independently with probability ``rate`` (one uniform draw per client from
+    ``key``). Returns (ids [capacity] int32: the members in increasing id order, padded with N;
+    mask [capacity] bool: the real slots; overflow [] int32: members beyond the capacity, left
+    out, the highest ids first: deterministic given the key)."""
+    member = jax.random.uniform(key, (num_clients,)) < rate
+    ids = jnp.nonzero(member, size=capacity, fill_value=num_clients)[0].astype(jnp.int32)
+    size = member.sum(dtype=jnp.int32)
+    mask = jnp.arange(capacity) < size
+    return ids, mask, jnp.maximum(size - capacity, 0).astype(jnp.int32)
 
 
 def _map_clients(fn, mode: str, *args):
@@ -126,6 +178,11 @@ class Engine:
     resample_every: int = 1
     # Pinned cohorts (``--cohort-schedule``): row r = the client ids of round r; replaces sampling.
     cohort_schedule: tuple[tuple[int, ...], ...] | None = None
+    # "fixed": exactly K of N every round; "poisson": each client independently with probability
+    # ``client_rate`` (None: K / N), a cohort of varying size padded to ``cohort_capacity`` slots
+    # (``poisson_capacity``). Only algorithms that declare ``Algorithm.varying_cohort`` take it.
+    client_sampling: str = "fixed"
+    client_rate: float | None = None
 
     def __post_init__(self):
         if not 1 <= self.clients_per_round <= self.num_clients:
@@ -138,6 +195,36 @@ class Engine:
             if widths != {self.clients_per_round}:
                 raise ValueError(f"cohort schedule rows must hold {self.clients_per_round} client ids, got "
                                  f"widths {sorted(widths)}")
+        if self.client_sampling not in CLIENT_SAMPLINGS:
+            raise ValueError(f"unknown client sampling {self.client_sampling!r}; valid: {', '.join(CLIENT_SAMPLINGS)}")
+        if self.client_sampling == "poisson":
+            if self.cohort_schedule is not None or self.resample_every != 1:
+                raise ValueError("poisson client sampling draws a fresh cohort every round; drop the cohort schedule "
+                                 "/ resample_every")
+            if not self.algorithm.varying_cohort:
+                raise ValueError(f"{self.algorithm.name} cannot take poisson client sampling: its server assumes a "
+                                 "fixed cohort of K clients (it does not declare varying_cohort); use fixed sampling")
+            if not 0 < self.sampling_rate <= 1:
+                raise ValueError(f"the client sampling rate must be in (0, 1], got {self.sampling_rate}")
+
+    @property
+    def poisson(self) -> bool:
+        return self.client_sampling == "poisson"
+
+    @property
+    def sampling_rate(self) -> float:
+        """q: a client's probability of joining a round (K / N for fixed sampling)."""
+        if self.client_rate is not None:
+            return float(self.client_rate)
+        return self.clients_per_round / self.num_clients
+
+    @functools.cached_property
+    def cohort_capacity(self) -> int:
+        """Client slots of a round: K (fixed), or ``poisson_capacity(N, q)`` (at least K: poisson)."""
+        if not self.poisson:
+            return self.clients_per_round
+        return max(poisson_capacity(self.num_clients, self.sampling_rate), min(self.clients_per_round,
+                                                                               self.num_clients), 1)
 
     @property
     def mode(self) -> str:
@@ -151,7 +238,7 @@ class Engine:
         """NamedSharding of the client axis over all devices (every process's, in a multi-process
         run), or None (one device, or a cohort that does not divide evenly)."""
         n = jax.device_count()
-        if not self.shard_clients or self.mode != "vmap" or n < 2 or self.clients_per_round % n:
+        if not self.shard_clients or self.mode != "vmap" or n < 2 or self.cohort_capacity % n:
             return None
         mesh = jax.sharding.Mesh(np.array(jax.devices()), ("clients",))
         return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("clients"))
@@ -213,7 +300,15 @@ class Engine:
             return jnp.asarray(self.cohort_schedule, jnp.int32)[round_]
         first_round = round_ // self.resample_every * self.resample_every
         key_sample = jax.random.split(jax.random.fold_in(run_key, first_round), 4)[0]
+        if self.poisson:
+            return sample_poisson_clients(key_sample, self.num_clients, self.sampling_rate, self.cohort_capacity)[0]
         return sample_clients(key_sample, self.num_clients, self.clients_per_round)
+
+    def poisson_cohort(self, run_key: jax.Array, round_: jax.Array):
+        """Poisson sampling's (ids [capacity] padded with N, mask [capacity], overflow []) of round
+        ``round_``, from the same key as :meth:`cohort`."""
+        key_sample = jax.random.split(jax.random.fold_in(run_key, round_), 4)[0]
+        return sample_poisson_clients(key_sample, self.num_clients, self.sampling_rate, self.cohort_capacity)
 
     def round_step(self, state: EngineState, data: FederatedData, resident: jax.Array | None = None):
         """One federated round. Returns (new state, round metrics dict of scalars).
@@ -224,16 +319,25 @@ class Engine:
         alg = self.algorithm
         round_key = jax.random.fold_in(state.key, state.round)
         _, key_clients, key_shared, key_server = jax.random.split(round_key, 4)  # first: cohort()'s
-        ids = self.cohort(state.key, state.round)
         if resident is not None and alg.extra_clients is not None:
             raise ValueError(f"{alg.name} trains extra clients chosen inside the round; it needs every client's "
                              "state resident")
-        rows_of = ids if resident is None else jnp.searchsorted(resident, ids)
+        mask = overflow = None
+        if self.poisson:
+            # Padded slots hold id N: they read a clamped row (count 0: no data), run nothing under
+            # ``map`` (lax.cond), are masked under ``vmap``, and write nothing back (``mode="drop"``).
+            ids, mask, overflow = self.poisson_cohort(state.key, state.round)
+            gather_ids = jnp.minimum(ids, self.num_clients - 1)
+        else:
+            ids = gather_ids = self.cohort(state.key, state.round)
+        rows_of = gather_ids if resident is None else jnp.searchsorted(resident, gather_ids)
         client_states = jax.tree_util.tree_map(lambda x: x[rows_of], state.clients)
-        chex.assert_tree_shape_prefix(client_states, (self.clients_per_round,))
-        idx_rows, counts = data.train_idx[ids], data.train_count[ids]
+        chex.assert_tree_shape_prefix(client_states, (self.cohort_capacity,))
+        idx_rows, counts = data.train_idx[gather_ids], data.train_count[gather_ids]
+        if mask is not None:
+            counts = jnp.where(mask, counts, 0)
         payload = alg.broadcast(state.server, state.round)
-        client_keys = jax.random.split(key_clients, self.clients_per_round)
+        client_keys = jax.random.split(key_clients, self.cohort_capacity)
 
         def one_client(client_state, rows, count, cid, key):
             ctx = ClientContext(state.round, cid, key, key_shared)
@@ -241,22 +345,46 @@ class Engine:
                                      ClientData(data.train_x, data.train_y, rows, count), ctx)
 
         per_client = self._shard((client_states, idx_rows, counts, ids, client_keys))
-        new_states, messages, metrics = self._map(one_client, *per_client)
+        if mask is None:
+            new_states, messages, metrics = self._map(one_client, *per_client)
+        else:
+            shapes = jax.eval_shape(one_client, *jax.tree_util.tree_map(lambda x: x[0], per_client))
+
+            def padded_slot(client_state, *_):
+                zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1:])
+                return (client_state, *zeros)
+
+            def slot(real, *args):
+                return jax.lax.cond(real, one_client, padded_slot, *args)
+
+            new_states, messages, metrics = self._map(slot, self._shard(mask), *per_client)
         missing = [k for k in REQUIRED_CLIENT_METRICS if k not in metrics]
         if missing:
             raise ValueError(f"{alg.name}.client_update must report metrics {missing}")
         server_ctx = ServerContext(state.round, ids, counts.astype(jnp.float32), key_server)
+        if mask is not None:
+            server_ctx = server_ctx._replace(mask=mask)
         if alg.extra_clients is not None:
             server_ctx = self._extra_updates(state, data, payload, key_shared, server_ctx, one_client)
         server, server_metrics = alg.server_update(state.server, messages, server_ctx)
         # A client_update must return its state with the shapes it received (scatter writes rows back).
         chex.assert_trees_all_equal_shapes_and_dtypes(new_states, client_states)
-        clients = jax.tree_util.tree_map(lambda all_, new: all_.at[rows_of].set(new), state.clients, new_states)
-        round_metrics = reduce_client_metrics(metrics)
+        if mask is None:
+            clients = jax.tree_util.tree_map(lambda all_, new: all_.at[rows_of].set(new), state.clients, new_states)
+        else:
+            out_of_bounds = jax.tree_util.tree_leaves(state.clients)[0].shape[0] if jax.tree_util.tree_leaves(
+                state.clients) else 0
+            scatter_rows = jnp.where(mask, rows_of, out_of_bounds)
+            clients = jax.tree_util.tree_map(lambda all_, new: all_.at[scatter_rows].set(new, mode="drop"),
+                                             state.clients, new_states)
+        round_metrics = reduce_client_metrics(metrics, mask)
         if self.local_epochs is not None and self.batch_size is not None:
             steps = self.local_epochs * ((counts + self.batch_size - 1) // self.batch_size)
             round_metrics["client_steps"] = steps.sum()
             round_metrics["client_steps_executed"] = executed_client_steps(steps, self.mode)
+        if mask is not None:
+            round_metrics["clients"] = mask.sum(dtype=jnp.int32)
+            round_metrics["cohort_overflow"] = overflow
         round_metrics.update({f"server_{k}": jnp.asarray(v, jnp.float32) for k, v in server_metrics.items()})
         return self._finish_round(EngineState(server, clients, state.key, state.round + 1), round_metrics)
 
@@ -371,11 +499,13 @@ class Engine:
         return self.evaluator.evaluate(state, data)
 
 
-def reduce_client_metrics(metrics: dict) -> dict:
+def reduce_client_metrics(metrics: dict, mask: jax.Array | None = None) -> dict:
     """Stacked per-client metrics [K] -> round metrics: loss weighted by
     examples, other floats averaged; the exact counts (FLOPs, bits: ``Cost``
     with [K] factors; ``num_examples`` [K] int32) stay per client, for the
-    host to sum exactly (:func:`metrics_to_host`)."""
+    host to sum exactly (:func:`metrics_to_host`). ``mask`` [K] (a Poisson cohort's real
+    slots): the floats are averaged over the real clients only (0 in an empty round); padded
+    slots report zero costs and examples already."""
     examples = metrics["num_examples"].astype(jnp.float32)
     out = {}
     for key, value in metrics.items():
@@ -383,8 +513,11 @@ def reduce_client_metrics(metrics: dict) -> dict:
             out[key] = value
         elif key == "loss":
             out[key] = (value * examples).sum() / jnp.maximum(examples.sum(), 1.0)
-        else:
+        elif mask is None:
             out[key] = value.mean()
+        else:
+            real = mask.astype(value.dtype).reshape(mask.shape + (1,) * (value.ndim - 1))
+            out[key] = (value * real).sum(0).mean() / jnp.maximum(mask.sum().astype(value.dtype), 1)
     return out
 
 
@@ -407,7 +540,7 @@ def metrics_to_host(metrics: dict) -> dict:
                 out[key] = np.array(values, dtype=np.float64)
         elif key == "num_examples":
             out[key] = np.asarray(value, np.int64).reshape(np.shape(value)[0], -1).sum(1)
-        elif key in STEP_METRICS:
+        elif key in STEP_METRICS or key in COHORT_METRICS:
             out[key] = np.asarray(value, np.int64)
         else:
             out[key] = np.asarray(value, np.float64)

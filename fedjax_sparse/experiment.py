@@ -208,7 +208,12 @@ def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experi
             raise RunError(f"the algorithm builder {config.algorithm} returned a {type(algorithm).__name__}, "
                            "not an Algorithm")
     algorithm = wrap_algorithm(algorithm, config)
+    if config.client_sampling == "poisson" and not algorithm.varying_cohort:
+        raise RunError(f"--client-sampling poisson: {algorithm.name}'s server assumes a fixed cohort of K clients "
+                       f"(its aggregation, vote or per-client optimisation is not written for a varying, possibly "
+                       f"empty cohort); use --client-sampling fixed, or fedavg, fedprox, fedavgm or spafl")
     engine = Engine(algorithm, config.num_clients, config.clients_per_round,
+                    client_sampling=config.client_sampling,
                     # ``measure`` is decided by the run (measure_client_parallelism); "auto" until then.
                     client_parallelism=("auto" if config.execution.client_parallelism == "measure"
                                         else config.execution.client_parallelism),
@@ -248,7 +253,14 @@ def noise_multiplier(config: RunConfig) -> float:
     assert config.dp_target_epsilon is not None   # config.check_privacy
     return privacy.calibrate_noise_multiplier(config.dp_target_epsilon, config.rounds, config.dp_delta,
                                               num_clients=config.num_clients,
-                                              clients_per_round=config.clients_per_round)
+                                              clients_per_round=config.clients_per_round,
+                                              sampling=privacy_sampling(config), accountant=config.dp_accountant)
+
+
+def privacy_sampling(config: RunConfig) -> str:
+    """The accountant's name for the run's client sampling: ``without_replacement`` (fixed K of N,
+    replace-one adjacency) or ``poisson`` (add/remove-one; fedjax_sparse.privacy)."""
+    return "poisson" if config.client_sampling == "poisson" else "without_replacement"
 
 
 def _constant_init(variables: dict):

@@ -153,7 +153,8 @@ def init(engine: Engine, key: jax.Array, storage_dtype=None) -> tuple[EngineStat
 def _resident(engine: Engine, state: EngineState, num_rounds: int) -> np.ndarray:
     """Sorted union of the next ``num_rounds`` cohorts, padded with N to num_rounds x K ids."""
     ids = np.unique(engine.cohorts(state.key, int(state.round), num_rounds))
-    padded = np.full(num_rounds * engine.clients_per_round, engine.num_clients, np.int32)
+    ids = ids[ids < engine.num_clients]   # a Poisson cohort's padded slots hold N
+    padded = np.full(num_rounds * engine.cohort_capacity, engine.num_clients, np.int32)
     padded[:len(ids)] = ids
     return padded
 

@@ -21,9 +21,11 @@ N(0, (z C)^2) noise per coordinate (z: the noise multiplier). The unit of privac
   there. Only the RDP accountant supports this event (``accountant="pld"`` raises).
 * ``sampling="poisson"``: every client joins a round independently with probability q = K / N,
   ``PoissonSampledDpEvent(q, GaussianDpEvent(z))`` under ADD-OR-REMOVE-ONE adjacency (sensitivity C):
-  the accounting of McMahan et al. (ICLR 2018) and of the DP-SGD literature (Abadi et al. 2016),
-  for comparisons. The engine's fixed-size cohorts are not Poisson samples, so this does not
-  describe its runs exactly; RDP and PLD accountants both support it (PLD is the tighter).
+  the accounting of McMahan et al. (ICLR 2018) and of the DP-SGD literature (Abadi et al. 2016):
+  what the engine does with ``--client-sampling poisson`` (``engine.sample_poisson_clients``; the
+  private mean then divides by the expected cohort size q N = K). RDP and PLD accountants both
+  support it (PLD is the tighter). A round whose members overflow the engine's cohort capacity
+  (probability <= 1e-9 a round, counted in ``cohort_overflow``) is not exactly a Poisson sample.
 
 A pinned cohort schedule or a cohort kept for several rounds (``--cohort-schedule``,
 ``resample_every`` > 1) breaks the independent per-round sampling these events assume.

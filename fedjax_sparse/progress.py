@@ -130,9 +130,26 @@ def summarize(config, exp, rows, totals, build_seconds, compile_seconds) -> dict
         **({} if config.dp_clip is None else {
             "dp_epsilon": final.get("dp_epsilon"), "dp_delta": config.dp_delta, "dp_clip": config.dp_clip,
             "dp_noise_multiplier": exp.algorithm.hparams.get("dp_noise_multiplier"),
-            "dp_accounting": "RDP (dp-accounting), K of N clients sampled without replacement each round, "
-                             "replace-one-client adjacency"}),
+            **(_poisson_dp_summary(config, exp) if config.client_sampling == "poisson" else {
+                "dp_accounting": "RDP (dp-accounting), K of N clients sampled without replacement each round, "
+                                 "replace-one-client adjacency"})}),
+        **({} if config.client_sampling != "poisson" else {
+            "client_sampling": "poisson", "cohort_capacity": exp.engine.cohort_capacity,
+            "total_cohort_overflow": totals.get("cohort_overflow", 0)}),
     }
+
+
+def _poisson_dp_summary(config, exp) -> dict:
+    """Poisson sampling's accounting: epsilon after all rounds by RDP and by PLD (rows carry RDP's)."""
+    from fedjax_sparse import privacy
+    z = float(exp.algorithm.hparams.get("dp_noise_multiplier"))
+    kwargs = dict(num_clients=config.num_clients, clients_per_round=config.clients_per_round, sampling="poisson")
+    return {"dp_epsilon_rdp": privacy.epsilon(z, config.rounds, config.dp_delta, accountant="rdp", **kwargs),
+            "dp_epsilon_pld": privacy.epsilon(z, config.rounds, config.dp_delta, accountant="pld", **kwargs),
+            "dp_calibrated_with": config.dp_accountant if config.dp_target_epsilon is not None else None,
+            "dp_accounting": "PoissonSampledDpEvent(q = K / N, GaussianDpEvent(z)) composed over the rounds "
+                             f"(dp-accounting), add-or-remove-one-client adjacency; dp_epsilon is "
+                             f"{config.dp_accountant.upper()}'s"}
 
 
 def format_summary(summary: dict) -> str:

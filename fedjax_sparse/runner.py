@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -39,10 +40,10 @@ from fedjax_sparse.checkpoint import (Checkpointer, clear_outputs,
 from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig
 from fedjax_sparse.errors import RunError, RunStopped, in_callers_words
 from fedjax_sparse.data.federated import FederatedData
-from fedjax_sparse.engine import STEP_METRICS, Engine, EngineState
+from fedjax_sparse.engine import COHORT_METRICS, STEP_METRICS, Engine, EngineState
 from fedjax_sparse.sinks import MetricSinks
 
-from fedjax_sparse.experiment import Experiment, build, with_components
+from fedjax_sparse.experiment import Experiment, build, privacy_sampling, with_components
 from fedjax_sparse.progress import COST_KEYS, Progress, exact_number, format_summary, jsonable, summarize
 
 
@@ -469,7 +470,8 @@ class OpenRun:
             from fedjax_sparse import privacy
             self.dp_epsilons = privacy.epsilon_curve(
                 float(exp.algorithm.hparams["dp_noise_multiplier"]), config.rounds, config.dp_delta,
-                num_clients=config.num_clients, clients_per_round=config.clients_per_round)
+                num_clients=config.num_clients, clients_per_round=config.clients_per_round,
+                sampling=privacy_sampling(config))
 
     @property
     def round(self) -> int:
@@ -528,6 +530,14 @@ class OpenRun:
             # A checkpoint from before these counts existed has none: its totals stay unknown (None).
             if key in metrics and totals.get(key) is not None:
                 totals[key] = int(totals[key]) + int(metrics[key].sum())
+        if "cohort_overflow" in metrics:
+            # Poisson cohorts larger than the capacity (probability <= 1e-9 a round): counted, warned, never silent.
+            overflow = int(metrics["cohort_overflow"].sum())
+            totals["cohort_overflow"] = int(totals.get("cohort_overflow", 0)) + overflow
+            if overflow:
+                warnings.warn(f"{overflow} sampled client(s) beyond the Poisson cohort capacity "
+                              f"{self.exp.engine.cohort_capacity} were left out in rounds {self.round - n + 1}-"
+                              f"{self.round} (the highest ids; counted in total_cohort_overflow)", stacklevel=2)
         at_eval = self.round % config.eval_every == 0 or self.round >= config.rounds or bool(bad)
         row = self._evaluate_and_log(state, metrics, chunk_started, bad) if at_eval else None
         if not at_eval:
@@ -585,9 +595,17 @@ class OpenRun:
                 row[f"total_{key}"] = totals[key]
         for key, value in metrics.items():
             if key not in row and key != "num_examples":
-                row[key] = int(value[-1]) if key in STEP_METRICS else float(value[-1])
+                row[key] = int(value[-1]) if key in STEP_METRICS or key in COHORT_METRICS else float(value[-1])
+        if "cohort_overflow" in metrics:
+            row["total_cohort_overflow"] = totals.get("cohort_overflow", 0)
         if self.dp_epsilons is not None:
             row["dp_epsilon"] = float(self.dp_epsilons[min(totals["round"], len(self.dp_epsilons)) - 1])
+            if config.dp_accountant == "pld":   # Poisson sampling calibrated with PLD: the rows say PLD's epsilon
+                from fedjax_sparse import privacy
+                row["dp_epsilon"] = privacy.epsilon(
+                    float(self.exp.algorithm.hparams["dp_noise_multiplier"]), min(totals["round"], config.rounds),
+                    config.dp_delta, num_clients=config.num_clients, clients_per_round=config.clients_per_round,
+                    sampling="poisson", accountant="pld")
             row["dp_clipped_fraction"] = row.get("server_dp_clipped_fraction")
         if self.population is not None:
             # Clients trained at least once so far (the others still hold the initial row).

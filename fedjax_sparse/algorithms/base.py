@@ -64,6 +64,9 @@ class ServerContext(NamedTuple):
     # ids [M]; None unless the algorithm asks for them (``Algorithm.extra_clients``).
     extra_ids: Any = None
     extra_messages: Any = None
+    # [K] bool, the real slots of a varying (Poisson) cohort: padded slots (id N, weight 0, zero
+    # messages) must contribute nothing (see ``cohort_mean``); None: every slot is real (fixed sampling).
+    mask: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +114,9 @@ class Algorithm:
     # nothing runs). Threat models use it: FSL's attackers train benign rankings of malicious
     # clients that were not sampled.
     extra_clients: Callable[[Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]] | None = None
+    # Whether ``server_update`` honours ``ServerContext.mask`` (a cohort of varying size, padded;
+    # possibly empty): the engine's Poisson client sampling refuses algorithms that do not declare it.
+    varying_cohort: bool = False
 
 
 def client_metrics(*, loss, num_examples, flops=None, uplink_bits=None, downlink_bits=None, density=None,
@@ -132,6 +138,16 @@ def client_metrics(*, loss, num_examples, flops=None, uplink_bits=None, downlink
 def replicate(tree, n: int):
     """Stacks ``n`` copies of a pytree along a new leading client axis."""
     return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n,) + jnp.shape(x)), tree)
+
+
+def cohort_mean(stacked, weights: jax.Array, mask: jax.Array, empty):
+    """Weighted mean over the real slots (``mask`` [K]) of a varying cohort: padded slots weigh 0;
+    ``empty`` (a pytree like one row, e.g. the current model) when no slot is real or the real
+    weights sum to 0, so an empty round changes nothing."""
+    w = weights * mask.astype(weights.dtype)
+    total = w.sum()
+    mean = tree_weighted_mean(stacked, w)
+    return jax.tree_util.tree_map(lambda m, e: jnp.where(total > 0, m, e).astype(m.dtype), mean, empty)
 
 
 def tree_weighted_mean(stacked, weights: jax.Array):

@@ -37,7 +37,8 @@ import jax.numpy as jnp
 
 from fedjax_sparse import accounting
 from fedjax_sparse.algorithms.fedavg import FedAvgServerState, dense_client_update, global_model_predict
-from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, replicate, tree_weighted_mean
+from fedjax_sparse.algorithms.base import (Algorithm, Task, client_metrics, cohort_mean, replicate,
+                                           tree_weighted_mean)
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import local_train, sgd, zeros_like_tree
 from fedjax_sparse.models.base import Hooks, Model
@@ -94,10 +95,13 @@ def fedprox(task: Task, *, mu, weighted) -> Algorithm:
 
     def server_update(server_state, messages, ctx):
         weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
+        if getattr(ctx, "mask", None) is not None:   # a Poisson cohort: its real clients' mean; an empty round
+            # keeps the model
+            return FedAvgServerState(cohort_mean(messages, weights, ctx.mask, server_state.variables)), {}
         return FedAvgServerState(tree_weighted_mean(messages, weights)), {}
 
     return Algorithm("fedprox", init, broadcast, client_update, server_update,
-                     global_predict=global_model_predict(model))
+                     global_predict=global_model_predict(model), varying_cohort=True)
 
 
 # ---------------------------------------------------------------- SCAFFOLD

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_sparse import accounting
-from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, replicate, tree_weighted_mean
+from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, cohort_mean, replicate, tree_weighted_mean
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import local_train, predict_fn, sgd
 
@@ -83,13 +83,15 @@ def fedavg(task: Task, *, momentum, weight_decay, server_lr, weighted, clip_norm
 
     def server_update(server_state: FedAvgServerState, messages, ctx):
         weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
-        mean = tree_weighted_mean(messages, weights)
         old = server_state.variables
+        # A Poisson cohort (ctx.mask): the mean over its real clients; an empty round keeps the model.
+        mask = getattr(ctx, "mask", None)
+        mean = tree_weighted_mean(messages, weights) if mask is None else cohort_mean(messages, weights, mask, old)
         new = jax.tree_util.tree_map(lambda o, m: o + server_lr * (m - o), old, mean)
         return FedAvgServerState(new), {}
 
     return Algorithm("fedavg", init, broadcast, client_update, server_update,
-                     personal_predict=None, global_predict=global_model_predict(model))
+                     personal_predict=None, global_predict=global_model_predict(model), varying_cohort=True)
 
 
 LOCAL_OPTIONS = dict(momentum=0.0, weight_decay=0.0, clip_norm=0.0)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_sparse.algorithms.base import Algorithm, Task, tree_weighted_mean
+from fedjax_sparse.algorithms.base import Algorithm, Task, cohort_mean, tree_weighted_mean
 from fedjax_sparse.algorithms.fedavg import dense_client_update
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import predict_fn, sgd
@@ -60,12 +60,15 @@ def fedavgm(task: Task, *, server_momentum: float, server_lr: float, momentum: f
 
     def server_update(server: FedAvgMServerState, messages, ctx):
         weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
-        new = server_momentum_step(server, tree_weighted_mean(messages, weights), beta=server_momentum,
-                                   server_lr=server_lr)
+        # A Poisson cohort (ctx.mask): its real clients' mean; an empty round's mean is the model itself
+        # (a zero delta: the momentum alone moves it).
+        mean = tree_weighted_mean(messages, weights) if getattr(ctx, "mask", None) is None else cohort_mean(
+            messages, weights, ctx.mask, server.variables)
+        new = server_momentum_step(server, mean, beta=server_momentum, server_lr=server_lr)
         return new, {"velocity_norm": optax.tree.norm(new.velocity)}
 
     def global_predict(server: FedAvgMServerState, x):
         return predict_fn(model, server.variables)(x)
 
     return Algorithm("fedavgm", init, broadcast, dense_client_update(task, sgd(task.lr, momentum)),
-                     server_update, global_predict=global_predict)
+                     server_update, global_predict=global_predict, varying_cohort=True)

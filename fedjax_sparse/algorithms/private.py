@@ -26,6 +26,11 @@ The clients' weights (training-set sizes) are ignored.
   zero (the messages are updates already: the FSL paper's FedAvg inside ``with_attack``). The server
   then receives K copies of ``reference + private mean`` (like ``compose.AggregatingServer``), so a
   server that (weighted-)averages its messages applies the private aggregate up to float rounding.
+* Poisson client sampling (``ServerContext.mask``, the engine's ``--client-sampling poisson``):
+  padded slots are zeroed before the sum and the sum is divided by ``clients_per_round`` read as
+  the EXPECTED cohort size q N (McMahan et al.'s fixed-denominator estimator); the inner server
+  sees copies of the private mean with uniform weights and no mask, also in an empty round (the
+  released noise is applied: what is released must not depend on the realised cohort size).
 * Accounting leaves (``accounting_keys``): message entries that are the simulator's cost accounting,
   not part of the update (UniDrop's and FedDrop's ``sampled_flops``, the FLOPs of the masks a client
   drew times its examples, which the server only sums into its ``sampled_flops`` metric), are left
@@ -124,17 +129,27 @@ class DpMechanism:
         """Standard deviation of the noise added to the sum: z C (0 when z = 0, whatever C)."""
         return self.noise_multiplier * self.clip_norm if self.noise_multiplier else 0.0
 
-    def __call__(self, updates: jax.Array, key: jax.Array) -> tuple[jax.Array, dict]:
-        """[K, P] updates -> (private mean [P] float32, server metrics)."""
+    def __call__(self, updates: jax.Array, key: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """[K, P] updates -> (private mean [P] float32, server metrics). ``mask`` [capacity] (a Poisson
+        cohort's real slots, ``updates`` then [capacity, P]): padded rows are zeroed before the sum, and
+        the sum is still divided by ``clients_per_round``, the EXPECTED cohort size q N (McMahan et al.'s
+        fixed-denominator estimator; an empty round releases noise / (q N)); metrics over the real rows."""
         k = updates.shape[0]
-        if k != self.clients_per_round:
+        if mask is None and k != self.clients_per_round:
             # The accountant and the 1/K denominator assume exactly K sampled clients per round.
             raise ValueError(f"with_dp(clients_per_round={self.clients_per_round}) received {k} client updates; "
                              "pass the engine's clients_per_round")
         clipped, norms = clip_rows(updates, self.clip_norm)
-        mean = noisy_sum(clipped, self.noise_stddev, key) / self.clients_per_round
-        metrics = {"dp_clipped_fraction": jnp.mean((norms > self.clip_norm).astype(jnp.float32)),
-                   "dp_update_norm": jnp.mean(norms)}
+        if mask is None:
+            mean = noisy_sum(clipped, self.noise_stddev, key) / self.clients_per_round
+            metrics = {"dp_clipped_fraction": jnp.mean((norms > self.clip_norm).astype(jnp.float32)),
+                       "dp_update_norm": jnp.mean(norms)}
+            return mean, metrics
+        real = mask.astype(jnp.float32)
+        mean = noisy_sum(clipped * real[:, None], self.noise_stddev, key) / self.clients_per_round
+        count = jnp.maximum(real.sum(), 1.0)
+        metrics = {"dp_clipped_fraction": jnp.sum((norms > self.clip_norm).astype(jnp.float32) * real) / count,
+                   "dp_update_norm": jnp.sum(norms * real) / count}
         return mean, metrics
 
 
@@ -223,9 +238,15 @@ class PrivateServer:
     def __call__(self, server_state, messages, ctx: ServerContext):
         _check_float_messages(self.name, messages)
         inner = self.server_update
+        mask = getattr(ctx, "mask", None)
+        if mask is not None:
+            # A Poisson cohort: the mechanism masks the padded rows; the inner server then sees only the
+            # private mean (every slot a copy of it, uniform weights), also in an empty round (the released
+            # noise is applied: what is released must not depend on the cohort's size).
+            ctx = ctx._replace(mask=None, weights=jnp.ones_like(ctx.weights))
         if isinstance(inner, UpdateServer) and inner.aggregator is None:
             # The updates themselves; the private mean replaces the server's own (weighted or uniform) one.
-            aggregate, metrics = self.mechanism(messages, noise_key(ctx))
+            aggregate, metrics = self.mechanism(messages, noise_key(ctx), mask)
             return inner.apply(server_state, aggregate), metrics
         payload = self.broadcast(server_state, ctx.round)
         passed = self.accounting(payload, messages)
@@ -240,7 +261,7 @@ class PrivateServer:
         else:
             raise TypeError(f"with_dp: the reference of {self.name}'s messages must have their structure "
                             f"{jax.tree_util.tree_structure(row)}, got {jax.tree_util.tree_structure(ref_tree)}")
-        aggregate, metrics = self.mechanism(flat - reference[None], noise_key(ctx))
+        aggregate, metrics = self.mechanism(flat - reference[None], noise_key(ctx), mask)
         private_row = unravel(reference + aggregate)
         private = jax.tree_util.tree_map(lambda leaf, m: jnp.broadcast_to(leaf, m.shape).astype(m.dtype),
                                          private_row, updates)

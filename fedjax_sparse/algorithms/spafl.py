@@ -90,7 +90,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_sparse import accounting
-from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, replicate
+from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, cohort_mean, replicate
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.data.federated import ClientData
 from fedjax_sparse.mechanisms import threshold_masks as masks_lib
@@ -521,7 +521,10 @@ def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum,
     def server_update(server_state: SpaflServerState, messages, ctx):
         if not share_thresholds:
             return server_state, {}
-        new_tau = jax.tree_util.tree_map(lambda t: jnp.mean(t, axis=0), messages)  # eq. (7): uniform mean
+        if getattr(ctx, "mask", None) is None:
+            new_tau = jax.tree_util.tree_map(lambda t: jnp.mean(t, axis=0), messages)  # eq. (7): uniform mean
+        else:   # a Poisson cohort: the uniform mean over its real clients; an empty round keeps tau (delta 0)
+            new_tau = cohort_mean(messages, jnp.ones_like(ctx.weights), ctx.mask, server_state.tau)
         delta = jax.tree_util.tree_map(jnp.subtract, new_tau, server_state.tau)
         new = server_state._replace(tau=new_tau, delta=delta)
         if setup.replays_history:
@@ -542,7 +545,7 @@ def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum,
                "eq13_effective": setup.eq13}
     return Algorithm(name, init, broadcast, client_update, server_update,
                      personal_predict=personal_predict, global_predict=None, hparams=hparams,
-                     personal_density=personal_density)
+                     personal_density=personal_density, varying_cohort=True)
 
 
 
