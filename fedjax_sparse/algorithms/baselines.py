@@ -250,6 +250,7 @@ def caldas(task: Task, *, keep, drop_dense, per_client, rescale, weighted) -> Al
         raise ValueError(f"caldas: model {model.name} is not sequential (residual or attention); federated "
                          "dropout needs a sequential --model such as cnn7 or lenet5_caffe")
     layers = droppable_layers(model, drop_dense)
+    model.check_unit_drops("caldas", layers, "drops the units of its hidden layers")
     optimizer = sgd(task.lr)
 
     def init(key):

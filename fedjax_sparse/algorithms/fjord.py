@@ -103,6 +103,8 @@ def fjord(task: Task, *, p_min: float, p_max: float, eval_rate: float, momentum:
         raise ValueError(f"fjord: need 0 < p_min <= p_max <= 1, got p_min={p_min}, p_max={p_max}")
     model = task.model
     check_sliceable(model, "fjord", sliced)
+    model.check_unit_drops("fjord", [layer.name for layer in model.layers[:-1]],
+                           "zeroes each hidden layer's channels beyond a step's width")
     layout = WidthLayout.from_model(model, model.init(jax.random.PRNGKey(0)))
     download = layout.static_counts(p_max)
     download_bits = accounting.FLOAT_BITS * layout.num_values(download)

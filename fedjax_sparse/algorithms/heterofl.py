@@ -100,6 +100,8 @@ def heterofl(task: Task, *, rates: str, eval_rate: float, momentum: float, weigh
     model = task.model
     check_sliceable(model, "heterofl", sliced)
     levels = parse_rates(rates)
+    model.check_unit_drops("heterofl", [layer.name for layer in model.layers[:-1]],
+                           "zeroes each hidden layer's channels beyond a client's width")
     layout = WidthLayout.from_model(model, model.init(jax.random.PRNGKey(0)))
     table = jnp.asarray([layout.static_counts(r) for r in levels], jnp.int32)   # [levels, L]
     eval_counts = layout.static_counts(eval_rate or max(levels))

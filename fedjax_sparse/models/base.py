@@ -98,6 +98,10 @@ class Model:
     # ``from_flax``): a narrower sub-model cannot be cut out of it, only masked (HeteroFL/FjORD's
     # ``sliced=False``). The zoo's models take their widths from the kernels they are given.
     fixed_widths: bool = False
+    # Weight layers whose dropped output units are not zero where the next weight layer reads them (a
+    # normalisation between them that ``from_flax`` does not handle, found on a probe): (layer name, what
+    # leaks). Mechanisms that drop units refuse these layers (``check_unit_drops``); empty for the zoo.
+    unit_drop_leaks: tuple[tuple[str, str], ...] = ()
 
     def init(self, key: jax.Array) -> Variables:
         return self.init_fn(key)
@@ -123,6 +127,18 @@ class Model:
             if layer.name == name:
                 return layer
         raise KeyError(name)
+
+    def check_unit_drops(self, algorithm: str, layers: Sequence[str], what: str) -> None:
+        """Refuses, in one line, an ``algorithm`` that zeroes the output units of ``layers`` (``what`` it
+        does) when a dropped unit of one of them is not zero downstream (``unit_drop_leaks``): the
+        dropped products would be booked as not computed while they are."""
+        leaks = [(layer, why) for layer, why in self.unit_drop_leaks if layer in set(layers)]
+        if leaks:
+            more = f" (also at {', '.join(repr(l) for l, _ in leaks[1:])})" if len(leaks) > 1 else ""
+            raise ValueError(f"{algorithm}: model {self.name}: {leaks[0][1]}{more}; {algorithm} {what} and counts "
+                             "a dropped unit's products as not computed: put flax's nn.BatchNorm / nnx.BatchNorm "
+                             "directly after the layer (from_flax zeroes behind it) or a normalisation per unit, "
+                             "or use an algorithm that drops no units (fedavg, spafl, fsl, fedpm)")
 
 
 # ---------------------------------------------------------------- initialisers

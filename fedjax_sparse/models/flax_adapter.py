@@ -39,6 +39,16 @@ probe batch of 2 random examples with the weights of ``init``, in evaluation mod
 the model (``ValueError`` naming the largest difference and the first layer that differs) unless the
 logits agree to 1e-4 of their scale.
 
+Normalisation and padding (:mod:`~fedjax_sparse.models.flax_probes`, on a probe with perturbed biases,
+norm parameters and statistics): a unit the mechanisms drop must be exactly zero where the next weight
+layer reads it (zero kernel gradient on those rows, training and evaluation mode); where a
+normalisation the adapter does not handle sits between (``GroupNorm``, ``LayerNorm``, a library's own
+BatchNorm, a ``BatchNorm`` behind the ReLU) the layer goes into ``Model.unit_drop_leaks`` and FedDrop,
+UniDrop, Caldas' dropout, HeteroFL and FjORD refuse the model in one line naming the layer and the
+normalisation (other algorithms run it). Padded rows of a batch must change nothing for the real rows
+(logits and batch statistics, training mode with the sample mask and evaluation mode): a module with
+its own batch statistics is refused in one line.
+
 Train/eval mode: ``BatchNorm`` gets ``use_running_average=not train`` whatever the module says, a
 ``train``/``training`` argument of ``__call__`` receives ``train`` (``deterministic`` its negation).
 Randomness the model's authors wrote: in training, ``Model.apply(..., rng=key)`` gives linen the key as
@@ -845,8 +855,12 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     modes = (False, True) if train_kwargs(True) else (False,)
     _check_same_network(model_name, adapted, own, init_fn(jax.random.PRNGKey(0)), input_shape, modes)
 
-    return Model(model_name, input_shape, classes, tuple(infos), init_fn, apply_fn, sequential=sequential,
-                 channel_entries=channel_entries, fixed_widths=True)
+    # 5. On a probe: padded rows change nothing for the real ones (else refused), and which layers' dropped
+    # units are not zero downstream (Model.unit_drop_leaks, refused by the mechanisms that drop units).
+    from fedjax_sparse.models import flax_probes
+    return flax_probes.probe(Model(model_name, input_shape, classes, tuple(infos), init_fn, apply_fn,
+                                   sequential=sequential, channel_entries=channel_entries, fixed_widths=True),
+                             module, input_shape)
 
 
 def _plain(tree):

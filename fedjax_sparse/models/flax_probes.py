@@ -1,0 +1,283 @@
+"""What ``from_flax`` verifies on a probe batch beyond "the same network" (issue 41 item 3).
+
+Two assumptions the algorithms make of every model are checked on the adapted model itself (through
+``Model.apply`` and its hooks, with the variables of ``init`` moved off their initial values: biases,
+norm scales and offsets and running statistics perturbed, so that a zero is not mapped to zero by luck
+of the initialisation):
+
+* **A dropped unit is zero downstream** (:func:`unit_drop_leaks`). FedDrop/UniDrop, Caldas et al.'s
+  dropout and HeteroFL/FjORD's masked widths zero a layer's output units through ``hooks.activation``
+  and book the next layer's products with them as not computed. With every other output channel of
+  every hidden layer zeroed, the gradient of the logits with respect to each next layer's kernel must
+  be exactly zero on the kernel rows that read the dropped channels (row ``f`` reads channel
+  ``f % C``: channels last, a flatten repeating them), in training and in evaluation mode: those
+  rows multiply exactly the dropped inputs. A normalisation the adapter does not know between the two
+  layers (``GroupNorm``, ``LayerNorm`` over channels, a library's own BatchNorm class, Flax's
+  ``BatchNorm`` behind the ReLU instead of directly after the layer) renormalises the zeros into
+  nonzero values; such a layer is recorded in ``Model.unit_drop_leaks`` (the layer, the next layer
+  and the modules called between them) and every mechanism that drops its units refuses it in one line
+  (:meth:`Model.check_unit_drops`); algorithms that drop no units run the model unchanged.
+* **Padded rows change nothing for the real ones** (:func:`padding_leak`). Local training pads a
+  client's last batch of each epoch (count not a multiple of the batch size) with a 0/1 sample mask,
+  and evaluation pads its last batch; Flax's ``BatchNorm`` gets the mask (statistics over the real
+  rows). The real rows' logits and the new batch statistics must be the same whether the padded rows
+  hold zeros or large random values, in training mode (with the mask) and evaluation mode (without):
+  a module computing over the batch axis itself (its own batch statistics) fails, and ``from_flax``
+  refuses the model in one line naming the first layer whose output moves and the modules called
+  before it.
+
+Both cost one gradient and four forward passes of a batch of 5 examples.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_sparse.models.base import Hooks, Model
+
+_PROBE_KEY = 20241126
+_REAL, _PADDED = 3, 2          # rows of the padding probe's batch
+_RTOL = 1e-5                   # of the logits' scale: the padding probe's tolerance
+
+
+def _rng(train: bool):
+    """The model's own randomness as local training gives it (a key; the same one for every probe run, so
+    dropout masks are the same on both sides of a comparison), none in evaluation."""
+    return jax.random.PRNGKey(_PROBE_KEY + 3) if train else None
+
+
+def _perturbed(model: Model, variables: dict, key) -> dict:
+    """``variables`` with every floating leaf other than a weight layer's kernel moved by noise (batch
+    statistics by its absolute value, so variances stay positive)."""
+    kernels = {layer.name for layer in model.layers}
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(variables)
+    keys = jax.random.split(key, max(len(leaves), 1))
+    out = []
+    for (path, leaf), k in zip(leaves, keys):
+        names = [getattr(p, "key", None) for p in path]
+        floating = jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating)
+        if not floating or (names[:1] == ["params"] and names[1:2] and names[1] in kernels and names[-1] == "kernel"):
+            out.append(leaf)
+            continue
+        noise = 0.5 * jax.random.normal(k, jnp.shape(leaf), jnp.asarray(leaf).dtype)
+        out.append(leaf + (jnp.abs(noise) if names[:1] == ["batch_stats"] else noise))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+# ---------------------------------------------------------------- which modules run between two layers
+@contextlib.contextmanager
+def _recording(module, events: list):
+    """While active, every Flax module call appends ``("module", path or None, class name)`` to
+    ``events`` (linen: every ``__call__`` with its scope path; nnx: the classes of ``module``'s graph
+    other than the layers the adapter itself intercepts, without a path)."""
+    import flax.linen as nn
+    if isinstance(module, nn.Module):
+        def interceptor(next_fun, args, kwargs, context):
+            if context.method_name == "__call__":
+                m = context.module
+                path = "/".join(str(p) for p in m.scope.path) if m.scope is not None else ""
+                events.append(("module", path or "~", type(m).__name__))
+            return next_fun(*args, **kwargs)
+        with nn.intercept_methods(interceptor):
+            yield
+        return
+    from flax import nnx
+    skip = (nnx.Linear, nnx.Conv, nnx.BatchNorm, nnx.Dropout)
+    classes = {type(m) for _, m in nnx.iter_graph(module) if isinstance(m, nnx.Module) and not isinstance(m, skip)}
+    saved = {cls: (cls.__dict__.get("__call__"), cls.__call__) for cls in classes if callable(getattr(cls, "__call__", None))}
+
+    def wrap(inner):
+        def call(self, *a, **k):
+            events.append(("module", None, type(self).__name__))
+            return inner(self, *a, **k)
+        return call
+    try:
+        for cls, (_, inner) in saved.items():
+            cls.__call__ = wrap(inner)  # type: ignore[method-assign]
+        yield
+    finally:
+        for cls, (own, _) in saved.items():
+            if own is None:
+                del cls.__call__
+            else:
+                cls.__call__ = own  # type: ignore[method-assign]
+
+
+def _between(events: list, start: str | None, end: str | None, layer_names: set) -> str:
+    """The modules called after layer ``start``'s output (None: from the input) and before layer
+    ``end``'s output (None: the logits), as words: normalisations first when there are any."""
+    i = 0
+    if start is not None:
+        i = next((n + 1 for n, e in enumerate(events) if e == ("layer", start)), 0)
+    j = next((n for n, e in enumerate(events) if n >= i and e == ("layer", end)), len(events)) if end else len(events)
+    found = []
+    for kind, *rest in events[i:j]:
+        if kind != "module":
+            continue
+        path, cls = rest
+        if path is not None and (path in layer_names or path == "~" or (end is not None and end.startswith(path + "/"))
+                                 or any(path.startswith(n + "/") for n in layer_names)):
+            continue
+        words = f"{cls} {path!r}" if path is not None else f"a {cls}"
+        if (cls, words) not in found:
+            found.append((cls, words))
+    norms = [w for cls, w in found if "norm" in cls.lower()]
+    chosen = norms or [w for _, w in found]
+    if not chosen:
+        return "the model's own code (no module is called there)"
+    return ", ".join(chosen[:3]) + (" ..." if len(chosen) > 3 else "")
+
+
+def _events_of(model: Model, module, variables: dict, x, train: bool, sample_mask) -> list:
+    events: list = []
+
+    def hook(name, h):
+        events.append(("layer", name))
+        return h
+    with _recording(module, events):
+        jax.eval_shape(lambda v, x: model.apply(v, x, train=train, hooks=Hooks(activation=hook),
+                                                sample_mask=sample_mask, rng=_rng(train)), variables, x)
+    return events
+
+
+# ---------------------------------------------------------------- a dropped unit is zero downstream
+def unit_drop_leaks(model: Model, module, variables: dict, x) -> tuple[tuple[str, str], ...]:
+    """((layer, what leaks), ...): the hidden layers whose zeroed output channels reach the next weight
+    layer's input as nonzero values (see the module docstring); ``variables`` already perturbed."""
+    layers = model.layers
+    dropped = {l.name: jnp.asarray(np.arange(l.out_units) % 2 == 0, jnp.float32)
+               for l in layers[:-1] if l.out_units >= 2}
+    readers = []
+    for m in layers:
+        src = next((l for l in layers if l.name == m.input_layer), None)
+        if (src is None or src.name not in dropped or m.kind not in ("conv", "dense") or len(m.kernel_shape) < 2
+                or m.kernel_shape[-2] != m.in_units or m.in_units % src.out_units):
+            continue
+        readers.append((m, src))
+    if not readers:
+        return ()
+
+    zeroed: set = set()   # the layers whose output the hook received (and zeroed): only those are checked
+
+    def hook(name, h):
+        mask = dropped.get(name)
+        if mask is None or h.shape[-1] != mask.shape[0]:
+            return h
+        zeroed.add(name)
+        return h * mask.astype(h.dtype)
+    weights = jax.random.normal(jax.random.PRNGKey(_PROBE_KEY + 1), (x.shape[0], model.num_classes), jnp.float32)
+    ones = jnp.ones((x.shape[0],), jnp.float32)
+
+    def read(kernels, train):
+        params = {k: ({**v, "kernel": kernels[k]} if k in kernels else v) for k, v in variables["params"].items()}
+        logits, _ = model.apply({**variables, "params": params}, x, train=train, hooks=Hooks(activation=hook),
+                                sample_mask=ones if train else None, rng=_rng(train))
+        return jnp.sum(logits.astype(jnp.float32) * weights)
+    kernels = {m.name: variables["params"][m.name]["kernel"] for m, _ in readers}
+    leaks: dict[str, str] = {}
+    for train in (True, False):
+        grads = jax.grad(read)(kernels, train)   # op by op: a jit would compile anew for every model
+        for m, src in readers:
+            if src.name in leaks or src.name not in zeroed:
+                continue
+            g = np.abs(np.moveaxis(np.asarray(grads[m.name], np.float32), -2, 0).reshape(m.in_units, -1)).max(axis=1)
+            reads_dropped = np.arange(m.in_units) % src.out_units % 2 == 1
+            live = ~(g == 0)                        # NaN counts as live
+            if not live[reads_dropped].any():
+                continue
+            mode = "training" if train else "evaluation"
+            if live.sum() <= (~reads_dropped).sum() and live[~reads_dropped].sum() < (~reads_dropped).sum():
+                leaks[src.name] = (f"a unit dropped at layer {src.name!r} is zero where layer {m.name!r} reads it, "
+                                   f"but not where that layer's kernel rows read it (row f reads channel f % "
+                                   f"{src.out_units}: channels last) in {mode} mode: a transpose before a flatten?")
+                continue
+            between = _between(_events_of(model, module, variables, x, train, ones if train else None),
+                               src.name, m.name, {l.name for l in layers})
+            leaks[src.name] = (f"a unit dropped at layer {src.name!r} is not zero where layer {m.name!r} reads it "
+                               f"in {mode} mode: {between} between them turns its zeros into values")
+    return tuple((l.name, leaks[l.name]) for l in layers if l.name in leaks)
+
+
+# ---------------------------------------------------------------- padded rows change nothing
+def padding_leak(model: Model, module, variables: dict, x_real) -> str | None:
+    """None when the real rows' logits and batch statistics ignore what padded rows hold (training
+    mode with the sample mask, evaluation mode without), else the one-line reason (see the module
+    docstring); ``variables`` already perturbed."""
+    pad_shape = (_PADDED,) + tuple(x_real.shape[1:])
+    fill = 5.0 + 10.0 * jax.random.normal(jax.random.PRNGKey(_PROBE_KEY + 2), pad_shape, jnp.float32)
+    batches = [jnp.concatenate([x_real, jnp.zeros(pad_shape, x_real.dtype)]),
+               jnp.concatenate([x_real, fill.astype(x_real.dtype)])]
+    mask = jnp.asarray([1.0] * _REAL + [0.0] * _PADDED, jnp.float32)
+    def run(x, train):
+        outputs: dict = {}
+
+        def hook(name, h):
+            outputs.setdefault(name, h)
+            return h
+        logits, stats = model.apply(variables, x, train=train, hooks=Hooks(activation=hook),
+                                    sample_mask=mask if train else None, rng=_rng(train))
+        return logits, (stats if train else {}), outputs
+    for train in (True, False):
+        (a, a_stats, a_out), (b, b_stats, b_out) = [run(x, train) for x in batches]
+        a, b = np.asarray(a, np.float32)[:_REAL], np.asarray(b, np.float32)[:_REAL]
+        scale = max(float(np.max(np.abs(a))) if a.size else 0.0, 1e-6)
+        diff = float(np.max(np.abs(a - b))) if a.size else 0.0
+        moved_stats = [k for k in a_stats if not _same(a_stats[k], b_stats.get(k))]
+        if not (diff > _RTOL * scale or not np.isfinite(diff) or moved_stats):
+            continue
+        mode = "training mode (with the sample mask)" if train else "evaluation mode"
+        names = [l.name for l in model.layers]
+        first = next((n for n in names if n in a_out and n in b_out
+                      and not _same(a_out[n][:_REAL], b_out[n][:_REAL])), None)
+        seen = [n for n in names if n in a_out]   # the layers' call order
+        if first is not None:
+            previous = seen[seen.index(first) - 1] if seen.index(first) > 0 else None
+        else:
+            previous = seen[-1] if seen else None
+        events = _events_of(model, module, variables, batches[0], train, mask if train else None)
+        who = _between(events, previous, first, set(names))
+        where = f"before the output of layer {first!r}" if first else "after the last layer"
+        what = (f"the real rows' logits by up to {diff:.3g} (of scale {scale:.3g})" if diff > _RTOL * scale
+                else f"the batch statistics of {', '.join(moved_stats[:3])}")
+        return (f"padded rows of a batch change {what} in {mode}: {who} {where} computes over the batch's rows; "
+                "local training pads a client's last batch (count not a multiple of batch_size) and evaluation its "
+                "last one, so real examples would be computed with fake ones: use flax's nn.BatchNorm / nnx.BatchNorm "
+                "(from_flax passes it the sample mask and its running averages in evaluation) or statistics over "
+                "real rows only")
+    return None
+
+
+def _same(a, b) -> bool:
+    if b is None:
+        return False
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    if len(la) != len(lb):
+        return False
+    for u, v in zip(la, lb):
+        u, v = np.asarray(u, np.float32), np.asarray(v, np.float32)
+        if u.shape != v.shape:
+            return False
+        tol = _RTOL * max(float(np.max(np.abs(u))) if u.size else 0.0, 1e-6)
+        if u.size and not float(np.max(np.abs(u - v))) <= tol:
+            return False
+    return True
+
+
+def probe(model: Model, module, input_shape: tuple) -> Model:
+    """The checks ``from_flax`` runs last: raises ``ValueError`` (one line) when padded rows move the
+    real ones; returns ``model`` with ``unit_drop_leaks`` set."""
+    key = jax.random.PRNGKey(_PROBE_KEY)
+    variables = _perturbed(model, model.init(jax.random.PRNGKey(0)), jax.random.fold_in(key, 1))
+    x = jax.random.normal(key, (_REAL,) + tuple(input_shape), jnp.float32)
+    reason = padding_leak(model, module, variables, x)
+    if reason is not None:
+        raise ValueError(f"from_flax: {model.name}: {reason}")
+    leaks = unit_drop_leaks(model, module, variables, x[:2])   # the equivalence check's batch shape
+    return dataclasses.replace(model, unit_drop_leaks=leaks) if leaks else model
+
+
+__all__ = ["padding_leak", "probe", "unit_drop_leaks"]
