@@ -41,7 +41,7 @@ from fedjax_sparse.algorithms.base import (Algorithm, Task, client_metrics, coho
                                            tree_weighted_mean)
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import local_train, sgd, zeros_like_tree
-from fedjax_sparse.models.base import Hooks, Model
+from fedjax_sparse.models.base import Hooks, Model, check_layer_kinds
 from fedjax_sparse.training import masked_cross_entropy, model_rng, run_local_epochs
 
 
@@ -245,6 +245,8 @@ def caldas(task: Task, *, keep, drop_dense, per_client, rescale, weighted) -> Al
     if not 0.0 < keep <= 1.0:
         raise ValueError(f"caldas: keep must be in (0, 1], got {keep}")
     model = task.model
+    check_layer_kinds(model, "caldas", ("dense", "conv"), "drops hidden units of dense/conv layers", other_macs=False,
+                      grouped=False)
     if not model.sequential:
         # weight_inclusion reads a layer's kept inputs from its input_layer, which a residual stream breaks
         raise ValueError(f"caldas: model {model.name} is not sequential (residual or attention); federated "

@@ -47,7 +47,7 @@ from fedjax_sparse.algorithms.supervised import predict_fn, sgd
 from fedjax_sparse.mechanisms.syncdrop import (INIT_SCHEMES, ChannelLayout, SparseFlopsModel, channel_scale_hooks,
                                               channel_uniforms, dropout_aware_init, dropout_scale, keep_mask,
                                               solve_scaling)
-from fedjax_sparse.models.base import Model
+from fedjax_sparse.models.base import Model, check_layer_kinds
 from fedjax_sparse.training import masked_cross_entropy, model_rng, run_local_epochs
 
 PSD_SHIFTS = ("always", "negative", "none")
@@ -291,6 +291,8 @@ def _dropout_fedavg(task: Task, name: str, *, budget, mu, synchronized, rescale,
     if not 0.0 < min_keep <= 1.0:
         raise ValueError(f"{name}: min_keep must be in (0, 1], got {min_keep}")
     model = task.model
+    check_layer_kinds(model, name, ("dense", "conv"), "drops output channels of conv layers (input sparsity of "
+                      "dense ones)", other_macs=False, grouped=False)
     if not model.sequential:
         # eq. (10) takes a layer's input sparsity from its input_layer's dropout, which a residual
         # stream (identity + dropped branch) does not follow

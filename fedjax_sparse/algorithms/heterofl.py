@@ -51,7 +51,7 @@ from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import local_train, sgd
 from fedjax_sparse.mechanisms.widths import WidthLayout, per_entry_mean
-from fedjax_sparse.models.base import NO_HOOKS, Model
+from fedjax_sparse.models.base import NO_HOOKS, Model, check_layer_kinds
 
 def check_sliceable(model: Model, name: str, sliced: bool) -> None:
     """A model whose widths its own code fixes (a Flax module) cannot run a cut-out sub-model."""
@@ -99,6 +99,8 @@ def heterofl(task: Task, *, rates: str, eval_rate: float, momentum: float, weigh
              sliced: bool) -> Algorithm:
     model = task.model
     check_sliceable(model, "heterofl", sliced)
+    check_layer_kinds(model, "heterofl", ("dense", "conv"), "narrows dense/conv layers' output channels",
+                      other_macs=False, grouped=False)
     levels = parse_rates(rates)
     model.check_unit_drops("heterofl", [layer.name for layer in model.layers[:-1]],
                            "zeroes each hidden layer's channels beyond a client's width")

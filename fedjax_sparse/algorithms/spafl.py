@@ -94,7 +94,7 @@ from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, cohor
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.data.federated import ClientData
 from fedjax_sparse.mechanisms import threshold_masks as masks_lib
-from fedjax_sparse.models.base import Hooks, LayerInfo, Model
+from fedjax_sparse.models.base import LAYER_KINDS, Hooks, LayerInfo, Model, check_layer_kinds
 from fedjax_sparse.training import Batch, masked_cross_entropy, model_rng, run_local_epochs
 
 SPAFL_OPTIONS = dict(
@@ -222,8 +222,8 @@ def eq13_update(params: dict, delta_tau: Thresholds, divisors: Mapping[str, floa
     new = dict(params)
     for name, dtau in delta_tau.items():
         kernel = params[name]["kernel"]
-        step = jnp.sign(masks_lib.row_sum(kernel)) * dtau / divisors[name]
-        new[name] = {**params[name], "kernel": kernel - step}
+        step = jnp.sign(masks_lib.row_sum(kernel, dtau.shape[-1])) * dtau / divisors[name]
+        new[name] = {**params[name], "kernel": kernel - masks_lib.broadcast_rows(step, kernel.shape)}
     return new
 
 
@@ -291,6 +291,8 @@ def make_setup(model: Model, options: Mapping) -> SpaflSetup:
     if not o["train_weights"] and o["eq13"] and o["share_thresholds"]:
         raise ValueError("train_weights=false freezes the weights but eq. (13) would move them; "
                          "also pass eq13=false (as spafl_thresholds_only does)")
+    check_layer_kinds(model, "spafl", LAYER_KINDS, "thresholds each output unit (row) of every weight layer",
+                      rows=True)
     hooked = thresholded_layers(model)
     if not hooked:
         raise ValueError(f"model {model.name} routes no kernel through hooks.kernel: nothing to threshold")
@@ -511,6 +513,8 @@ def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum,
         density = mean_layer_density(setup, kept_fractions(row_masks(trainable["params"], final_tau, ste)))
         message = trainable["tau"] if share_thresholds else ()
         training = accounting.Cost.terms(row_flops, flops)
+        if model.other_macs:   # products outside the weight layers (attention's scores/values): dense
+            training = training + accounting.Cost.term(6 * model.other_macs, local.num_examples)
         eq13_cost = accounting.Cost.term(eq13_flops, eq13_applied.astype(jnp.int32))
         metrics = client_metrics(
             loss=local.loss, flops=training + eq13_cost, uplink_bits=comm_bits,

@@ -79,26 +79,57 @@ def step_ste(x: jax.Array, estimator: str = "identity") -> jax.Array:
     raise ValueError(f"unknown straight-through estimator {estimator!r}; valid: {STE_ESTIMATORS}")
 
 
-def row_mean_abs(kernel: jax.Array) -> jax.Array:
-    """``[..., out]`` kernel -> ``[out]`` mean |w| over each row (in*kh*kw weights)."""
-    return jnp.mean(jnp.abs(kernel), axis=tuple(range(kernel.ndim - 1)))
+def _trailing_axes(shape: tuple, out_units: int) -> int:
+    """How many trailing axes of ``shape`` make ``out_units`` rows (a kernel with several output axes,
+    such as an attention projection's ``[in, heads, head_dim]``, has heads*head_dim rows)."""
+    size = 1
+    for k in range(1, len(shape) + 1):
+        size *= int(shape[-k])
+        if size == out_units:
+            return k
+    raise ValueError(f"a kernel of shape {tuple(shape)} has no {out_units} rows over its trailing axes")
 
 
-def row_sum(kernel: jax.Array) -> jax.Array:
-    """``[..., out]`` kernel -> ``[out]`` signed sum of each row's weights."""
-    return jnp.sum(kernel, axis=tuple(range(kernel.ndim - 1)))
+def _rows(kernel: jax.Array, out_units: int | None) -> jax.Array:
+    """``[..., out]`` (``out_units`` = the last axis, the default) or ``[..., *out axes]`` -> ``[fan_in, out]``."""
+    if out_units is None or out_units == kernel.shape[-1]:
+        return kernel
+    return kernel.reshape((-1, out_units))
+
+
+def broadcast_rows(values: jax.Array, kernel_shape: tuple) -> jax.Array:
+    """``[out]`` per-row values shaped to broadcast against a kernel of ``kernel_shape`` (over its trailing
+    output axes)."""
+    if values.shape[-1] == kernel_shape[-1]:
+        return values
+    return values.reshape(tuple(kernel_shape[-_trailing_axes(kernel_shape, values.shape[-1]):]))
+
+
+def row_mean_abs(kernel: jax.Array, out_units: int | None = None) -> jax.Array:
+    """``[..., out]`` kernel -> ``[out]`` mean |w| over each row (in*kh*kw weights); ``out_units``
+    for a kernel whose rows span several trailing axes (their product)."""
+    rows = _rows(kernel, out_units)
+    return jnp.mean(jnp.abs(rows), axis=tuple(range(rows.ndim - 1)))
+
+
+def row_sum(kernel: jax.Array, out_units: int | None = None) -> jax.Array:
+    """``[..., out]`` kernel -> ``[out]`` signed sum of each row's weights (``out_units``: as above)."""
+    rows = _rows(kernel, out_units)
+    return jnp.sum(rows, axis=tuple(range(rows.ndim - 1)))
 
 
 def threshold_row_mask(kernel: jax.Array, tau: jax.Array, estimator: str = "identity") -> jax.Array:
     """SpaFL's row mask ``step(mean_j |w_ij| - tau_i)``: kernel ``[..., out]``,
     tau ``[out]`` -> ``[out]`` in {0, 1}, differentiable in both arguments
-    through the straight-through ``estimator``."""
-    return step_ste(row_mean_abs(kernel) - tau, estimator)
+    through the straight-through ``estimator``. A kernel whose rows span several trailing axes
+    (``[in, heads, head_dim]``) has one threshold per output unit (heads*head_dim)."""
+    return step_ste(row_mean_abs(kernel, tau.shape[-1]) - tau, estimator)
 
 
 def apply_row_mask(kernel: jax.Array, mask: jax.Array) -> jax.Array:
-    """Multiplies every row ``kernel[..., i]`` by ``mask[i]`` (``mask``: ``[out]``)."""
-    return kernel * mask.astype(kernel.dtype)
+    """Multiplies every row ``kernel[..., i]`` by ``mask[i]`` (``mask``: ``[out]``; rows over several
+    trailing axes as in :func:`threshold_row_mask`)."""
+    return kernel * broadcast_rows(mask, kernel.shape).astype(kernel.dtype)
 
 
 def kept_fraction(mask: jax.Array) -> jax.Array:
@@ -114,5 +145,6 @@ def reset_thresholds(tau: jax.Array, previous_kept: jax.Array,
     return jnp.where(previous_kept <= min_fraction, jnp.zeros_like(tau), tau)
 
 
-__all__ = ["RESET_KEPT_FRACTION", "STE_ESTIMATORS", "apply_row_mask", "kept_fraction", "reset_thresholds",
+__all__ = ["RESET_KEPT_FRACTION", "STE_ESTIMATORS", "apply_row_mask", "broadcast_rows", "kept_fraction",
+           "reset_thresholds",
            "row_mean_abs", "row_sum", "step_ste", "threshold_row_mask"]

@@ -56,17 +56,29 @@ class LayerInfo:
     kernel's shape. ``input_layer`` names the weight layer whose output
     channels feed this one (None for the first), which FLOPs models with
     input-side sparsity (FedDrop) need.
+
+    ``kind`` (see :data:`LAYER_KINDS`): ``"dense"`` ([in, out]), ``"conv"`` (HWIO; grouped or
+    depthwise: ``[kh, kw, in/groups, out]``), and, from Flax modules, ``"dense_general"``
+    (DenseGeneral/LinearGeneral, attention projections: ``[*in axes, *out axes]``), ``"einsum"``
+    (Einsum), ``"embed"`` (Embed: ``[vocab, features]``, a lookup: 0 MACs) and ``"recurrent"`` (a Dense
+    or Conv inside a recurrent cell, run once per step: ``macs`` counts every step). A row (one output
+    unit) is ``kernel[..., i]`` over the last ``out_axes`` axes flattened: ``out_units`` is their product;
+    ``out_axes == 0`` means the kernel's output axes are not its trailing ones (an Einsum such as
+    ``"bnd,ndh->bnh"``): it has no rows, and row mechanisms refuse it.
     """
     name: str
-    kind: str  # "conv" | "dense"
+    kind: str  # one of LAYER_KINDS
     kernel_shape: tuple[int, ...]
     in_units: int
     out_units: int
     macs: int
     input_layer: str | None = None
+    out_axes: int = 1
 
     @property
     def fan_in(self) -> int:
+        if self.out_axes != 1:
+            return int(math.prod(self.kernel_shape)) // max(int(self.out_units), 1)
         return int(math.prod(self.kernel_shape[:-1]))
 
     @property
@@ -102,6 +114,10 @@ class Model:
     # normalisation between them that ``from_flax`` does not handle, found on a probe): (layer name, what
     # leaks). Mechanisms that drop units refuse these layers (``check_unit_drops``); empty for the zoo.
     unit_drop_leaks: tuple[tuple[str, str], ...] = ()
+    # Multiply-accumulates per example of products that belong to no weight layer, counted from the
+    # traced program (attention's scores and values, a tied output embedding's ``attend``):
+    # ``forward_macs`` is then the program's total. 0 for the zoo (hand-written tables).
+    other_macs: int = 0
 
     def init(self, key: jax.Array) -> Variables:
         return self.init_fn(key)
@@ -115,7 +131,7 @@ class Model:
 
     @property
     def forward_macs(self) -> int:
-        return sum(layer.macs for layer in self.layers)
+        return sum(layer.macs for layer in self.layers) + int(self.other_macs)
 
     @property
     def num_params(self) -> int:
@@ -139,6 +155,41 @@ class Model:
                              "a dropped unit's products as not computed: put flax's nn.BatchNorm / nnx.BatchNorm "
                              "directly after the layer (from_flax zeroes behind it) or a normalisation per unit, "
                              "or use an algorithm that drops no units (fedavg, spafl, fsl, fedpm)")
+
+
+LAYER_KINDS = ("dense", "conv", "dense_general", "einsum", "embed", "recurrent")
+
+
+def check_layer_kinds(model: Model, algorithm: str, supported: Sequence[str], what: str, *,
+                      rows: bool = False, other_macs: bool = True, grouped: bool = True) -> None:
+    """Refuses, in one line naming the first offending layer and why, a model with a weight layer whose
+    kind ``algorithm``'s mechanism does not act on. ``what`` says what the mechanism does to the kinds it
+    supports (e.g. "drops output channels of dense/conv layers"). ``rows``: the mechanism acts on rows
+    (``kernel[..., i]``), so a layer without rows (``out_axes == 0``) is refused too. ``other_macs=False``:
+    the mechanism's FLOPs model covers weight layers only, so products outside them (attention's scores
+    and values, ``Model.other_macs``) are refused. ``grouped=False``: the mechanism pairs every input channel
+    with every output channel, so a grouped or depthwise convolution (``in_units`` != the kernel's input
+    axis) is refused. The table of layer kind x mechanism is in docs/design.md."""
+    for layer in model.layers:
+        if layer.kind not in supported:
+            raise ValueError(f"{algorithm}: layer {layer.name} of model {model.name} is a {layer.kind} layer "
+                             f"(kind {layer.kind!r}, kernel {tuple(layer.kernel_shape)}); {algorithm} {what}, "
+                             f"so it would leave this layer's weights out: use another algorithm for this model "
+                             f"(the layer kind x mechanism table is in docs/design.md)")
+        if rows and layer.out_axes == 0:
+            raise ValueError(f"{algorithm}: layer {layer.name} of model {model.name} is an {layer.kind} layer whose "
+                             f"kernel {tuple(layer.kernel_shape)} has no output rows (its output axes are not the "
+                             f"kernel's last ones); {algorithm} {what}: reorder the einsum so that the kernel's "
+                             "output axes come last, or use another algorithm")
+        if not grouped and layer.kind == "conv" and layer.in_units != layer.kernel_shape[-2]:
+            raise ValueError(f"{algorithm}: layer {layer.name} of model {model.name} is a grouped convolution "
+                             f"({layer.in_units} input channels in groups of {layer.kernel_shape[-2]}); {algorithm} "
+                             f"{what} and pairs every input channel with every output channel, which a grouped "
+                             "kernel does not hold: use another algorithm for this model")
+    if not other_macs and model.other_macs:
+        raise ValueError(f"{algorithm}: model {model.name} computes {model.other_macs} multiply-accumulates per "
+                         "example outside its weight layers (e.g. attention's score and value products), which "
+                         f"{algorithm}'s FLOPs model does not cover ({algorithm} {what})")
 
 
 # ---------------------------------------------------------------- initialisers

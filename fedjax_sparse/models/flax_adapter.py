@@ -6,13 +6,27 @@ SpaFL, FedDrop, FSL, FedPM and the FedAvg family run on a researcher's own netwo
 
 What is derived, from one abstract forward pass (no FLOPs spent):
 
-* the weight layers: every ``Dense``/``Linear`` and ``Conv`` in call order, named by their module
-  path joined with ``/`` (``"conv1"``, ``"Block_0/Dense_0"``, ``"layers/0"``), with kernel shape,
-  input/output units and MACs per example (output positions x kernel entries);
+* the weight layers: every parameterised product in call order, named by their module path joined
+  with ``/`` (``"conv1"``, ``"Block_0/Dense_0"``, ``"layers/0"``), with kind, kernel shape and
+  input/output units: ``Dense``/``Linear`` (``"dense"``), ``Conv`` incl. grouped/depthwise (``"conv"``),
+  ``DenseGeneral``/``LinearGeneral``, attention's projections among them (``"dense_general"``, one row
+  per output unit over the kernel's trailing output axes: ``LayerInfo.out_axes``), ``Einsum``
+  (``"einsum"``), ``Embed`` (``"embed"``: its table is the entry's ``"kernel"`` in the Model's variables,
+  ``"embedding"`` in the module's; a lookup, 0 MACs) and the Dense/Conv inside a recurrent cell
+  (``"recurrent"``; a lifted scan traces the cell more than once, which is the same use);
+* MACs per example from the traced program (:mod:`fedjax_sparse.models.macs`): every dot and
+  convolution of the module's own forward pass, scans times their length, at batch 1 and 2; each layer's
+  call runs in a named scope that attributes its products to it, the rest (attention's score and value
+  products) is ``Model.other_macs``, so ``forward_macs`` is the program's total;
+* refused in one line: a ``kernel``/``embedding`` no seen layer multiplies by (ConvTranspose,
+  OptimizedLSTMCell, a product with a module's own ``self.param``), a layer whose stored kernel a
+  transform slices (``nn.scan`` over layers), products inside a ``while`` loop. What each mechanism does
+  to each kind, or why it refuses it: ``models.base.check_layer_kinds`` and the table in docs/design.md;
 * which layer feeds which (``LayerInfo.input_layer``) and whether the network is a plain chain
   (``Model.sequential``), from the program's data flow: each layer's output is replaced by a
   probe input and the jaxpr tells which probes reach each layer's input without passing another
-  weight layer (a residual add reaches two: not sequential);
+  weight layer (a residual add reaches two: not sequential; layers inside a lifted transform are not
+  probed: their input_layer is None and the model is not sequential);
 * ``BatchNorm`` modules that read a weight layer's output directly: they are declared per-channel
   entries of that layer (``Model.channel_entries``), trained with statistics over the real samples
   of a padded batch only (Flax's ``mask``), and the layer's activation hook moves behind them.
@@ -78,6 +92,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_sparse.models import layers as L
+from fedjax_sparse.models import macs as macs_lib
 from fedjax_sparse.models.base import Hooks, LayerInfo, Model, shape_tuple
 
 Path = tuple  # a module path inside the user's variables, e.g. ("Block_0", "Dense_0") or ("layers", 0)
@@ -212,6 +227,8 @@ class _Recorded:
     kernel_shape: tuple
     in_shape: tuple
     out_shape: tuple
+    out_axes: int = 1       # trailing kernel axes that are output units (0: none, see LayerInfo)
+    nested: bool = False    # called inside a lifted transform (nn.RNN's scan): its input is on an inner trace
 
 
 class _Calls:
@@ -221,18 +238,26 @@ class _Calls:
     mode "probe": records each weight layer's input and returns ``probes[i]`` instead of its output.
     mode "run": applies the activation hooks (and the CPU convolution fast path).
     mode "reference": the module's own code everywhere (no fast path, no hooks), with the adapter's
-    BatchNorm/Dropout modes: what ``from_flax``'s equivalence check compares "run" against.
+    BatchNorm/Dropout modes: what ``from_flax``'s equivalence check compares "run" against; each weight
+    layer's call runs in a ``jax.named_scope`` tagged with its name (``macs.TAG``), which attributes its
+    products in the program count.
     ``layer_outputs`` keeps each weight layer's output (before its hook) in "run"/"reference" mode,
-    which names the first layer where the two differ."""
+    which names the first layer where the two differ (not for layers inside a lifted transform).
+    A layer inside a lifted transform (``nested``: a recurrent cell under ``nn.RNN``'s scan) may be traced
+    more than once per pass (Flax traces a scan body for its shapes first): that is the same use; it is
+    not probed (its input lives on the scan's trace), so its ``input_layer`` is None."""
 
     def __init__(self, mode: str, *, train: bool = False, hooks: Hooks | None = None, sample_mask=None,
-                 probes: Sequence | None = None, bn_of: dict | None = None, conv_impl: str = "auto", rng=None):
+                 probes: Sequence | None = None, bn_of: dict | None = None, conv_impl: str = "auto", rng=None,
+                 probe_index: dict | None = None):
         self.mode, self.train, self.hooks, self.sample_mask, self.rng = mode, train, hooks, sample_mask, rng
         self.probes, self.conv_impl = probes, conv_impl
+        self.probe_index = probe_index or {}  # probe mode: layer path -> its probe's index
+        self.outer_trace = None               # the trace the forward pass starts on (set by apply)
         self.bn_of = bn_of or {}          # BatchNorm path -> the layer path it follows
         self.deferred = set(self.bn_of.values())
         self.recorded: list[_Recorded] = []
-        self.inputs: list = []
+        self.inputs: list = [None] * len(probes or ())
         self.seen: set = set()
         self._outputs: dict[int, tuple[Path, Any]] = {}
         self.bn_after: dict[Path, Path] = {}
@@ -241,32 +266,39 @@ class _Calls:
         # reaches the interception again for the same layer, which is the same use, not a second one.
         self.active: set = set()
 
-    def weight_layer(self, path: Path, kind: str, kernel, x, original: Callable, conv: dict | None):
+    def weight_layer(self, path: Path, kind: str, kernel, x, original: Callable, conv: dict | None, *,
+                     out_axes: int = 1, nested: bool = False):
         """``conv``: the layer's configuration when it is Flax's own ``Conv`` code (the fast path may
-        replace it), None for a Dense or a subclass that runs its own ``__call__``."""
+        replace it), None for a Dense or a subclass that runs its own ``__call__``. ``out_axes``: the
+        kernel's trailing axes that are output units; ``nested``: see the class docstring."""
         if path in self.active:
             return original()
-        if path in self.seen:
+        if path in self.seen and not nested:
             raise ValueError(f"from_flax: layer {entry_name(path)} is called twice in one forward pass "
                              "(shared weights); give each use its own module")
+        first = path not in self.seen
         self.seen.add(path)
         if self.mode == "probe":
-            self.inputs.append(x)
-            out = self.probes[len(self.inputs) - 1]  # type: ignore[index]
-            return out
+            if nested or path not in self.probe_index:
+                return original()
+            self.inputs[self.probe_index[path]] = x
+            return self.probes[self.probe_index[path]]  # type: ignore[index]
         out = _fast_conv(x, kernel, conv, self.conv_impl) if conv is not None and self.mode != "reference" else None
         if out is None:
             self.active.add(path)
             try:
-                out = original()
+                with macs_lib.layer_scope(entry_name(path)) if self.mode == "reference" else contextlib.nullcontext():
+                    out = original()
             finally:
                 self.active.discard(path)
-        if self.mode in ("run", "reference"):
+        if self.mode in ("run", "reference") and not nested:
             self.layer_outputs[path] = out
         if self.mode == "reference":
             return out
         if self.mode == "record":
-            self.recorded.append(_Recorded(path, kind, tuple(kernel.shape), tuple(x.shape), tuple(out.shape)))
+            if first:
+                self.recorded.append(_Recorded(path, kind, tuple(kernel.shape), tuple(x.shape), tuple(out.shape),
+                                               out_axes, nested))
             self._outputs[id(out)] = (path, out)
             return out
         if path not in self.deferred:
@@ -369,6 +401,50 @@ def _mode_kwargs(call: Callable, train_argument: str | None) -> Callable[[bool],
     return lambda train: {train_argument: train}
 
 
+# ---------------------------------------------------------------- layer kinds
+def einsum_out_axes(spec: str) -> int:
+    """How many trailing axes of an Einsum's kernel (its second operand) are output units: those that
+    appear in the output and not in the input. 0 when they are not the kernel's last axes, when the
+    kernel shares an axis with both input and output (a per-head kernel ``"bnd,ndh->bnh"``) or the
+    spec has an ellipsis: such a kernel has no rows."""
+    spec = spec.replace(" ", "")
+    if "->" not in spec or "." in spec or spec.count(",") != 1:
+        return 0
+    operands, out = spec.split("->")
+    lhs, rhs = operands.split(",")
+    outs = [c for c in rhs if c in out]
+    if not outs or any(c in lhs for c in outs):
+        return 0
+    return len(outs) if set(rhs[-len(outs):]) == set(outs) else 0
+
+
+def _linen_weight(m) -> tuple[str, str, int] | None:
+    """(kind, the weight's leaf name, out_axes) of a linen weight layer, None for other modules."""
+    import flax.linen as nn
+    if isinstance(m, nn.Embed):
+        kind, leaf, out_axes = "embed", "embedding", 1
+    elif isinstance(m, (nn.Dense, nn.Conv)):
+        kind, leaf, out_axes = ("dense" if isinstance(m, nn.Dense) else "conv"), "kernel", 1
+    elif isinstance(m, nn.DenseGeneral):
+        features = m.features if isinstance(m.features, (tuple, list)) else (m.features,)
+        kind, leaf, out_axes = "dense_general", "kernel", 0 if m.batch_dims else len(features)
+    elif isinstance(m, nn.Einsum):
+        kind, leaf, out_axes = "einsum", "kernel", einsum_out_axes(m.einsum_str or "")
+    else:
+        return None
+    parent = m.parent
+    while isinstance(parent, nn.Module):
+        if isinstance(parent, nn.RNNCellBase):
+            return "recurrent", leaf, out_axes
+        parent = parent.parent
+    return kind, leaf, out_axes
+
+
+def _current_trace():
+    from flax.core import tracers
+    return tracers.current_trace()
+
+
 # ---------------------------------------------------------------- linen
 def _linen_parts(module, train_kwargs):
     import flax.linen as nn
@@ -379,15 +455,19 @@ def _linen_parts(module, train_kwargs):
             if context.method_name != "__call__":
                 return next_fun(*args, **kwargs)
             path = tuple(m.scope.path) if m.scope is not None else ()
-            params = m.variables.get("params", {}) if isinstance(m, (nn.Dense, nn.Conv)) else {}
-            if "kernel" in params:
-                kind = "dense" if isinstance(m, nn.Dense) else "conv"
+            weight = _linen_weight(m)
+            params = m.variables.get("params", {}) if weight is not None else {}
+            if weight is not None and weight[1] in params:
+                kind, leaf, out_axes = weight
+                # Inside a lifted transform (``nn.scan`` of ``nn.RNN``, ``nn.remat``...): another trace.
+                nested = _current_trace() != calls.outer_trace
                 # The fast path only where the layer runs Flax's own Conv code: a subclass that overrides
                 # __call__ (a weight-standardised conv) means something else by its kernel.
                 own = type(m).__call__ is nn.Conv.__call__
-                conv = _conv_config(m, params["kernel"], params.get("bias")) if kind == "conv" and own else None
-                return calls.weight_layer(path, kind, params["kernel"], args[0],
-                                          lambda: next_fun(*args, **kwargs), conv)
+                conv = _conv_config(m, params[leaf], params.get("bias")) \
+                    if isinstance(m, nn.Conv) and own and not nested else None
+                return calls.weight_layer(path, kind, params[leaf], args[0], lambda: next_fun(*args, **kwargs),
+                                          conv, out_axes=out_axes, nested=nested)
             if isinstance(m, nn.BatchNorm):
                 x = args[0]
 
@@ -413,6 +493,7 @@ def _linen_parts(module, train_kwargs):
     def apply(nested: dict, x, calls: _Calls, train: bool):
         mutable = ["batch_stats"] if train and nested.get("batch_stats") else False
         rngs = {"dropout": calls.rng} if calls.rng is not None else None
+        calls.outer_trace = _current_trace()
         with intercepted(calls), _zoo_max_pool(calls.mode != "reference"):
             out = module.apply(nested, x, **train_kwargs(train), rngs=rngs, mutable=mutable)
         if mutable:
@@ -427,7 +508,8 @@ def _nnx_parts(module, train_kwargs):
     from flax import nnx
 
     graphdef, params_state, stats_state, rest_state = nnx.split(module, nnx.Param, nnx.BatchStat, ...)
-    originals = {cls: cls.__call__ for cls in (nnx.Linear, nnx.Conv, nnx.BatchNorm, nnx.Dropout)}
+    originals = {cls: cls.__call__ for cls in (nnx.Linear, nnx.Conv, nnx.BatchNorm, nnx.Dropout, nnx.LinearGeneral,
+                                               nnx.Einsum, nnx.Embed)}
     # Subclasses of Linear/Conv that define their own __call__ (a weight-standardised conv): they are
     # the weight layers, running their own code (no fast path); their super().__call__ runs Flax's.
     overriding = {c: c.__dict__["__call__"] for _, m in nnx.iter_graph(module) if isinstance(m, (nnx.Linear, nnx.Conv))
@@ -437,16 +519,37 @@ def _nnx_parts(module, train_kwargs):
     @contextlib.contextmanager
     def intercepted(calls: _Calls, merged):
         where = {id(m): tuple(p) for p, m in nnx.iter_graph(merged) if isinstance(m, nnx.Module)}
+        cells = {tuple(p) for p, m in nnx.iter_graph(merged) if isinstance(m, nnx.RNNCellBase)}
+
+        def kind_of(self, kind):
+            path = where[id(self)]
+            return "recurrent" if any(path[:i] in cells for i in range(len(path))) else kind
+
+        def linear_general(self, x, *a, **k):
+            features = self.out_features if isinstance(self.out_features, (tuple, list)) else (self.out_features,)
+            out_axes = 0 if getattr(self, "batch_axis", None) else len(features)
+            return calls.weight_layer(where[id(self)], kind_of(self, "dense_general"), self.kernel[...], x,
+                                      lambda: originals[nnx.LinearGeneral](self, x, *a, **k), None, out_axes=out_axes)
+
+        def einsum(self, x, *a, **k):
+            spec = k.get("einsum_str") or (a[0] if a else None) or self.einsum_str
+            return calls.weight_layer(where[id(self)], kind_of(self, "einsum"), self.kernel[...], x,
+                                      lambda: originals[nnx.Einsum](self, x, *a, **k), None,
+                                      out_axes=einsum_out_axes(spec or ""))
+
+        def embed(self, x, *a, **k):
+            return calls.weight_layer(where[id(self)], kind_of(self, "embed"), self.embedding[...], x,
+                                      lambda: originals[nnx.Embed](self, x, *a, **k), None)
 
         def linear(self, x, *a, **k):
             kernel = self.kernel[...]
-            return calls.weight_layer(where[id(self)], "dense", kernel, x,
+            return calls.weight_layer(where[id(self)], kind_of(self, "dense"), kernel, x,
                                       lambda: originals[nnx.Linear](self, x, *a, **k), None)
 
         def conv(self, x, *a, **k):
             kernel = self.kernel[...]
             bias = self.bias[...] if self.use_bias else None
-            return calls.weight_layer(where[id(self)], "conv", kernel, x,
+            return calls.weight_layer(where[id(self)], kind_of(self, "conv"), kernel, x,
                                       lambda: originals[nnx.Conv](self, x, *a, **k),
                                       _conv_config(self, kernel, bias) if not a and not k else None)
 
@@ -470,6 +573,7 @@ def _nnx_parts(module, train_kwargs):
                 return originals[nnx.Dropout](self, x, deterministic=False, rngs=key)
             return x
         patched = {nnx.Linear: linear, nnx.Conv: conv, nnx.BatchNorm: batch_norm, nnx.Dropout: dropout,
+                   nnx.LinearGeneral: linear_general, nnx.Einsum: einsum, nnx.Embed: embed,
                    **{cls: own_call(cls) for cls in overriding}}
         try:
             for cls, fn in patched.items():
@@ -692,6 +796,66 @@ def _check_same_network(model_name: str, model_apply: Callable, reference: Calla
                          "different network")
 
 
+# ---------------------------------------------------------------- the layer table
+def _units(r: _Recorded) -> tuple[int, int]:
+    """(in_units, out_units) of a recorded layer (see ``LayerInfo``): an Embed's are (vocabulary,
+    features); a layer with several output axes has their product as out_units; a Dense/Conv's in_units
+    are its input's channels (a grouped convolution's kernel holds in/groups of them)."""
+    shape = r.kernel_shape
+    if r.kind == "embed":
+        return int(shape[0]), int(shape[-1])
+    out = int(math.prod(shape[-r.out_axes:])) if r.out_axes else int(shape[-1])
+    if r.kind in ("dense", "conv", "recurrent") and r.out_axes == 1:
+        return int(r.in_shape[-1]), out
+    return int(math.prod(shape)) // out, out
+
+
+def _check_weights_seen(model_name: str, recorded: Sequence[_Recorded], params: dict) -> None:
+    """Refuses, in one line, a kernel the layer table would not hold as it is: a layer whose weights a
+    transform slices (``nn.scan`` over layers: the kernel it multiplies is not the stored array), or a
+    params entry holding a ``kernel``/``embedding`` that no layer the adapter sees uses (ConvTranspose,
+    OptimizedLSTMCell, a module multiplying by its own ``self.param('kernel')``): every mechanism would
+    leave its weights out without a word."""
+    claimed = set()
+    for r in recorded:
+        name = entry_name(r.path)
+        claimed.add(name)
+        stored = params.get(name, {}).get("embedding" if r.kind == "embed" else "kernel")
+        if stored is not None and tuple(stored.shape) != tuple(r.kernel_shape):
+            raise ValueError(f"from_flax: {model_name}: layer {name} multiplies by a kernel of shape "
+                             f"{tuple(r.kernel_shape)} but stores {tuple(stored.shape)} (a transform such as nn.scan "
+                             "over layers slices it), which the algorithms' per-layer masks and thresholds cannot "
+                             "follow: write the repeated layers out (a Python loop over modules)")
+    for name, leaves in params.items():
+        for leaf in ("kernel", "embedding"):
+            if leaf in leaves and name not in claimed:
+                raise ValueError(f"from_flax: {model_name}: params entry {name} holds a {leaf} of shape "
+                                 f"{tuple(leaves[leaf].shape)} that no layer the adapter sees multiplies by (it sees "
+                                 "Dense/Linear, DenseGeneral/LinearGeneral (attention), Einsum, Conv, Embed and the "
+                                 "Dense/Conv inside recurrent cells): every algorithm would leave these weights out; "
+                                 "build the layer from those (e.g. not ConvTranspose, OptimizedLSTMCell or a "
+                                 "product with a module's own self.param)")
+
+
+def _program_macs(model_name: str, apply_nested: Callable, to_nested: Callable, variables: dict,
+                  input_shape: tuple, names: Sequence[str]) -> tuple[dict[str, int], int]:
+    """({layer: MACs per example}, other MACs per example) from the module's own forward pass
+    (evaluation mode), traced at batch 1 and 2: the difference is what one more example costs."""
+    def count(batch):
+        def forward(v, x):
+            return apply_nested(to_nested(v), x, _Calls("reference"), False)[0]
+        try:
+            return macs_lib.program_macs(forward, variables, jax.ShapeDtypeStruct((batch,) + input_shape, jnp.float32))
+        except ValueError as e:
+            if str(e).startswith("from_flax:"):
+                raise
+            raise ValueError(f"from_flax: {model_name}: {e}") from None
+    one, two = count(1), count(2)
+    per_example = {k: int(two.get(k, 0) - one.get(k, 0)) for k in set(one) | set(two)}
+    layer_macs = {n: per_example.pop(n, 0) for n in names}
+    return layer_macs, int(sum(per_example.values()))
+
+
 # ---------------------------------------------------------------- the adapter
 def _is_nnx(module) -> bool:
     try:
@@ -725,8 +889,9 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     adapted forward pass differs from its own (see the module docstring).
 
     Returns a ``Model`` whose ``params`` are ``{entry: {leaf: array}}`` keyed by module path
-    (``"conv1"``, ``"Block_0/Dense_0"``), whose weight layers are the module's Dense/Linear and
-    Conv layers in call order (see the module docstring for what else is derived).
+    (``"conv1"``, ``"Block_0/Dense_0"``), whose weight layers are the module's parameterised products
+    (Dense/Linear, Conv, DenseGeneral/LinearGeneral, Einsum, Embed, recurrent cells' layers) in call
+    order, with MACs from the traced program (see the module docstring for what else is derived).
     """
     input_shape = shape_tuple(input_shape)
     L.resolve_conv_impl(conv_impl)  # validates the name
@@ -756,15 +921,23 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     stat_paths = {entry_name(p): p for p in _flatten(_plain(nested0.get("batch_stats", {})))}
     paths = {**param_paths, **stat_paths}
 
+    # An Embed's table is its entry's "kernel" in the Model's variables (the name every mechanism reads),
+    # "embedding" in the module's own; filled once the layers are recorded.
+    embed_entries: set = set()
+
     def to_nested(variables: dict) -> dict:
-        out = {"params": _unflatten({paths[k]: v for k, v in variables["params"].items()})}
+        params = {k: ({("embedding" if leaf == "kernel" else leaf): a for leaf, a in v.items()}
+                      if k in embed_entries else v) for k, v in variables["params"].items()}
+        out = {"params": _unflatten({paths[k]: v for k, v in params.items()})}
         stats = variables.get("batch_stats", {})
         if stats:
             out["batch_stats"] = _unflatten({paths[k]: v for k, v in stats.items()})
         return out
 
     def to_flat(nested: dict) -> dict:
-        return {entry_name(p): dict(v) for p, v in _flatten(_plain(nested)).items()}
+        flat = {entry_name(p): dict(v) for p, v in _flatten(_plain(nested)).items()}
+        return {k: ({("kernel" if leaf == "embedding" else leaf): a for leaf, a in v.items()}
+                    if k in embed_entries else v) for k, v in flat.items()}
 
     # 1. Record the weight layers, their shapes, and the BatchNorms that read them.
     record = _Calls("record", conv_impl=conv_impl)
@@ -776,8 +949,8 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
             raise
         raise _build_error(model_name, input_shape, e) from None
     if not record.recorded:
-        raise ValueError(f"from_flax: {model_name} calls no Dense/Linear or Conv layer; the algorithms here act "
-                         "on those layers' kernels")
+        raise ValueError(f"from_flax: {model_name} calls no weight layer (Dense/Linear, Conv, DenseGeneral/"
+                         "LinearGeneral, Einsum, Embed); the algorithms here act on those layers' kernels")
     if len(getattr(logits_aval, "shape", ())) != 2:
         raise ValueError(f"from_flax: {model_name} must return logits [batch, classes], got "
                          f"{getattr(logits_aval, 'shape', type(logits_aval).__name__)}")
@@ -787,25 +960,37 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
                          f"{num_classes} classes; set the last layer's features to {num_classes}")
     names = [entry_name(r.path) for r in record.recorded]
     bn_of = dict(record.bn_after)
+    _check_weights_seen(model_name, record.recorded, flat0["params"])
+    embed_entries.update(n for n, r in zip(names, record.recorded) if r.kind == "embed")
+    flat0 = {"params": to_flat(nested0["params"]), "batch_stats": to_flat(nested0.get("batch_stats", {}))}
 
-    # 2. Which layer feeds which: each layer's output replaced by a probe.
-    probe_avals = [jax.ShapeDtypeStruct(r.out_shape, jnp.float32) for r in record.recorded]
+    # 2. Which layer feeds which: each layer's output replaced by a probe (not the layers inside a lifted
+    # transform, whose inputs live on its own trace: their input_layer is None, the model not sequential).
+    probed_layers = [i for i, r in enumerate(record.recorded) if not r.nested]
+    probe_avals = [jax.ShapeDtypeStruct(record.recorded[i].out_shape, jnp.float32) for i in probed_layers]
+    probe_index = {record.recorded[i].path: j for j, i in enumerate(probed_layers)}
 
     def probed(x, *probes):
-        calls = _Calls("probe", probes=probes, conv_impl=conv_impl)
+        calls = _Calls("probe", probes=probes, conv_impl=conv_impl, probe_index=probe_index)
         logits, _ = apply_nested(to_nested(flat0_concrete), x, calls, False)
         return logits, calls.inputs
     flat0_concrete = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), flat0)
     sources, logits_sources = direct_sources(probed, x_aval, probe_avals)
-    in_units = [r.in_shape[-1] for r in record.recorded]
-    out_units = [r.kernel_shape[-1] for r in record.recorded]
-    input_layers, sequential = link_layers(names, in_units, out_units, sources, logits_sources)
+    units = [_units(r) for r in record.recorded]
+    linked, sequential = link_layers([names[i] for i in probed_layers], [units[i][0] for i in probed_layers],
+                                     [units[i][1] for i in probed_layers], sources, logits_sources)
+    input_layers: list[str | None] = [None] * len(names)
+    for i, inp in zip(probed_layers, linked):
+        input_layers[i] = inp
+    sequential = sequential and len(probed_layers) == len(names)
 
+    # MACs per example from the traced program (every dot and convolution, scans times their length):
+    # each layer's own products, and the rest (attention's scores and values) as Model.other_macs.
+    layer_macs, other_macs = _program_macs(model_name, apply_nested, to_nested, flat0, input_shape, names)
     infos = []
-    for r, layer_name, inp in zip(record.recorded, names, input_layers):
-        macs = int(math.prod(r.out_shape[1:-1])) * int(math.prod(r.kernel_shape))
-        infos.append(LayerInfo(layer_name, r.kind, r.kernel_shape, int(r.in_shape[-1]), int(r.kernel_shape[-1]),
-                               macs, inp))
+    for r, layer_name, inp, (in_u, out_u) in zip(record.recorded, names, input_layers, units):
+        infos.append(LayerInfo(layer_name, r.kind, r.kernel_shape, in_u, out_u, layer_macs[layer_name], inp,
+                               out_axes=r.out_axes))
     channel_entries = tuple((entry_name(bn), entry_name(layer)) for bn, layer in bn_of.items())
 
     def init_fn(key):
@@ -859,7 +1044,8 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     # units are not zero downstream (Model.unit_drop_leaks, refused by the mechanisms that drop units).
     from fedjax_sparse.models import flax_probes
     return flax_probes.probe(Model(model_name, input_shape, classes, tuple(infos), init_fn, apply_fn,
-                                   sequential=sequential, channel_entries=channel_entries, fixed_widths=True),
+                                   sequential=sequential, channel_entries=channel_entries, fixed_widths=True,
+                                   other_macs=other_macs),
                              module, input_shape)
 
 
