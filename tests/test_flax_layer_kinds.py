@@ -288,3 +288,16 @@ def test_a_kernel_no_layer_multiplies_by_is_refused_not_left_out():
     with pytest.raises(ValueError, match=r"params entry ConvTranspose_0 holds a kernel") as error:
         from_flax(Upsample(), (4, 4, 1))
     assert "\n" not in str(error.value)
+
+
+def test_an_nnx_rnn_is_refused_in_one_line_naming_the_linen_way():
+    class NnxRecurrent(nnx.Module):
+        def __init__(self, rngs):
+            self.rnn = nnx.RNN(nnx.LSTMCell(4, 8, rngs=rngs))
+            self.head = nnx.Linear(8, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.rnn(x)[:, -1])
+    with pytest.raises(ValueError, match=r"^from_flax: NnxRecurrent: layer rnn is an nnx.RNN.*nn.RNN") as error:
+        from_flax(NnxRecurrent(nnx.Rngs(0)), (5, 4))
+    assert "\n" not in str(error.value)

@@ -20,7 +20,8 @@ What is derived, from one abstract forward pass (no FLOPs spent):
   products) is ``Model.other_macs``, so ``forward_macs`` is the program's total;
 * refused in one line: a ``kernel``/``embedding`` no seen layer multiplies by (ConvTranspose,
   OptimizedLSTMCell, a product with a module's own ``self.param``), a layer whose stored kernel a
-  transform slices (``nn.scan`` over layers), products inside a ``while`` loop. What each mechanism does
+  transform slices (``nn.scan`` over layers), products inside a ``while`` loop, an ``nnx.RNN`` (its
+  ``nnx.scan`` runs copies of the cell; linen's ``nn.RNN`` is counted step by step). What each mechanism does
   to each kind, or why it refuses it: ``models.base.check_layer_kinds`` and the table in docs/design.md;
 * which layer feeds which (``LayerInfo.input_layer``) and whether the network is a plain chain
   (``Model.sequential``), from the program's data flow: each layer's output is replaced by a
@@ -507,6 +508,11 @@ def _linen_parts(module, train_kwargs):
 def _nnx_parts(module, train_kwargs):
     from flax import nnx
 
+    rnn = next((tuple(p) for p, m in nnx.iter_graph(module) if isinstance(m, getattr(nnx, "RNN", ()))), None)
+    if rnn is not None:
+        raise ValueError(f"from_flax: {type(module).__name__}: layer {entry_name(rnn)} is an nnx.RNN, whose nnx.scan "
+                         "runs its cell on copies the adapter cannot follow (its layers would go unseen): write the "
+                         "recurrent part with flax.linen (nn.RNN(nn.LSTMCell(...))), which from_flax counts step by step")
     graphdef, params_state, stats_state, rest_state = nnx.split(module, nnx.Param, nnx.BatchStat, ...)
     originals = {cls: cls.__call__ for cls in (nnx.Linear, nnx.Conv, nnx.BatchNorm, nnx.Dropout, nnx.LinearGeneral,
                                                nnx.Einsum, nnx.Embed)}
