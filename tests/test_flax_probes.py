@@ -165,3 +165,25 @@ def test_a_batch_norm_of_its_own_mixing_padded_rows_is_refused_at_from_flax():
     assert "\n" not in message and message.startswith("from_flax: WithOwnBatchNorm: padded rows")
     for word in ("OwnBatchNorm 'own_bn'", "before the output of layer 'head'", "training mode", "nn.BatchNorm"):
         assert word in message, (word, message)
+
+
+class Transposed(nn.Module):
+    """A flatten in PyTorch's order (channels first): the head's row f reads channel f // 36, not f % 4."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(4, (3, 3), name="conv1")(x))
+        return nn.Dense(3, name="head")(x.transpose(0, 3, 1, 2).reshape(x.shape[0], -1))
+
+
+def test_a_flatten_in_another_channel_order_refuses_what_depends_on_which_rows(data):
+    model = from_flax(Transposed(), SHAPE)
+    assert [layer for layer, _ in model.unit_drop_leaks] == ["conv1"]
+    # FedDrop's FLOPs count how many inputs are dropped, not which rows: it runs. Caldas and the widths cut
+    # the rows f with f % 4 of a dropped channel, which are not the ones the head reads it with: refused.
+    for name in ("feddrop", "unidrop"):
+        make_algorithm(name, _task(model), {})
+    for name, options in DROPPING[2:]:
+        with pytest.raises(ValueError, match=rf"^{name}: .*layer 'head' reads the channels of layer 'conv1' in "
+                                             r"another order.*flatten channels last"):
+            make_algorithm(name, _task(model), options)

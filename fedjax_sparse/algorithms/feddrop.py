@@ -299,7 +299,8 @@ def _dropout_fedavg(task: Task, name: str, *, budget, mu, synchronized, rescale,
         raise ValueError(f"{name}: model {model.name} is not sequential (residual or attention); FedDrop's "
                          "channel dropout and FLOPs model need a sequential --model such as cnn7 or lenet5_caffe")
     layout = ChannelLayout.from_model(model)
-    model.check_unit_drops(name, layout.names, "drops the output channels of the conv layers")
+    # Its FLOPs model counts how many of a layer's inputs are dropped, not which rows read them: any order.
+    model.check_unit_drops(name, layout.names, "drops the output channels of the conv layers", any_order=True)
     if not layout.names:
         raise ValueError(f"{name}: model {model.name} has no conv layers to drop channels of")
     flops = SparseFlopsModel.build(model, layout, input_sparsity_in_dense=dense_input_sparsity,

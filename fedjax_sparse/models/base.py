@@ -144,17 +144,32 @@ class Model:
                 return layer
         raise KeyError(name)
 
-    def check_unit_drops(self, algorithm: str, layers: Sequence[str], what: str) -> None:
+    def check_unit_drops(self, algorithm: str, layers: Sequence[str], what: str, *, any_order: bool = False) -> None:
         """Refuses, in one line, an ``algorithm`` that zeroes the output units of ``layers`` (``what`` it
         does) when a dropped unit of one of them is not zero downstream (``unit_drop_leaks``): the
-        dropped products would be booked as not computed while they are."""
-        leaks = [(layer, why) for layer, why in self.unit_drop_leaks if layer in set(layers)]
+        dropped products would be booked as not computed while they are. ``any_order``: the algorithm
+        counts only how many of a layer's inputs are dropped, not which kernel rows read them, so a next
+        layer reading the channels in another order (``UNIT_ORDER`` leaks: a transpose before a flatten)
+        is no leak for it."""
+        leaks = [(layer, why) for layer, why in self.unit_drop_leaks
+                 if layer in set(layers) and not (any_order and why.startswith(UNIT_ORDER))]
         if leaks:
             more = f" (also at {', '.join(repr(l) for l, _ in leaks[1:])})" if len(leaks) > 1 else ""
+            if leaks[0][1].startswith(UNIT_ORDER):
+                raise ValueError(f"{algorithm}: model {self.name}: {leaks[0][1][len(UNIT_ORDER):]}{more}; {algorithm} "
+                                 f"{what} and takes a dropped channel's rows of the next layer to be row f with f % "
+                                 "channels: flatten channels last (without the transpose: the same network up to "
+                                 "a permutation of the next layer's rows), or use an algorithm that drops no units "
+                                 "(fedavg, spafl, fsl, fedpm)")
             raise ValueError(f"{algorithm}: model {self.name}: {leaks[0][1]}{more}; {algorithm} {what} and counts "
                              "a dropped unit's products as not computed: put flax's nn.BatchNorm / nnx.BatchNorm "
                              "directly after the layer (from_flax zeroes behind it) or a normalisation per unit, "
                              "or use an algorithm that drops no units (fedavg, spafl, fsl, fedpm)")
+
+
+# A ``Model.unit_drop_leaks`` reason that is only about order: the dropped units are zero where the next layer
+# reads them, but its kernel rows read them in another order than channels last (row f reads channel f % C).
+UNIT_ORDER = "channel order: "
 
 
 LAYER_KINDS = ("dense", "conv", "dense_general", "einsum", "embed", "recurrent")

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse.models.base import Hooks, Model
+from fedjax_sparse.models.base import UNIT_ORDER, Hooks, Model
 
 _PROBE_KEY = 20241126
 _REAL, _PADDED = 3, 2          # rows of the padding probe's batch
@@ -191,9 +191,9 @@ def unit_drop_leaks(model: Model, module, variables: dict, x) -> tuple[tuple[str
                 continue
             mode = "training" if train else "evaluation"
             if live.sum() <= (~reads_dropped).sum() and live[~reads_dropped].sum() < (~reads_dropped).sum():
-                leaks[src.name] = (f"a unit dropped at layer {src.name!r} is zero where layer {m.name!r} reads it, "
-                                   f"but not where that layer's kernel rows read it (row f reads channel f % "
-                                   f"{src.out_units}: channels last) in {mode} mode: a transpose before a flatten?")
+                leaks[src.name] = (f"{UNIT_ORDER}layer {m.name!r} reads the channels of layer {src.name!r} in another "
+                                   f"order than channels last (its kernel row f reading channel f % {src.out_units}): a "
+                                   "transpose before the flatten (a model ported from PyTorch)?")
                 continue
             between = _between(_events_of(model, module, variables, x, train, ones if train else None),
                                src.name, m.name, {l.name for l in layers})
