@@ -86,9 +86,15 @@ def _recording(module, events: list):
             yield
         return
     from flax import nnx
-    skip = (nnx.Linear, nnx.Conv, nnx.BatchNorm, nnx.Dropout)
+    # The classes the adapter swaps itself while tracing (its weight layers, BatchNorm, Dropout) are left alone.
+    skip = tuple(getattr(nnx, n) for n in ("Linear", "Conv", "BatchNorm", "Dropout", "LinearGeneral", "Einsum", "Embed")
+                 if hasattr(nnx, n))
     classes = {type(m) for _, m in nnx.iter_graph(module) if isinstance(m, nnx.Module) and not isinstance(m, skip)}
-    saved = {cls: (cls.__dict__.get("__call__"), cls.__call__) for cls in classes if callable(getattr(cls, "__call__", None))}
+    saved = {}
+    for cls in classes:
+        inner = next((c.__dict__["__call__"] for c in cls.__mro__ if "__call__" in c.__dict__), None)
+        if inner is not None:   # (own __call__ or None, the one it runs)
+            saved[cls] = (cls.__dict__.get("__call__"), inner)
 
     def wrap(inner):
         def call(self, *a, **k):
@@ -191,9 +197,9 @@ def unit_drop_leaks(model: Model, module, variables: dict, x) -> tuple[tuple[str
                 continue
             mode = "training" if train else "evaluation"
             if live.sum() <= (~reads_dropped).sum() and live[~reads_dropped].sum() < (~reads_dropped).sum():
-                leaks[src.name] = (f"{UNIT_ORDER}layer {m.name!r} reads the channels of layer {src.name!r} in another "
-                                   f"order than channels last (its kernel row f reading channel f % {src.out_units}): a "
-                                   "transpose before the flatten (a model ported from PyTorch)?")
+                leaks[src.name] = (f"{UNIT_ORDER}layer {m.name!r} reads the channels of layer {src.name!r} in "
+                                   f"another order than channels last (its kernel row f reading channel f % "
+                                   f"{src.out_units}): a transpose before the flatten (a model ported from PyTorch)?")
                 continue
             between = _between(_events_of(model, module, variables, x, train, ones if train else None),
                                src.name, m.name, {l.name for l in layers})
