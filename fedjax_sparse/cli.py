@@ -27,7 +27,8 @@ RUN_FLAGS = [
     ("--rounds", "rounds", int, "number of rounds"),
     ("--local-epochs", "local_epochs", int, "local epochs E per round"),
     ("--batch-size", "batch_size", int, "local batch size"),
-    ("--lr", "lr", float, "client learning rate"),
+    ("--lr", "lr", float, "client learning rate (default: the algorithm's, `list` shows it: 0.1, SpaFL's and "
+     "SignSGD's 0.01)"),
     ("--partition", "partition", str, "iid | dirichlet:ALPHA | dirichlet_split:ALPHA[:FRAC] | shards:S | natural"),
     ("--min-client-samples", "min_client_samples", int, "redraw the partition until every client has this many"),
     ("--seed", "seed", int, "random seed (data partition, init, sampling)"),
@@ -75,7 +76,7 @@ RUN_FLAGS = [
 ]
 
 
-KEY_VALUE_FLAGS = ("--option", "--model-option", "--compare")
+KEY_VALUE_FLAGS = ("--option", "--model-option", "--compare", "--change")
 # Flags of execution modes removed in 0.2.0 (no recorded win; see config.REMOVED_EXECUTION).
 REMOVED_FLAGS = ("--round-mode", "--client-bucket-size")
 
@@ -94,15 +95,17 @@ HELP_GROUPS = {
                   "--client-storage", "--host-chunk-rounds", "--max-chunk-seconds", "--compile-cache",
                   "--coordinator", "--num-processes", "--process-id"),
     "outputs": ("--out", "--eval-every", "--checkpoint-every", "--checkpoint-seconds", "--log", "--resume",
-                "--overwrite", "--quiet"),
+                "--change", "--overwrite", "--quiet"),
 }
 RUN_EXAMPLES = """examples:
   python -m fedjax_sparse run --algorithm fedavg --dataset digits --rounds 20 --out runs/fedavg
+  python -m fedjax_sparse run --setting spafl_fmnist --data-dir ../shared/data --rounds 100 --out runs/spafl
   python -m fedjax_sparse run --algorithm spafl --dataset fashion_mnist --data-dir ../shared/data \\
       --option alpha=0.002 --lr 0.001 --out runs/spafl_fmnist
   python -m fedjax_sparse run --dataset digits --dp-clip 1.0 --dp-target-epsilon 8 --out runs/dp
   python -m fedjax_sparse run --dataset digits --sweep lr=0.01,0.1 --seeds 0 1 2 --out runs/lr_sweep
   python -m fedjax_sparse run --out runs/spafl --resume --rounds 500     # continue (or extend) a run
+  python -m fedjax_sparse run --out runs/spafl --resume --change lr=0.0005  # continue with a lower lr
   python -m fedjax_sparse list       # algorithms, data sets, models, partitions"""
 
 
@@ -134,6 +137,11 @@ def _parser() -> argparse.ArgumentParser:
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_config_arguments(run)
     _group(run, "--resume").add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
+    _group(run, "--change").add_argument(
+        "--change", action="append", metavar="KEY=VALUE",
+        help="with --resume: continue from the checkpoint with another lr (--change lr=0.01) or algorithm option "
+             "(--change option.alpha=0.01), e.g. after a divergence; recorded in config.json with the round, "
+             "marked by report and plot (repeatable)")
     _group(run, "--overwrite").add_argument("--overwrite", action="store_true", help="replace the run already in --out")
     _group(run, "--quiet").add_argument("--quiet", action="store_true", help="no progress bar")
     _group(run, "--compile-cache").add_argument("--compile-cache", default=None, metavar="DIR|off",
@@ -200,6 +208,10 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
         _group(parser, HELP_GROUPS[name][0])
     _group(parser, "--config").add_argument("--config",
                                             help="JSON config file (RunConfig fields); flags given override it")
+    _group(parser, "--setting").add_argument(
+        "--setting", metavar="NAME", help="a paper's experiment (fedjax_sparse/papers.py: spafl_fmnist, "
+        "feddrop_fmnist, fsl_mnist, their methods as spafl_fmnist_fedavg ...; `list` names all); --config "
+        "and the flags given override its keys")
     from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig
     defaults = RunConfig()
     for flag, dest, typ, text in RUN_FLAGS:
@@ -298,22 +310,30 @@ def enable_compile_cache(flag: str | None) -> None:
 
 
 def config_from_args(args):
-    """The RunConfig that ``run``'s flags describe (``--config`` file, then the flags given, ``--option``,
-    ``--model-option``), and the fields the user set (the config file's keys and the flags given).
+    """The RunConfig that ``run``'s flags describe (``--setting``, the ``--config`` file over it, then the flags
+    given, ``--option``, ``--model-option``), and the fields the user set (the setting's and the config
+    file's keys and the flags given).
     Returns (config, given). Raises ValueError (one line) on a bad file or a removed flag."""
     from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig
     base = {}
+    if args.setting:
+        from fedjax_sparse.papers import setting
+        base = setting(args.setting)
     if args.config:
         path = Path(args.config)
         if not path.is_file():
             raise ValueError(f"config file {path} not found; pass an existing JSON file to --config")
         try:
-            base = json.loads(path.read_text())
+            loaded = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"config file {path} is not valid JSON ({e})") from None
-    if not isinstance(base, dict):
-        raise ValueError(f"config file {args.config} must hold a JSON object of RunConfig fields "
-                         f"(e.g. {{\"algorithm\": \"fedavg\", \"rounds\": 10}}), not a {type(base).__name__}")
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config file {args.config} must hold a JSON object of RunConfig fields "
+                             f"(e.g. {{\"algorithm\": \"fedavg\", \"rounds\": 10}}), not a {type(loaded).__name__}")
+        # Over --setting's keys (its options and model options merged with the file's).
+        merged = {k: {**base[k], **loaded[k]} for k in ("options", "model_options")
+                  if isinstance(base.get(k), dict) and isinstance(loaded.get(k), dict)}
+        base = {**base, **loaded, **merged}
     config = RunConfig.from_json(base)
     from fedjax_sparse.config import REMOVED_EXECUTION
     for flag in REMOVED_FLAGS:
@@ -350,7 +370,14 @@ def cmd_run(args) -> int:
     config, given = config_from_args(args)
     if args.resume and not config.out:
         raise ValueError("--resume needs --out pointing at the interrupted run's directory")
+    change = _key_values(args.change, "--change")
+    if change and (args.sweep is not None or args.seeds is not None):
+        raise ValueError("--change continues one run from its checkpoint; resume a sweep's or replicas' member "
+                         "alone with --out MEMBER_FOLDER --resume --change ...")
     if args.sweep is not None or (args.resume and config.out and (Path(config.out) / "sweep.json").exists()):
+        if change:
+            raise ValueError("--change continues one run from its checkpoint; resume a sweep's member alone with "
+                             "--out OUT/<point>/seed<SEED> --resume --change ...")
         if processes > 1:
             raise ValueError("--sweep runs in one process")
         return _run_sweep(args, config, given)
@@ -364,7 +391,7 @@ def cmd_run(args) -> int:
             raise ValueError("--seeds runs in one process; launch one multi-process run per --seed instead")
         return _run_replicas(args, config, given)
     summary = runner.run(config, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet,
-                         given=given).summary
+                         given=given, change=change or None).summary
     if not distributed.is_primary():
         return 0  # process 0 reports
     print(format_summary(summary))
@@ -474,14 +501,14 @@ def cmd_list(args) -> int:
     from fedjax_sparse.config import DEFAULT_MODELS
     from fedjax_sparse.data import datasets
     from fedjax_sparse.data.partition import PARTITION_SCHEMES
-    from fedjax_sparse.catalog import ALGORITHMS, MODELS
+    from fedjax_sparse.catalog import ALGORITHMS, MODELS, default_lr
     from fedjax_sparse.models import model_names
     print("algorithms: (--algorithm NAME: what it is, its paper; then --option KEY=VALUE: type = default)")
     for name in algorithm_names():
         fields = dataclasses.fields(algorithm_options(name))
         options = ", ".join(f"{f.name}: {type(f.default).__name__} = {f.default!r}" for f in fields)
         print(f"  {name:<24} {ALGORITHMS.get(name, '(your algorithm)')}")
-        print(f"  {'':<24}   options: {options or '(none)'}")
+        print(f"  {'':<24}   default --lr {default_lr(name)}; options: {options or '(none)'}")
     from fedjax_sparse.config import wrappable_algorithms
     print("--aggregator / --attack wrap: " + ", ".join(wrappable_algorithms()) + " (their clients send float updates)")
     print("datasets:   " + ", ".join(datasets.DATASETS))
@@ -490,6 +517,8 @@ def cmd_list(args) -> int:
     for name in model_names():
         print(f"  {name:<24} {MODELS.get(name, '(your model)')}")
     print("partitions: " + ", ".join(PARTITION_SCHEMES))
+    from fedjax_sparse.papers import SETTINGS
+    print("settings:   (--setting NAME: a paper's experiment, fedjax_sparse/papers.py) " + ", ".join(SETTINGS))
     return 0
 
 

@@ -11,7 +11,7 @@ from fedjax_sparse.algorithms.registry import algorithm_names, resolve_options, 
 from fedjax_sparse.data.federated import PREPROCESSING
 from fedjax_sparse.models import model_names
 from fedjax_sparse.models.registry import is_model_reference
-from fedjax_sparse.errors import RunError
+from fedjax_sparse.errors import RunError, in_callers_words
 
 # The execution modes a run offers: those with a recorded win (docs/design.md, "Execution modes").
 # The engine and the evaluator accept more as library options (the references tests compare against).
@@ -81,7 +81,7 @@ class RunConfig:
     rounds: int = 30
     local_epochs: int = 2
     batch_size: int = 32
-    lr: float = 0.1
+    lr: float | None = None  # None: the algorithm's default (fedjax_sparse.catalog.ALGORITHM_LR), recorded as used
     partition: str = "dirichlet:0.5"
     min_client_samples: int = 1  # the partition is redrawn until every client has this many
     seed: int = 0
@@ -120,6 +120,19 @@ class RunConfig:
         return {**fields, **execution}
 
     @classmethod
+    @in_callers_words
+    def from_setting(cls, name: str, **overrides) -> "RunConfig":
+        """A paper's experiment by name (``fedjax_sparse.papers.SETTINGS``; ``run --setting NAME``), with
+        ``overrides`` (flat keys, execution's among them; ``options`` / ``model_options`` are merged into the
+        setting's): ``RunConfig.from_setting("spafl_fmnist", data_dir="../shared/data", rounds=100)``."""
+        from fedjax_sparse.papers import setting
+        data = setting(name)
+        for key in ("options", "model_options"):
+            if key in overrides:
+                overrides = {**overrides, key: {**data.get(key, {}), **overrides[key]}}
+        return cls.from_json({**data, **overrides})
+
+    @classmethod
     def from_json(cls, data: dict) -> "RunConfig":
         """From ``config.json`` / a config file: the fields, ``"execution"`` an object of `Execution`
         fields; execution fields at the top level (config files and runs of earlier versions, the
@@ -156,6 +169,15 @@ class RunConfig:
                 raise RunError(f"config key {key!r} (flag --{key.replace('_', '-')}) expects "
                                f"{_describe(hint)}, got {value!r}")
         return cls(**data, execution=Execution(**execution))
+
+
+def with_default_lr(config: RunConfig) -> RunConfig:
+    """``config`` with its learning rate set: the given one, else its algorithm's default
+    (:func:`fedjax_sparse.catalog.default_lr`); config.json records the one used."""
+    if config.lr is not None:
+        return config
+    from fedjax_sparse.catalog import default_lr
+    return dataclasses.replace(config, lr=default_lr(config.algorithm))
 
 
 def _matches(value, hint) -> bool:
@@ -211,7 +233,8 @@ def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()
         raise RunError(f"--seed must be a non-negative integer, got {config.seed!r}")
     if not isinstance(config.min_client_samples, int) or config.min_client_samples < 0:
         raise RunError(f"--min-client-samples must be a non-negative integer, got {config.min_client_samples!r}")
-    if not (isinstance(config.lr, (int, float)) and math.isfinite(config.lr) and config.lr > 0):
+    if config.lr is not None and not (isinstance(config.lr, (int, float)) and math.isfinite(config.lr)
+                                      and config.lr > 0):
         raise RunError(f"--lr must be a positive number, got {config.lr!r}")
     if config.clients_per_round > config.num_clients:
         raise RunError(f"--clients-per-round ({config.clients_per_round}) is larger than --num-clients "

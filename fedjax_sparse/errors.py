@@ -76,7 +76,7 @@ def cli_caller() -> Iterator[None]:
 _ARGUMENTS = {
     "--resume": "resume=True", "--overwrite": "overwrite=True", "--quiet": "progress=False",
     "--download": "RunConfig(download=True)", "--seeds": "seeds=[VALUE]", "--sweep-select": "select=VALUE",
-    "--replica-parallelism": "parallelism=VALUE",
+    "--replica-parallelism": "parallelism=VALUE", "--setting": "RunConfig.from_setting(VALUE)",
 }
 # Words that follow a flag without being its value ("--lr must be ...").
 _NOT_VALUES = frozenset(
@@ -119,7 +119,7 @@ def python_words(message: str, arguments: dict[str, str] | None = None) -> str:
     message = re.sub(r" \(flag --[a-z0-9-]+\)", "", message)
 
     def value_after(end: int, flag: str) -> tuple[str | None, int]:
-        match = (flag in ("--option", "--model-option", "--sweep") and _KEY_VALUES.match(message, end)) \
+        match = (flag in ("--option", "--model-option", "--sweep", "--change") and _KEY_VALUES.match(message, end)) \
             or _VALUE.match(message, end)
         if match is None or match.group(1) in _NOT_VALUES or match.group(1).startswith("--"):
             return None, end
@@ -130,13 +130,16 @@ def python_words(message: str, arguments: dict[str, str] | None = None) -> str:
         if match.start() < position:
             continue
         flag = match.group(0)
-        if flag not in fields and flag not in own and flag not in ("--option", "--model-option", "--sweep"):
+        if flag not in fields and flag not in own and flag not in ("--option", "--model-option", "--sweep", "--change"):
             continue
         value, end = value_after(match.end(), flag)
-        if flag in ("--option", "--model-option"):
-            name = "options" if flag == "--option" else "model_options"
+        if flag in ("--option", "--model-option", "--change"):
+            name = {"--option": "options", "--model-option": "model_options"}.get(flag)
             entry = _key_value(value) if value and "=" in value else None
-            text = f"RunConfig({name}={{{entry}}})" if entry else f"RunConfig({name}=...)"
+            if name is None:   # --change: run(..., change={...})
+                text = f"change={{{entry}}}" if entry else "change"
+            else:
+                text = f"RunConfig({name}={{{entry}}})" if entry else f"RunConfig({name}=...)"
             end = end if entry else match.end()
         elif flag == "--sweep":
             if value and "=" in value:

@@ -75,8 +75,11 @@ def with_components(config: RunConfig, model=None, data=None, algorithm=None) ->
     their names in their place, so config.json records what ran: the algorithm's name, the model's
     name, the data's name, and a partitioned dataset's client count and partition."""
     from fedjax_sparse.algorithms import Algorithm
+    from fedjax_sparse.catalog import default_lr
     from fedjax_sparse.data.arrays import PartitionedData
     from fedjax_sparse.data.datasets import Dataset
+    if config.lr is None:   # the algorithm's default (an object's: catalog.DEFAULT_LR); config.json records it
+        config = dataclasses.replace(config, lr=default_lr(config.algorithm if algorithm is None else algorithm))
     if not isinstance(config.algorithm, str):
         if algorithm is not None:
             raise RunError("give the algorithm once: in RunConfig(algorithm=...) or as run(..., algorithm=...)")
@@ -193,6 +196,7 @@ def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experi
             raise RunError(str(e)) from None
         pinned["cohort_schedule"] = {"path": config.cohort_schedule,
                                      "sha256": pinning.file_digest(config.cohort_schedule)}
+    assert config.lr is not None   # with_components set the algorithm's default
     task = Task(model=model, num_clients=config.num_clients, clients_per_round=config.clients_per_round,
                 local_epochs=config.local_epochs, batch_size=config.batch_size, lr=float(config.lr),
                 rounds=config.rounds, preprocess=data.preprocess, seed=config.seed,

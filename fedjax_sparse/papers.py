@@ -130,3 +130,38 @@ ROUND_BENCHMARKS = {
     "quick_digits": dict(algorithm="fedavg", dataset="digits", model="cnn_small", num_clients=20,
                          clients_per_round=5, local_epochs=2, batch_size=16, lr=0.1),
 }
+
+
+# ---------------------------------------------------------------------------- named settings
+def _flat(base: dict, method: dict, **more) -> dict:
+    """One flat RunConfig dict: ``base``, the method (its ``base`` entry: data settings it changes)."""
+    method = dict(method)
+    return {**base, **method.pop("base", {}), **method, **more}
+
+
+# ``run --setting NAME`` / ``RunConfig.from_setting(NAME)``: a paper's experiment as one RunConfig (the data
+# folder, seed, out and execution are the user's; flags and keyword arguments given override any key).
+SETTINGS: dict[str, dict] = {
+    # SpaFL (Kim et al., NeurIPS 2024), Fashion-MNIST, 500 rounds: SpaFL and every method of its study.
+    "spafl_fmnist": _flat(SPAFL_FMNIST_BASE, SPAFL_FMNIST_METHODS["spafl"], rounds=500),
+    **{f"spafl_fmnist_{name}": _flat(SPAFL_FMNIST_BASE, method, rounds=500)
+       for name, method in SPAFL_FMNIST_METHODS.items() if name != "spafl"},
+    # FedDrop, Fashion-MNIST (Table 5: budget r = 0.5, 100 rounds, E = 8, all 100 clients every round).
+    "feddrop_fmnist": dict(FEDDROP_FMNIST_BASE, **FEDDROP_PARTICIPATION["full"], algorithm="feddrop",
+                           local_epochs=8, rounds=100, options={"budget": 0.5}),
+    # Table 2's fractional participation: 1000 clients, 10 a round, a new cohort every 2 rounds.
+    "feddrop_fmnist_fractional": dict(FEDDROP_FMNIST_BASE, **FEDDROP_PARTICIPATION["fractional"],
+                                      algorithm="feddrop", local_epochs=8, rounds=100, options={"budget": 0.5}),
+    # FSL (ICLR 2022 submission), MNIST, 2000 rounds: FSL and every method of its tables.
+    "fsl_mnist": _flat(FSL_MNIST_BASE, FSL_MNIST_METHODS["fsl"], rounds=2000),
+    **{f"fsl_mnist_{name}": _flat(FSL_MNIST_BASE, method, rounds=2000)
+       for name, method in FSL_MNIST_METHODS.items() if name != "fsl"},
+}
+
+
+def setting(name: str) -> dict:
+    """A copy of the named setting (flat RunConfig keys); a one-line RunError naming the valid ones."""
+    if name not in SETTINGS:
+        from fedjax_sparse.errors import RunError
+        raise RunError(f"unknown --setting {name!r}; valid: {', '.join(SETTINGS)}")
+    return {k: dict(v) if isinstance(v, dict) else v for k, v in SETTINGS[name].items()}

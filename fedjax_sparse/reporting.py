@@ -37,6 +37,14 @@ class RunRecord:
     rows: list[dict]
     summary: dict
     label: str = ""
+    # config.json's ``resumed[*].changed_experiment`` (``--resume --change``): [(at_round, {key: {from, to}})].
+    changes: list = dataclasses.field(default_factory=list)
+
+    @property
+    def changes_text(self) -> str:
+        """"lr 0.1→0.01 from round 21" for each ``--change`` (joined by "; "), "" when none."""
+        return "; ".join(", ".join(f"{key} {v.get('from')}→{v.get('to')}" for key, v in changed.items())
+                         + f" from round {at_round + 1}" for at_round, changed in self.changes)
 
     @property
     def reached(self) -> int:
@@ -81,19 +89,22 @@ def load_run(path: str | Path) -> RunRecord:
     path = Path(path)
     if not (path / "metrics.jsonl").is_file():
         raise RunError(f"{path} is not a run directory (no metrics.jsonl); pass directories written by run --out")
-    config = {}
+    config, changes = {}, []
     if (path / "config.json").is_file():
         try:
-            config = json.loads((path / "config.json").read_text()).get("config", {})
+            recorded = json.loads((path / "config.json").read_text())
         except ValueError:
             raise RunError(f"{path / 'config.json'} is damaged (not JSON)") from None
+        config = recorded.get("config", {})
+        changes = [(int(r["at_round"]), r["changed_experiment"]) for r in recorded.get("resumed", [])
+                   if r.get("changed_experiment")]
     summary = {}
     if (path / "summary.json").is_file():
         try:
             summary = json.loads((path / "summary.json").read_text())
         except ValueError:
             summary = {}
-    return RunRecord(path, config, read_metrics(path), summary)
+    return RunRecord(path, config, read_metrics(path), summary, changes=changes)
 
 
 def load_runs(paths) -> list[RunRecord]:
@@ -208,7 +219,12 @@ def plot_runs(paths, out: str | Path | None = None, *, x: str | None = None, y: 
             scale = 100.0 if yk.endswith("accuracy") else 1.0
             # An unfinished run's curve is marked in the legend: its last point is not its final one.
             label = run.label + (f" ({run.progress}, running or stopped)" if run.progress else "")
-            ax.plot(xs, [scale * v for v in ys], marker="." if len(xs) < 30 else None, label=label)
+            label += f" [{run.changes_text}]" if run.changes else ""
+            line, = ax.plot(xs, [scale * v for v in ys], marker="." if len(xs) < 30 else None, label=label)
+            for at_round, _ in run.changes:   # --resume --change: a dotted line where the new values start
+                at = [a for r, a in zip(run.series("round"), run.series(xk)) if r == at_round and a is not None]
+                if at:
+                    ax.axvline(at[0], color=line.get_color(), linestyle=":", linewidth=1)
         ax.set_xlabel(_axis_label(xk))
         ax.set_ylabel(_axis_label(yk))
         _scale_x(ax, [v for run in runs for v in run.series(xk) if isinstance(v, (int, float))])
@@ -339,7 +355,8 @@ def report_table(paths) -> str:
         tflops = _safe(DERIVED["tflops"][1], last)
         rate = run.summary.get("rounds_per_second_after_first_chunk")
         density = last.get("density")
-        lines.append(f"| {run.label} | {rounds} | {acc} | {best_s} | "
+        label = run.label + (f" [{run.changes_text}]" if run.changes else "")
+        lines.append(f"| {label} | {rounds} | {acc} | {best_s} | "
                      f"{'–' if gbit is None else f'{gbit:.4g}'} | {'–' if tflops is None else f'{tflops:.4g}'} | "
                      f"{'–' if density is None else f'{density:.3f}'} | {'–' if rate is None else f'{rate:.3g}'} |")
     return "\n".join(lines) + "\n"

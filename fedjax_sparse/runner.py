@@ -37,7 +37,7 @@ from fedjax_sparse import population as host_population
 from fedjax_sparse.checkpoint import (Checkpointer, clear_outputs,
                                       load_checkpoint, locked_out_dir, prepare_out_dir, read_metrics,
                                       write_metrics)
-from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig
+from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig, with_default_lr
 from fedjax_sparse.errors import RunError, RunStopped, in_callers_words
 from fedjax_sparse.data.federated import FederatedData
 from fedjax_sparse.engine import COHORT_METRICS, STEP_METRICS, Engine, EngineState
@@ -123,8 +123,11 @@ def resumed_config(config: RunConfig, saved: RunConfig, given: set[str] | None) 
     refused = [f"{_flag(f)} {getattr(config, f)!r} (recorded: {getattr(saved, f)!r})" for f in asked
                if f not in RESUMABLE_CHANGES and differs(f)]
     if refused:
+        hint = ("; the learning rate and algorithm options may change from the checkpoint on with --change "
+                "lr=VALUE / --change option.NAME=VALUE" if any(f in ("lr", "options") for f in asked
+                                                                  if f not in RESUMABLE_CHANGES and differs(f)) else "")
         raise RunError(f"--resume continues the recorded run, but these would change the experiment: "
-                       f"{'; '.join(refused)}; drop them to resume, or start a new run in another --out")
+                       f"{'; '.join(refused)}{hint}; drop them to resume, or start a new run in another --out")
     changes = {f: getattr(config, f) for f in asked
                if f in RESUMABLE_CHANGES and f != "out" and getattr(config, f) != getattr(saved, f)}
     execution_asked = EXECUTION_FIELDS if given is None else [f for f in EXECUTION_FIELDS if f in given]
@@ -146,11 +149,43 @@ def resumed_config(config: RunConfig, saved: RunConfig, given: set[str] | None) 
     return merged, {**changes, **execution_changes}
 
 
+# What --change may set on a resumed run (from its checkpoint on): the learning rate and the algorithm's options.
+CHANGEABLE = ("lr", "option.NAME")
+
+
+def changed_config(config: RunConfig, change: dict[str, Any]) -> tuple[RunConfig, dict]:
+    """``config`` with ``change`` applied (``{"lr": 0.01, "option.alpha": "0.01"}``; values as typed or as
+    the CLI's strings) and what changed, ``{key: {"from": old, "to": new}}``. Any other key is refused in
+    one line (what else a resume may change is :data:`RESUMABLE_CHANGES`); the result is validated."""
+    from fedjax_sparse.config import validate
+    lr, options, changed = config.lr, dict(config.options), {}
+    for key, value in change.items():
+        if key == "lr":
+            try:
+                lr = float(value)
+            except (TypeError, ValueError):
+                raise RunError(f"--change lr={value!r}: expected a number") from None
+            if lr != config.lr:
+                changed["lr"] = {"from": config.lr, "to": lr}
+        elif key.startswith(("option.", "options.")) and key.partition(".")[2]:
+            name = key.partition(".")[2]
+            options[name] = value
+            if str(value) != str(config.options.get(name)):
+                changed[f"option.{name}"] = {"from": config.options.get(name), "to": value}
+        else:
+            raise RunError(f"--change {key}: a resumed run may change only {', '.join(CHANGEABLE)} (the rest of "
+                           "the experiment is the recorded one); start a new run in another --out to change it")
+    merged = dataclasses.replace(config, lr=lr, options=options)
+    validate(merged)
+    return merged, changed
+
+
 @in_callers_words
 def run(config: RunConfig, *, model=None, data=None, algorithm=None, resume: bool = False,
         overwrite: bool = False, progress: bool = True,
         on_eval: Callable[[dict, EngineState, Experiment], None] | None = None,
-        experiment: Experiment | None = None, given: set[str] | None = None) -> RunResult:
+        experiment: Experiment | None = None, given: set[str] | None = None,
+        change: dict[str, Any] | None = None) -> RunResult:
     """Runs an experiment; returns a :class:`RunResult` (the summary is also OUT/summary.json).
 
     ``model`` (a :class:`Model` or a Flax module), ``data`` (from ``fedjax_sparse.data``) and
@@ -159,7 +194,10 @@ def run(config: RunConfig, *, model=None, data=None, algorithm=None, resume: boo
     the data's content digest. ``on_eval(row, state, experiment)`` is called after every evaluation
     (e.g. to record masks for plots). ``experiment`` reuses an already built one.
     ``resume`` continues the run recorded in ``config.out`` (see :func:`resumed_config`;
-    ``given`` names the fields the user set). The output folder is locked for the run.
+    ``given`` names the fields the user set). ``change`` (with ``resume`` only; ``--change KEY=VALUE``):
+    ``{"lr": 0.01, "option.alpha": 0.01}``, the learning rate and algorithm options the resumed rounds use
+    from the checkpoint on (see :func:`changed_config`; recorded in config.json's ``resumed`` with the
+    round, marked by ``report`` and ``plot``). The output folder is locked for the run.
     In a multi-process run (:mod:`fedjax_sparse.distributed`) every process calls ``run``;
     process 0 locks the folder and writes the files.
     """
@@ -171,7 +209,7 @@ def run(config: RunConfig, *, model=None, data=None, algorithm=None, resume: boo
         # No folder, or a process other than 0 of a multi-process run (it writes nothing, reads to resume).
         return _run(config, out, resume=resume and out is not None, overwrite=False,
                     progress=progress and distributed.is_primary(), on_eval=on_eval, experiment=experiment,
-                    given=given)
+                    given=given, change=change)
     try:
         lock = locked_out_dir(out).acquire()
     except RunError as e:
@@ -179,7 +217,7 @@ def run(config: RunConfig, *, model=None, data=None, algorithm=None, resume: boo
         raise
     try:
         return _run(config, out, resume=resume, overwrite=overwrite, progress=progress, on_eval=on_eval,
-                    experiment=experiment, given=given)
+                    experiment=experiment, given=given, change=change)
     finally:
         lock.release()
 
@@ -247,10 +285,10 @@ class ChunkClock:
 
 
 def _run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool, progress: bool, on_eval,
-         experiment: Experiment | None, given: set[str] | None) -> RunResult:
+         experiment: Experiment | None, given: set[str] | None, change: dict | None = None) -> RunResult:
     with StopSignals() as signals:
         opened = open_run(config, out, resume=resume, overwrite=overwrite, experiment=experiment, given=given,
-                           quiet=not progress)
+                           quiet=not progress, change=change)
         if isinstance(opened, RunResult):
             return opened
         bar = Progress(opened.config.rounds, opened.round, progress)
@@ -288,11 +326,20 @@ def _run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool, 
 
 
 def open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool,
-              experiment: Experiment | None, given: set[str] | None, quiet: bool = False) -> "OpenRun | RunResult":
+              experiment: Experiment | None, given: set[str] | None, quiet: bool = False,
+              change: dict | None = None) -> "OpenRun | RunResult":
     """Prepares ``out`` (resume or fresh), builds the experiment, restores the checkpoint and writes
     config.json. Returns the :class:`OpenRun`, or the finished run's result when a resumed run is
     already complete."""
+    config = with_default_lr(config)
+    if change and not (resume and out is not None):
+        raise RunError("--change changes a resumed run from its checkpoint on: add --resume (and --out); a new "
+                       "run takes --lr and --option directly")
+    if change and experiment is not None:
+        raise RunError("--change rebuilds the resumed run from its configuration; a run given model, data or "
+                       "algorithm objects resumes without it")
     changes: dict = {}
+    changed: dict = {}
     recorded: dict = {}
     writes = out is not None and distributed.is_primary()
     if out is not None:
@@ -311,6 +358,8 @@ def open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bo
                 raise RunError(f"{out / 'config.json'} is missing or damaged ({type(e).__name__}); the run cannot "
                                "be resumed: start a fresh run in a new --out") from None
             config, changes = resumed_config(config, saved, given)
+            if change:
+                config, changed = changed_config(config, change)
     t_build = time.perf_counter()
     exp = experiment or build(config)
     engine = exp.engine
@@ -347,7 +396,13 @@ def open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bo
     history: list = []
     if out is not None:
         if resume:
-            state, totals = load_checkpoint(out, state, population=population)
+            try:
+                state, totals = load_checkpoint(out, state, population=population)
+            except RunError as e:
+                if not changed:
+                    raise
+                raise RunError(f"--change {', '.join(changed)}: {e} (the changed options need another state; "
+                               "change only what keeps it, e.g. lr)") from None
             totals.setdefault("client_steps", None)
             totals.setdefault("client_steps_executed", None)
             totals = {k: exact_number(v) if k in COST_KEYS else v for k, v in totals.items()}
@@ -357,7 +412,12 @@ def open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bo
             if writes:
                 write_metrics(out, rows)
             history = list(recorded.get("resumed", []))
-            history.append({"at_round": int(totals["round"]), "changed": changes})
+            history.append({"at_round": int(totals["round"]), "changed": changes,
+                            # --change: used from round at_round + 1 on ({key: {"from": old, "to": new}})
+                            **({"changed_experiment": changed} if changed else {})})
+            if changed and int(totals["round"]) >= config.rounds:
+                raise RunError(f"--change: the run in {out} has no rounds left ({int(totals['round'])} of "
+                               f"{config.rounds}); pass a larger --rounds with it")
             if int(totals["round"]) >= config.rounds:
                 print(f"the run in {out} is complete ({int(totals['round'])} of {config.rounds} rounds); pass a "
                       "larger --rounds to extend it", file=sys.stderr)

@@ -20,7 +20,7 @@ QUICK_FLAGS = ["--dataset", "digits", "--num-clients", "4", "--clients-per-round
 # The flags an API caller sets as arguments: run's configuration flags and run's own.
 TRANSLATED = [flag for flag, *_ in RUN_FLAGS] + ["--option", "--model-option", "--sweep", "--seeds", "--resume",
                                                  "--overwrite", "--download", "--sweep-select",
-                                                 "--replica-parallelism"]
+                                                 "--replica-parallelism", "--change", "--setting"]
 LEFT = re.compile("(" + "|".join(re.escape(f) for f in sorted(TRANSLATED, key=len, reverse=True)) + r")(?![a-z-])")
 
 
