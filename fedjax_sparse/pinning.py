@@ -201,6 +201,12 @@ def params_from_torch(model, state_dict: Mapping[str, Any], names: Mapping[str, 
     def arr(x):
         return np.asarray(x.detach().cpu().numpy() if hasattr(x, "detach") else x, np.float32)
 
+    for layer in model.layers:
+        if layer.kind not in ("dense", "conv"):
+            raise PinningError(f"{layer.name}: a layer of kind {layer.kind!r} (kernel {tuple(layer.kernel_shape)}); "
+                               "PyTorch weights convert to dense and conv layers only (an embedding, an attention "
+                               "projection or a recurrent cell has its own layout): convert that layer yourself and "
+                               "pass the variables as an .npz keyed by path (--init-params)")
     if names is None:
         weights = [k for k, v in state_dict.items() if k.endswith(".weight") and arr(v).ndim in (2, 4)]
         if len(weights) != len(model.layers):

@@ -301,3 +301,10 @@ def test_an_nnx_rnn_is_refused_in_one_line_naming_the_linen_way():
     with pytest.raises(ValueError, match=r"^from_flax: NnxRecurrent: layer rnn is an nnx.RNN.*nn.RNN") as error:
         from_flax(NnxRecurrent(nnx.Rngs(0)), (5, 4))
     assert "\n" not in str(error.value)
+
+
+def test_pytorch_weights_are_not_converted_into_an_embedding_or_attention_layout(text):
+    from fedjax_sparse.errors import PinningError
+    from fedjax_sparse.pinning import params_from_torch
+    with pytest.raises(PinningError, match=r"^Embed_0: a layer of kind .embed. .* dense and conv layers only"):
+        params_from_torch(text, {"emb.weight": np.zeros((50, 16), np.float32)}, names={"Embed_0": "emb"})
