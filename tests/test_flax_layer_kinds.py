@@ -272,8 +272,15 @@ def test_spafl_refuses_an_einsum_without_rows_in_one_line():
         def __call__(self, x):
             h = nn.Einsum((4, 8, 3), "bnd,ndh->bnh")(x)
             return nn.Dense(3)(h.reshape(h.shape[0], -1))
+    class CallTimeSpec(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Einsum((8, 2, 3))(x, "btd,dnh->btnh")
+            return nn.Dense(3)(h.reshape(h.shape[0], -1))
     model = from_flax(PerHead(), (4, 8))
     assert model.layer("Einsum_0").out_axes == 0
+    rows = from_flax(CallTimeSpec(), (4, 8)).layer("Einsum_0")   # the spec given at call time counts too
+    assert (rows.out_axes, rows.out_units, rows.macs) == (2, 6, 4 * 8 * 6)
     with pytest.raises(ValueError, match=r"^spafl: layer Einsum_0 .* has no output rows") as error:
         make_setup(model, {})
     assert "\n" not in str(error.value)

@@ -419,8 +419,9 @@ def einsum_out_axes(spec: str) -> int:
     return len(outs) if set(rhs[-len(outs):]) == set(outs) else 0
 
 
-def _linen_weight(m) -> tuple[str, str, int] | None:
-    """(kind, the weight's leaf name, out_axes) of a linen weight layer, None for other modules."""
+def _linen_weight(m, args: tuple = (), kwargs: dict | None = None) -> tuple[str, str, int] | None:
+    """(kind, the weight's leaf name, out_axes) of a linen weight layer called with ``args``/``kwargs``,
+    None for other modules."""
     import flax.linen as nn
     if isinstance(m, nn.Embed):
         kind, leaf, out_axes = "embed", "embedding", 1
@@ -430,7 +431,8 @@ def _linen_weight(m) -> tuple[str, str, int] | None:
         features = m.features if isinstance(m.features, (tuple, list)) else (m.features,)
         kind, leaf, out_axes = "dense_general", "kernel", 0 if m.batch_dims else len(features)
     elif isinstance(m, nn.Einsum):
-        kind, leaf, out_axes = "einsum", "kernel", einsum_out_axes(m.einsum_str or "")
+        spec = (kwargs or {}).get("einsum_str") or (args[1] if len(args) > 1 else None) or m.einsum_str
+        kind, leaf, out_axes = "einsum", "kernel", einsum_out_axes(spec or "")
     else:
         return None
     parent = m.parent
@@ -456,7 +458,7 @@ def _linen_parts(module, train_kwargs):
             if context.method_name != "__call__":
                 return next_fun(*args, **kwargs)
             path = tuple(m.scope.path) if m.scope is not None else ()
-            weight = _linen_weight(m)
+            weight = _linen_weight(m, args, kwargs)
             params = m.variables.get("params", {}) if weight is not None else {}
             if weight is not None and weight[1] in params:
                 kind, leaf, out_axes = weight
@@ -512,7 +514,8 @@ def _nnx_parts(module, train_kwargs):
     if rnn is not None:
         raise ValueError(f"from_flax: {type(module).__name__}: layer {entry_name(rnn)} is an nnx.RNN, whose nnx.scan "
                          "runs its cell on copies the adapter cannot follow (its layers would go unseen): write the "
-                         "recurrent part with flax.linen (nn.RNN(nn.LSTMCell(...))), which from_flax counts step by step")
+                         "recurrent part with flax.linen (nn.RNN(nn.LSTMCell(...))), which from_flax counts step by "
+                         "step")
     graphdef, params_state, stats_state, rest_state = nnx.split(module, nnx.Param, nnx.BatchStat, ...)
     originals = {cls: cls.__call__ for cls in (nnx.Linear, nnx.Conv, nnx.BatchNorm, nnx.Dropout, nnx.LinearGeneral,
                                                nnx.Einsum, nnx.Embed)}
