@@ -32,8 +32,9 @@ the round's sampling key), so the cohort's size is Binomial(N, q) and may be 0. 
 K): the members in increasing id order, then padded slots (id N, training-set size 0, ``mask``
 False). Members beyond the capacity (probability <= 1e-9 a round) are left out, the highest ids
 first, counted in the ``cohort_overflow`` metric and warned about by the runner. Padded slots run
-nothing under ``map`` (``lax.cond``; under ``vmap``, and across stacked replicas, the cond becomes a
-select: they are computed on zero data and masked), report zero examples, bits, FLOPs and steps,
+no local step (their training-set size is 0: ``map`` runs zero iterations of their loop, ``vmap``'s
+lockstep loop keeps them frozen; the client's per-round work outside the loop, e.g. the loss of no
+batch, still runs, masked), report zero examples, bits, FLOPs and steps,
 are left out of the averaged metrics, write no client state back, and reach the server with
 weight 0 and ``ServerContext.mask`` False; only algorithms declaring ``Algorithm.varying_cohort``
 (their server honours the mask, and an empty round keeps the model) take it. Rows gain ``clients``
@@ -324,8 +325,8 @@ class Engine:
                              "state resident")
         mask = overflow = None
         if self.poisson:
-            # Padded slots hold id N: they read a clamped row (count 0: no data), run nothing under
-            # ``map`` (lax.cond), are masked under ``vmap``, and write nothing back (``mode="drop"``).
+            # Padded slots hold id N: they read a clamped row (count 0: no data, no local step), are
+            # masked, and write nothing back (``mode="drop"``).
             ids, mask, overflow = self.poisson_cohort(state.key, state.round)
             gather_ids = jnp.minimum(ids, self.num_clients - 1)
         else:
@@ -345,19 +346,15 @@ class Engine:
                                      ClientData(data.train_x, data.train_y, rows, count), ctx)
 
         per_client = self._shard((client_states, idx_rows, counts, ids, client_keys))
-        if mask is None:
-            new_states, messages, metrics = self._map(one_client, *per_client)
-        else:
-            shapes = jax.eval_shape(one_client, *jax.tree_util.tree_map(lambda x: x[0], per_client))
-
-            def padded_slot(client_state, *_):
-                zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1:])
-                return (client_state, *zeros)
-
-            def slot(real, *args):
-                return jax.lax.cond(real, one_client, padded_slot, *args)
-
-            new_states, messages, metrics = self._map(slot, self._shard(mask), *per_client)
+        new_states, messages, metrics = self._map(one_client, *per_client)
+        if mask is not None:
+            # Padded slots trained on nothing (size 0: zero local steps); their messages and metrics are
+            # zeroed (costs, examples, floats), and their states are not written back (below). No lax.cond
+            # around the client: XLA on CPU copies a conditional's operands (the whole training set) per call.
+            def real_only(x):
+                return jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x))
+            messages = jax.tree_util.tree_map(real_only, messages)
+            metrics = jax.tree_util.tree_map(real_only, metrics)
         missing = [k for k in REQUIRED_CLIENT_METRICS if k not in metrics]
         if missing:
             raise ValueError(f"{alg.name}.client_update must report metrics {missing}")

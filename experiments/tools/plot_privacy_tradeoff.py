@@ -82,6 +82,8 @@ def main(argv=None) -> int:
                         help="a non-DP run or --seeds folder drawn as a dashed line (repeatable; LABEL without '='); "
                              "a LABEL naming a sweep's algorithm takes its colour")
     parser.add_argument("--out", required=True, help="figure path; the table goes beside it as .md")
+    parser.add_argument("--xlabel", default="ε (δ = 1e-5; K of N without replacement, RDP)",
+                        help="the x axis' label (say the sampling and accountant of the sweeps)")
     args = parser.parse_args(argv)
     references = []
     for item in args.reference:
@@ -132,7 +134,7 @@ def main(argv=None) -> int:
         ax.fill_between([lo, hi], [100 * (m - s)] * 2, [100 * (m + s)] * 2, color=line.get_color(), alpha=0.12)
         n = len(accuracies)
         lines.append(f"| {label}, no DP | ∞ | – | – | – | {n}/{n} | {_pct(m, s)} | – | – |")
-    ax.set_xlabel("ε (δ = 1e-5; K of N without replacement, RDP)")
+    ax.set_xlabel(args.xlabel)
     ax.set_ylabel("final accuracy (%), mean over clients' test sets")
     ax.set_xscale("log")
     if all_eps:
