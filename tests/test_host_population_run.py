@@ -15,7 +15,7 @@ from helpers import flat_config
 
 # 10 clients, 3 per round, evaluation every 3 rounds in host chunks of 2: chunks share clients and
 # an evaluation chunk (3 rounds) is split into device programs of 2 and 1 rounds.
-BASE = dict(dataset="digits", num_clients=10, clients_per_round=3, local_epochs=1, batch_size=16, rounds=6,
+BASE = dict(dataset="digits", num_clients=10, clients_per_round=3, local_epochs=1, batch_size=16, rounds=6, lr=0.1,
             eval_every=3, partition="iid", host_chunk_rounds=2)
 # Keys that differ by construction: wall time, and the host-only counters.
 VARYING = {"seconds", "clients_touched", "host_population_bytes"}
