@@ -110,8 +110,8 @@ def python_words(message: str, arguments: dict[str, str] | None = None) -> str:
     ``--option k=v`` -> ``RunConfig(options={'k': 'v'})``, ``--sweep lr=0.1,1`` -> ``axes={'lr': [0.1, 1]}``.
     Flags of other commands are left as they are. ``arguments``: spellings of the entry point's own
     keywords (``{"--download": "download=True", "--data-dir": "data_dir=VALUE"}``), used first."""
-    from fedjax_sparse.cli import RUN_FLAGS   # stdlib-only at import
-    from fedjax_sparse.config import EXECUTION_FIELDS
+    from fedjax_sparse.flags import RUN_FLAGS
+    from fedjax_sparse.execution import EXECUTION_FIELDS
     own = {**_ARGUMENTS, **(arguments or {})}
     fields = {flag: field for flag, field, _, _ in RUN_FLAGS if flag not in own}
     message = re.sub(r"python -m fedjax_sparse run --out (\S+) --resume",
