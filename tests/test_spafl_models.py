@@ -148,3 +148,20 @@ def test_vit_patchify_matches_a_naive_loop():
                 for ch in range(3):
                     want[:, t, (p1 * 4 + p2) * 3 + ch] = x[:, 4 * r + p1, 4 * c + p2, ch]
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("name, shape, classes", [
+    ("lenet5_caffe", (28, 28, 1), 10), ("cnn7", (32, 32, 3), 10), ("resnet18_narrow", (32, 32, 3), 100),
+    ("vit_small", (32, 32, 3), 10), ("feddrop_vgg9", (32, 32, 3), 10), ("fsl_lenet", (28, 28, 1), 10),
+    ("mlp", (28, 28, 1), 10), ("cnn_small", (8, 8, 1), 10)])
+def test_the_zoos_hand_written_macs_equal_the_traced_programs(name, shape, classes):
+    # Every dot and convolution of one example's forward pass (batch 2 minus batch 1), counted from the traced
+    # program: the zoo's hand-written tables (and vit_small's attention products, Model.other_macs) must match.
+    from fedjax_sparse.models.macs import program_macs
+    model = make_model(name, shape, classes)
+    variables = jax.eval_shape(model.init, jax.random.PRNGKey(0))
+
+    def macs(batch):
+        x = jax.ShapeDtypeStruct((batch,) + shape, jnp.float32)
+        return sum(program_macs(lambda v, x: model.apply(v, x)[0], variables, x).values())
+    assert model.forward_macs == macs(2) - macs(1)

@@ -19,6 +19,7 @@ from collections import Counter
 from typing import Callable
 
 import jax
+import jax.extend  # noqa: F401  (jax.extend.core.ClosedJaxpr: not imported by `import jax`)
 
 TAG = "fjs_layer:"
 

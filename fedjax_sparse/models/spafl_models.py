@@ -250,5 +250,8 @@ def vit_small(input_shape, num_classes, *, patch: int = 4, dim: int = 128, depth
         logits = L.dense(pooled, params["head"]["kernel"]) + params["head"]["bias"]
         return logits, {}
 
-    return Model("vit_small", (h, w, c), int(num_classes), tuple(infos), init_fn, apply_fn, sequential=False)
+    # Attention's score (q.k) and value (attn.v) products: tokens^2 x inner each per block, in no layer.
+    attention_macs = depth * 2 * tokens * tokens * inner
+    return Model("vit_small", (h, w, c), int(num_classes), tuple(infos), init_fn, apply_fn, sequential=False,
+                 other_macs=attention_macs)
 
