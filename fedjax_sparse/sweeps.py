@@ -338,6 +338,11 @@ def sweep(config: RunConfig, axes: dict[str, list] | None = None, seeds: Sequenc
             if member_out is not None:
                 stack.enter_context(locked_out_dir(member_out))
             resume_m = resume and member_out is not None and has_checkpoint(member_out)
+            if resume and not resume_m and member_out is not None:
+                kept = _finished_without_checkpoint(member.config, member_out)
+                if kept is not None:
+                    results[index] = kept
+                    return None
             experiment = (build(member.config, model=parts.model, data=parts.data, algorithm=parts.algorithm)
                           if objects else None)
             run = open_run(member.config, member_out, resume=resume_m, overwrite=overwrite or (resume and not resume_m),
@@ -437,6 +442,27 @@ def _flag(name: str) -> str:
 def _same(a, b) -> bool:
     """Two grid values are the same point when they make the same folder name (``1`` and ``1.0`` do not)."""
     return str(a) == str(b)
+
+
+def _finished_without_checkpoint(config: RunConfig, out: Path) -> RunResult | None:
+    """A member folder holding a finished run whose checkpoints were deleted (to save space, as the
+    recorded results do) is that member's result: kept, never rerun over. Its recorded configuration
+    must be the member's (else the sweep is refused in one line); a folder without a complete run
+    (no summary.json, or fewer rounds) returns None and the member starts."""
+    summary_path, config_path = out / "summary.json", out / "config.json"
+    if not (summary_path.exists() and config_path.exists()):
+        return None
+    try:
+        summary = json.loads(summary_path.read_text())
+        recorded = RunConfig.from_json(json.loads(config_path.read_text())["config"])
+    except (ValueError, TypeError, KeyError) as e:
+        raise RunError(f"{out} holds a run whose summary.json or config.json cannot be read ({e}); move the folder "
+                       "away or pass --overwrite to rerun the member") from None
+    rows = read_metrics(out)
+    if not rows or int(rows[-1].get("round", 0)) < config.rounds:
+        return None
+    resumed_config(config, recorded, None)   # a different experiment in the member's folder: refused in one line
+    return RunResult(summary, None, None, rows, recorded)
 
 
 def resume_plan(config: RunConfig, axes: dict[str, list] | None, seeds: list[int] | None, select: str | None,

@@ -101,3 +101,30 @@ def test_the_api_resumes_extends_and_refuses_in_its_own_words(sweep_copy, capsys
     result = fjs.sweep(recorded, {"lr": [0.1]}, seeds=[2], resume=True, progress=False)   # one more seed
     assert "new seeds [2] for every point" in capsys.readouterr().err
     assert [p["seeds"] for p in result.rows] == [[1, 2], [1, 2]] and all(p["finished"] == 2 for p in result.rows)
+
+
+def test_finished_members_without_checkpoints_or_index_are_kept_never_rerun_over(sweep_copy, capsys):
+    # The recorded results delete checkpoints (and a stopped sweep may have no sweep.json): a resume must keep
+    # each finished member's files as they are, not rerun it from scratch over them.
+    for folder in sweep_copy.glob("*/seed1/checkpoints"):
+        shutil.rmtree(folder)
+    for name in ("sweep.json", "sweep.md"):
+        (sweep_copy / name).unlink()
+    members = {p: p.read_bytes() for p in sweep_copy.glob("*/seed1/*") if p.is_file()}
+    assert main([*FLAGS, "--sweep", "lr=0.05,0.1,0.2", "--out", str(sweep_copy), "--resume"]) == 0
+    assert {p: p.read_bytes() for p in members} == members
+    assert (sweep_copy / "lr=0.2" / "seed1" / "summary.json").exists()
+    assert len(json.loads((sweep_copy / "sweep.json").read_text())["points"]) == 3
+
+
+def test_a_member_folder_holding_another_experiment_is_refused_not_overwritten(sweep_copy, capsys):
+    member = sweep_copy / "lr=0.05" / "seed1"
+    shutil.rmtree(member / "checkpoints")
+    (sweep_copy / "sweep.json").unlink()
+    record = json.loads((member / "config.json").read_text())
+    record["config"]["batch_size"] = 16
+    (member / "config.json").write_text(json.dumps(record))
+    before = files(member)
+    assert main([*FLAGS, "--sweep", "lr=0.05,0.1", "--out", str(sweep_copy), "--resume"]) == 2
+    assert "batch" in capsys.readouterr().err
+    assert files(member) == before
