@@ -31,8 +31,10 @@ Per variant (units in the names; the JSON schema is ``SCHEMA``, documented in :f
 * ``metrics``: every round's engine metrics (the compiling round first), e.g. ``loss`` [1 + R];
 * with ``count_kernels`` (``--count-kernels``): ``local_step``, what one iteration of the local-step
   loop runs in the program compiled for this device (``fedjax_sparse.programs.loop_op_counts``:
-  ``kernels`` launched at its top level, ``loops_inside`` it, ``ops`` by opcode); null where the round
-  has no such loop (or lives in host memory). On a GPU each kernel is at least one launch per step.
+  ``kernels`` launched at its top level, ``loops_inside`` it, ``ops`` by opcode, and
+  ``grouped_convolutions``: how many instructions of the whole compiled round still have a group count
+  above 1); null where the round has no such loop (or lives in host memory). On a GPU each kernel is at
+  least one launch per step.
 
 The persistent compilation cache stays off unless asked for (``--compile-cache DIR``), so compile
 times are cold; ``device.compilation_cache`` records the folder JAX used, if any.
@@ -275,7 +277,9 @@ def local_step_counts(engine, state, data) -> dict | None:
     if not loops:
         return None
     step = loops[0]
-    return {"kernels": step["kernels"], "loops_inside": step["ops"].get("while", 0), "ops": step["ops"]}
+    return {"kernels": step["kernels"], "loops_inside": step["ops"].get("while", 0), "ops": step["ops"],
+            # anywhere in the round: a grouped convolution is a per-client kernel a GPU runs group by group
+            "grouped_convolutions": len(programs.compiled_grouped_convolutions(compiled))}
 
 
 def time_variant(config: RunConfig, point: tuple, rounds_timed: int, parts: Components | None = None,
@@ -360,7 +364,8 @@ def device_facts() -> dict:
     """The device and software the timings belong to."""
     devices = jax.devices()
     return {"backend": jax.default_backend(), "device_kind": devices[0].device_kind, "device_count": len(devices),
-            "jax": jax.__version__, "compilation_cache": getattr(jax.config, "jax_compilation_cache_dir", None),
+            "jax": jax.__version__, "software": timing.software_facts(),
+            "compilation_cache": getattr(jax.config, "jax_compilation_cache_dir", None),
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "machine": timing.machine_facts()}
 
 

@@ -16,7 +16,7 @@ from fedjax_sparse.execution import EXECUTION_FIELDS, Execution
 
 # The execution modes a run offers: those with a recorded win (docs/design.md, "Execution modes").
 # The engine and the evaluator accept more as library options (the references tests compare against).
-CLIENT_PARALLELISM = ("auto", "vmap", "map", "measure")
+CLIENT_PARALLELISM = ("auto", "vmap", "map", "packed", "measure")
 PERSONAL_EVAL_MODES = ("auto", "per_client")
 # Execution keys of earlier versions, read from old config files only when they hold their inert value.
 REMOVED_EXECUTION = {
@@ -24,7 +24,8 @@ REMOVED_EXECUTION = {
                    "on an H100); runs scan their rounds; drop the flag (Engine.advance(..., 'per_round') "
                    "steps rounds from Python in a notebook)"),
     "client_bucket_size": (0, "the bucketed client schedule was removed in 0.2.0 (no recorded wall-clock win); "
-                              "drop --client-bucket-size and use --client-parallelism map or vmap"),
+                              "drop --client-bucket-size and use --client-parallelism packed (its successor: "
+                              "clients sorted by size in lockstep groups, faster on an H100), map or vmap"),
 }
 CLIENT_STATES = ("device", "host")
 CLIENT_STORAGE = ("float32", "bfloat16")

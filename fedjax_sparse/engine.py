@@ -18,11 +18,14 @@ Client parallelism: ``"vmap"`` runs the sampled clients in lockstep (the
 longest client's step count; finished clients are frozen by a select; convolutions
 with per-client kernels run as batched matmuls, ``models.layers.conv2d``); ``"map"``
 runs them one after another inside the same jit, each with exactly its own step
-count, which wastes no work. ``"auto"``: map on one device (the faster schedule on
-every backend measured so far: docs/design.md), vmap across several accelerators or
-processes. All give the same numbers (tested). With ``local_epochs`` and
-``batch_size`` set, each round reports ``client_steps`` (the local steps the
-sampled clients need) and ``client_steps_executed`` (what the schedule runs,
+count, which wastes no work; ``"packed"`` sorts the cohort by training-set size and runs groups of
+``pack_width`` clients in lockstep, one group after another, so each group pads only to its own
+longest member (the width: the widest divisor of K whose executed / useful client-steps ratio stays
+at most ``PACKED_PADDING_TARGET`` = 1.2 over cohorts drawn from the clients' step counts,
+``choose_pack_width``; the builder sets it). ``"auto"``: map on a CPU, packed on one accelerator
+(the faster schedules measured: docs/design.md), vmap across several accelerators or processes.
+All give the same numbers (tested). With ``local_epochs`` and ``batch_size`` set, each round reports
+``client_steps`` (the local steps the sampled clients need) and ``client_steps_executed`` (what the schedule runs,
 padding included).
 
 Poisson client sampling (``client_sampling="poisson"``, ``--client-sampling poisson``): every
@@ -66,7 +69,9 @@ from fedjax_sparse.algorithms.base import (COST_METRICS, REQUIRED_CLIENT_METRICS
 from fedjax_sparse.data.federated import ClientData, FederatedData
 from fedjax_sparse.evaluation import Evaluator
 
-CLIENT_PARALLELISM = ("auto", "vmap", "map")
+CLIENT_PARALLELISM = ("auto", "vmap", "map", "packed")
+# "packed": the executed / useful client-steps ratio its group width is chosen to stay under.
+PACKED_PADDING_TARGET = 1.2
 # Per-round integer counts of local steps (see the module docstring).
 STEP_METRICS = ("client_steps", "client_steps_executed")
 # How a round's cohort is drawn: exactly K of N without replacement, or every client independently
@@ -90,11 +95,12 @@ def resolve_parallelism(mode: str) -> str:
     if mode not in CLIENT_PARALLELISM:
         raise ValueError(f"unknown client parallelism {mode!r}; valid: {CLIENT_PARALLELISM}")
     if mode == "auto":
-        # The recorded measurements (docs/design.md, "Execution modes"): map beat vmap on CPU and on one
-        # H100. Several processes, or several accelerators, share the work only through vmap's sharded
-        # client axis.
-        several_devices = jax.default_backend() != "cpu" and jax.local_device_count() > 1
-        return "vmap" if jax.process_count() > 1 or several_devices else "map"
+        # The recorded measurements (docs/design.md, "Execution modes"): map beats vmap on CPU; on one
+        # H100 packed beats map 1.9-4.4x and vmap up to 1.6x (FedAvg FMNIST a tie with vmap). Several
+        # processes, or several accelerators, share the work only through vmap's sharded client axis.
+        if jax.default_backend() == "cpu":
+            return "vmap" if jax.process_count() > 1 else "map"
+        return "vmap" if jax.process_count() > 1 or jax.local_device_count() > 1 else "packed"
     return mode
 
 
@@ -134,19 +140,54 @@ def sample_poisson_clients(key: jax.Array, num_clients: int, rate: float, capaci
     return ids, mask, jnp.maximum(size - capacity, 0).astype(jnp.int32)
 
 
-def _map_clients(fn, mode: str, *args):
-    """fn(*per-client args) over the leading axis of every arg (results in the args' order)."""
+def _map_clients(fn, mode: str, *args, sizes: jax.Array | None = None, pack_width: int = 1):
+    """fn(*per-client args) over the leading axis of every arg (results in the args' order).
+    ``"packed"``: the clients sorted by ``sizes`` [K] (their training-set sizes, so their local step
+    counts), then ``pack_width`` at a time in lockstep (vmap), the groups one after another (lax.map):
+    each group runs its own longest client's steps, not the cohort's."""
     if mode == "vmap":
         return jax.vmap(fn)(*args)
+    if mode == "packed" and pack_width > 1:
+        assert sizes is not None, "packed clients are grouped by their sizes"
+        order = jnp.argsort(sizes, stable=True)
+        ordered = jax.tree_util.tree_map(lambda x: x[order], args)
+        out = jax.lax.map(lambda a: fn(*a), ordered, batch_size=pack_width)
+        back = jnp.argsort(order)
+        return jax.tree_util.tree_map(lambda x: x[back], out)
     return jax.lax.map(lambda a: fn(*a), args)
 
 
-def executed_client_steps(steps: jax.Array, mode: str) -> jax.Array:
+def executed_client_steps(steps: jax.Array, mode: str, pack_width: int = 1) -> jax.Array:
     """[] int32 local steps a schedule executes for clients needing ``steps`` [K]: ``vmap``
-    runs the longest client's count for every member, ``map`` each client's own (no padding)."""
+    runs the longest client's count for every member, ``map`` each client's own (no padding),
+    ``packed`` each group of ``pack_width`` clients (sorted by steps) its longest member's count."""
     if mode == "vmap":
         return steps.shape[0] * steps.max()
+    if mode == "packed" and pack_width > 1:
+        groups = jnp.sort(steps).reshape(-1, pack_width)
+        return pack_width * groups.max(axis=1).sum()
     return steps.sum()
+
+
+def choose_pack_width(steps: np.ndarray, clients_per_round: int, target: float = PACKED_PADDING_TARGET,
+                      cohorts: np.ndarray | None = None, draws: int = 256, seed: int = 0) -> tuple[int, float]:
+    """The widest lockstep group (a divisor of K) whose mean executed / useful client-steps ratio
+    stays at most ``target`` over ``cohorts`` ([R, K] client ids: the pinned schedule) or ``draws``
+    uniform cohorts of K of the N clients whose local step counts are ``steps`` [N] (a fixed
+    host-side draw: the choice is a function of the data). Returns (width, its mean ratio);
+    width 1 (one client after another, ratio 1) when no wider group meets the target."""
+    steps = np.asarray(steps, np.int64)
+    if cohorts is None:
+        rng = np.random.default_rng(seed)
+        cohorts = np.stack([rng.choice(steps.shape[0], clients_per_round, replace=False) for _ in range(draws)])
+    drawn = np.sort(steps[np.asarray(cohorts)], axis=1)
+    useful = np.maximum(drawn.sum(axis=1), 1)
+    for width in sorted((w for w in range(2, clients_per_round + 1) if clients_per_round % w == 0), reverse=True):
+        executed = width * drawn.reshape(drawn.shape[0], -1, width).max(axis=2).sum(axis=1)
+        ratio = float(np.mean(executed / useful))
+        if ratio <= target:
+            return width, ratio
+    return 1, 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +225,9 @@ class Engine:
     # (``poisson_capacity``). Only algorithms that declare ``Algorithm.varying_cohort`` take it.
     client_sampling: str = "fixed"
     client_rate: float | None = None
+    # ``"packed"``: clients per lockstep group (a divisor of the cohort's slots); the builder chooses it
+    # from the clients' step counts (``choose_pack_width``). 1: one client after another, as ``map``.
+    pack_width: int = 1
 
     def __post_init__(self):
         if not 1 <= self.clients_per_round <= self.num_clients:
@@ -207,6 +251,9 @@ class Engine:
                                  "fixed cohort of K clients (it does not declare varying_cohort); use fixed sampling")
             if not 0 < self.sampling_rate <= 1:
                 raise ValueError(f"the client sampling rate must be in (0, 1], got {self.sampling_rate}")
+        if self.pack_width < 1 or self.cohort_capacity % self.pack_width:
+            raise ValueError(f"pack_width {self.pack_width} must divide the cohort's {self.cohort_capacity} client "
+                             "slots")
 
     @property
     def poisson(self) -> bool:
@@ -231,8 +278,8 @@ class Engine:
     def mode(self) -> str:
         return resolve_parallelism(self.client_parallelism)
 
-    def _map(self, fn, *args):
-        return _map_clients(fn, self.mode, *args)
+    def _map(self, fn, *args, sizes=None):
+        return _map_clients(fn, self.mode, *args, sizes=sizes, pack_width=self.pack_width)
 
     @functools.cached_property
     def client_sharding(self):
@@ -346,7 +393,7 @@ class Engine:
                                      ClientData(data.train_x, data.train_y, rows, count), ctx)
 
         per_client = self._shard((client_states, idx_rows, counts, ids, client_keys))
-        new_states, messages, metrics = self._map(one_client, *per_client)
+        new_states, messages, metrics = self._map(one_client, *per_client, sizes=counts)
         if mask is not None:
             # Padded slots trained on nothing (size 0: zero local steps); their messages and metrics are
             # zeroed (costs, examples, floats), and their states are not written back (below). No lax.cond
@@ -378,7 +425,7 @@ class Engine:
         if self.local_epochs is not None and self.batch_size is not None:
             steps = self.local_epochs * ((counts + self.batch_size - 1) // self.batch_size)
             round_metrics["client_steps"] = steps.sum()
-            round_metrics["client_steps_executed"] = executed_client_steps(steps, self.mode)
+            round_metrics["client_steps_executed"] = executed_client_steps(steps, self.mode, self.pack_width)
         if mask is not None:
             round_metrics["clients"] = mask.sum(dtype=jnp.int32)
             round_metrics["cohort_overflow"] = overflow
@@ -401,8 +448,8 @@ class Engine:
             rows = jax.tree_util.tree_map(lambda x: x[extra_ids], state.clients)
             keys = jax.random.split(key_train, extra_ids.shape[0])
             extra_counts = data.train_count[extra_ids]
-            _, extra_messages, _ = self._map(one_client, rows, data.train_idx[extra_ids], extra_counts, extra_ids,
-                                             keys)
+            _, extra_messages, _ = _map_clients(one_client, "map" if self.mode == "packed" else self.mode, rows,
+                                                data.train_idx[extra_ids], extra_counts, extra_ids, keys)
             return extra_messages
 
         shapes = jax.eval_shape(train, None)

@@ -13,7 +13,8 @@ class Execution:
     ``client_storage="bfloat16"`` is the one lossy choice and says so), so every field may change when
     a run is resumed. Flags of the same names set it (``--client-parallelism`` ...); ``config.json``
     holds it as ``"execution"``. Which mode wins where: docs/design.md."""
-    client_parallelism: str = "auto"    # auto (map on one device, vmap across several) | vmap | map | measure
+    # auto (map on a CPU, packed on one accelerator, vmap across several) | vmap | map | packed | measure
+    client_parallelism: str = "auto"
     eval_batch_size: int | None = None  # None: auto (see fedjax_sparse.experiment.auto_eval_batch_size)
     personal_eval: str = "auto"         # auto (= per_client) | per_client
     # Where the clients' persistent state lives (fedjax_sparse.population): device (all N rows) | host

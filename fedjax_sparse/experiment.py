@@ -19,7 +19,7 @@ from fedjax_sparse.algorithms import Algorithm, Task, compose, make_algorithm
 from fedjax_sparse.config import DEFAULT_MODELS, RunConfig, validate
 from fedjax_sparse.errors import DataError, RunError, in_callers_words
 from fedjax_sparse.data.federated import FederatedData, build_federated_data
-from fedjax_sparse.engine import Engine
+from fedjax_sparse.engine import Engine, choose_pack_width, poisson_capacity
 from fedjax_sparse.models import Model, make_model
 from fedjax_sparse.models.flax_adapter import from_flax
 
@@ -226,7 +226,8 @@ def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experi
                     batch_size=config.batch_size,
                     eval_batch_size=config.execution.eval_batch_size or auto_eval_batch_size(data),
                     personal_eval=config.execution.personal_eval,
-                    cohort_schedule=None if schedule is None else tuple(map(tuple, schedule.tolist())))
+                    cohort_schedule=None if schedule is None else tuple(map(tuple, schedule.tolist())),
+                    pack_width=pack_width_for(config, data, schedule))
     return Experiment(config, dataset, partition, data, task, engine, pinned, data_record)
 
 
@@ -274,6 +275,21 @@ def _constant_init(variables: dict):
     return init
 
 
+
+
+def pack_width_for(config: RunConfig, data, schedule) -> int:
+    """``Engine.pack_width`` for this run's clients (``engine.choose_pack_width`` over their local step
+    counts; the pinned cohorts where a schedule pins them). Set for every schedule, so that ``measure``
+    and ``bench`` can switch to ``packed``; only ``packed`` reads it."""
+    counts = np.asarray(data.train_count, np.int64)
+    steps = config.local_epochs * -(-counts // config.batch_size)
+    slots = config.clients_per_round
+    if config.client_sampling == "poisson":
+        rate = config.clients_per_round / config.num_clients
+        slots = max(poisson_capacity(config.num_clients, rate), min(config.clients_per_round, config.num_clients), 1)
+    if slots > config.num_clients:   # the Engine refuses it, with its own message
+        return 1
+    return choose_pack_width(steps, slots, cohorts=schedule)[0]
 
 
 def auto_eval_batch_size(data: FederatedData, cap: int = 512) -> int:

@@ -37,8 +37,9 @@ RUN_FLAGS = [
     ("--out", "out", str, "output directory (config.json, metrics.jsonl, summary.json, checkpoint)"),
     ("--preprocess", "preprocess", str, "input scaling: unit (x/255) | raw (0-255) | standardize"),
     ("--client-parallelism", "client_parallelism", str,
-     "auto (map on one device, vmap across several accelerators or processes) | vmap | map | "
-     "measure (time one round of map and vmap, use the faster; recorded in config.json)"),
+     "auto (map on a CPU, packed on one accelerator, vmap across several or across processes) | vmap | map | "
+     "packed (clients sorted by size, in lockstep groups that pad at most ~1.2x) | "
+     "measure (time one round of map, vmap and packed, use the fastest; recorded in config.json)"),
     ("--eval-batch-size", "eval_batch_size", int, "evaluation batch size (default: from the clients' test-set sizes)"),
     ("--personal-eval", "personal_eval", str,
      "personalised evaluation: auto (default) = per_client (one call per client, whole test set, native "

@@ -52,6 +52,17 @@ def grouped_convolutions(text: str) -> list[dict]:
     return [c for c in convolutions(text) if c["feature_group_count"] > 1 or c["batch_group_count"] > 1]
 
 
+_GROUP_COUNT = re.compile(r"\b(feature_group_count|batch_group_count)=(\d+)")
+
+
+def compiled_grouped_convolutions(hlo: str) -> list[str]:
+    """The instructions of a compiled HLO module (``....compile().as_text()``: a convolution, or the
+    library call a backend made of it, e.g. cuDNN's custom call) with a feature or batch group count
+    above 1: what the backend itself runs, where :func:`grouped_convolutions` reads a lowered program."""
+    return [line.strip() for line in hlo.splitlines()
+            if any(int(count) > 1 for _, count in _GROUP_COUNT.findall(line))]
+
+
 # An op's name where it is applied (``%1 = stablehlo.add``, ``%2 = "stablehlo.scatter"(``, ``stablehlo.return``),
 # not where an attribute names its kind (``#stablehlo.scatter<...>``).
 _OP_NAME = re.compile(r"(?:^|=)\s*\"?(?:stablehlo|chlo)\.([a-z_]+)", re.M)

@@ -47,7 +47,8 @@ from fedjax_sparse.experiment import Experiment, build, privacy_sampling, with_c
 from fedjax_sparse.progress import COST_KEYS, Progress, exact_number, format_summary, jsonable, summarize
 
 
-MEASURED_SCHEDULES = ("map", "vmap")
+# packed too where its groups are wider than one client (else it is map).
+MEASURED_SCHEDULES = ("map", "vmap", "packed")
 
 
 def measure_client_parallelism(engine: Engine, state: EngineState, data: FederatedData,
@@ -56,7 +57,7 @@ def measure_client_parallelism(engine: Engine, state: EngineState, data: Federat
     ``state`` (the run's own state is untouched), after one compiling call each, and picks the
     fastest median. Returns (schedule, {schedule: median seconds per round})."""
     seconds = {}
-    for mode in MEASURED_SCHEDULES:
+    for mode in MEASURED_SCHEDULES if engine.pack_width > 1 else MEASURED_SCHEDULES[:2]:
         candidate = dataclasses.replace(engine, client_parallelism=mode)
         times = []
         for i in range(repeats + 1):

@@ -2,9 +2,12 @@
 tests never time)."""
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import os
 import platform
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +75,38 @@ def machine_facts() -> dict:
             "load_average": list(os.getloadavg()), "backend": jax.default_backend(),
             "devices": [d.device_kind for d in jax.devices()], "jax": jax.__version__,
             "python": platform.python_version()}
+
+
+# Distributions whose versions a device timing depends on (JAX's CUDA/ROCm plugins come under these names).
+SOFTWARE = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "jax-cuda13-pjrt",
+            "jax-rocm60-plugin", "flax", "optax", "numpy")
+
+
+def source_hash(root: str | Path | None = None) -> str:
+    """sha256 (first 16 hex digits) over the package's ``*.py`` files (path and content, sorted): which
+    code a timing measured, also where the checkout travels without its git history."""
+    base = Path(root) if root is not None else Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(base.rglob("*.py")):
+        digest.update(str(path.relative_to(base)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def software_facts() -> dict:
+    """The versions a timing depends on (installed distributions of :data:`SOFTWARE`; absent ones left
+    out), the backend's platform version (e.g. the CUDA runtime a GPU plugin reports) and the
+    package's :func:`source_hash`."""
+    versions = {}
+    for name in SOFTWARE:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    try:
+        platform_version = jax.devices()[0].client.platform_version
+    except Exception:   # noqa: BLE001 - a backend without the attribute: the versions still stand
+        platform_version = None
+    return {"versions": versions, "platform_version": platform_version, "source_hash": source_hash()}
 
 
 def device_peak_memory_mib(devices=None) -> float | None:

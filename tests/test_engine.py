@@ -111,6 +111,47 @@ def test_executed_client_steps_by_hand():
     steps = jnp.asarray([5, 1, 3, 2, 8], jnp.int32)
     assert int(executed_client_steps(steps, "map")) == 19          # exactly what the clients need
     assert int(executed_client_steps(steps, "vmap")) == 5 * 8      # everyone runs the longest
+    # packed: sorted [1, 2, 3, 4, 5, 8]; in pairs (1, 2) (3, 4) (5, 8) -> 2 x (2 + 4 + 8); in threes 3 x (3 + 8)
+    six = jnp.asarray([5, 1, 3, 2, 8, 4], jnp.int32)
+    assert int(executed_client_steps(six, "packed", 2)) == 28
+    assert int(executed_client_steps(six, "packed", 3)) == 33
+    assert int(executed_client_steps(six, "packed", 1)) == 23
+
+
+@pytest.mark.fast
+def test_pack_width_is_the_widest_group_within_the_padding_target():
+    from fedjax_sparse.engine import choose_pack_width
+    # One pinned cohort, steps 1, 1, 10, 10: all four in lockstep run 40 for 22 useful (1.82); pairs of
+    # equal clients pad nothing.
+    assert choose_pack_width(np.array([1, 10, 1, 10]), 4, cohorts=np.array([[0, 1, 2, 3]])) == (2, 1.0)
+    # Equal clients: the whole cohort at once (vmap's width), padding nothing.
+    assert choose_pack_width(np.full(20, 7), 5) == (5, 1.0)
+    # No group of two within 1.2 (1 and 3 steps: 6 / 4 = 1.5): one client after another.
+    assert choose_pack_width(np.array([1, 3]), 2, cohorts=np.array([[0, 1]])) == (1, 1.0)
+    width, ratio = choose_pack_width(np.array([3, 4, 1, 9, 9, 2, 5, 30]), 4)
+    assert width in (1, 2, 4) and ratio <= 1.2
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "local"])
+def test_packed_clients_compute_what_map_computes(algorithm):
+    """Clients sorted by size, in lockstep pairs: a wrong permutation back would write one client's
+    model into another's row (Local) or weight messages wrongly (FedAvg); the executed steps are the
+    pairs' longest members'."""
+    _, data = tiny_federated(SIZES)
+    task = make_task(data)
+    alg = make_algorithm(algorithm, task, {})
+    results = {}
+    for mode, width in (("map", 1), ("packed", 3)):
+        engine = Engine(alg, data.num_clients, 6, client_parallelism=mode, pack_width=width,
+                        local_epochs=task.local_epochs, batch_size=task.batch_size)
+        results[mode] = engine.run_rounds(engine.init(jax.random.PRNGKey(0)), data, 2)
+    # Bitwise, client by client (XLA:CPU's batched matmuls round as its single ones here).
+    for a, b in zip(jax.tree_util.tree_leaves(results["map"][0]), jax.tree_util.tree_leaves(results["packed"][0])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for key in set(results["map"][1]) - {"client_steps_executed"}:
+        np.testing.assert_array_equal(results["map"][1][key], results["packed"][1][key], err_msg=key)
+    steps = np.sort(task.local_epochs * -(-np.asarray(SIZES) // task.batch_size))
+    assert results["packed"][1]["client_steps_executed"].tolist() == [3 * (steps[2] + steps[5])] * 2
 
 
 def test_round_metrics_count_useful_and_executed_client_steps():
@@ -387,3 +428,19 @@ def test_an_algorithm_without_cost_accounting_reports_unknown_not_zero(tmp_path)
     assert rows[-1]["downlink_bits"] > 0 and rows[-1]["total_downlink_bits"] == 2 * rows[0]["downlink_bits"]
     assert summary["total_flops"] is None and summary["total_gbit"] is None
     assert "not counted" in format_summary(summary)
+
+
+@pytest.mark.fast
+def test_auto_schedule_follows_the_recorded_measurements(monkeypatch):
+    """map on a CPU; packed on one accelerator (the H100 record: docs/design.md); vmap across several
+    accelerators or processes (the schedule that shards the cohort)."""
+    from fedjax_sparse import engine as engine_module
+    monkeypatch.setattr(jax, "process_count", lambda: 1)
+    for backend, devices, expected in (("cpu", 1, "map"), ("cpu", 4, "map"), ("gpu", 1, "packed"),
+                                       ("gpu", 2, "vmap"), ("tpu", 1, "packed")):
+        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        monkeypatch.setattr(jax, "local_device_count", lambda d=devices: d)
+        assert engine_module.resolve_parallelism("auto") == expected, (backend, devices)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert engine_module.resolve_parallelism("auto") == "vmap"
+    assert engine_module.resolve_parallelism("packed") == "packed"

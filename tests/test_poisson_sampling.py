@@ -1,6 +1,7 @@
 """Poisson client sampling (issue 43): cohort sizes ~ Binomial(N, q), the capacity, the engine's
 masking (map and vmap, empty rounds, costs, client states), the servers' masked means, refusals,
 DP accounted as PoissonSampledDpEvent(q, GaussianDpEvent(z)) and --resume."""
+import dataclasses
 import json
 import math
 
@@ -69,11 +70,15 @@ def _toy(varying=True):
     return Algorithm("toy", init, lambda s, r: s, client_update, server_update, varying_cohort=varying)
 
 
-@pytest.mark.parametrize("mode", ["map", "vmap"])
+@pytest.mark.parametrize("mode", ["map", "vmap", "packed"])
 def test_engine_masks_padded_slots_and_keeps_the_model_in_an_empty_round(mode):
     _, data = tiny_federated()
     engine = Engine(_toy(), 6, 2, client_parallelism=mode, client_sampling="poisson",
                     local_epochs=1, batch_size=8)
+    if mode == "packed":   # padded slots (size 0) sort first; pairs of slots in lockstep
+        engine = dataclasses.replace(engine, pack_width=engine.cohort_capacity // 2 if engine.cohort_capacity % 2 == 0
+                                     else 1)
+        assert engine.pack_width > 1
     state = engine.init(jax.random.PRNGKey(1))
     participations, server, saw_empty = np.zeros(6, int), -1.0, False
     for r in range(12):
