@@ -33,8 +33,10 @@ Per variant (units in the names; the JSON schema is ``SCHEMA``, documented in :f
   loop runs in the program compiled for this device (``fedjax_sparse.programs.loop_op_counts``:
   ``kernels`` launched at its top level, ``loops_inside`` it, ``ops`` by opcode, and
   ``grouped_convolutions``: how many instructions of the whole compiled round still have a group count
-  above 1); null where the round has no such loop (or lives in host memory). On a GPU each kernel is at
-  least one launch per step.
+  above 1), and what the step costs (:func:`step_cost`: ``cost`` {cpu, cuda: flops, bytes_accessed}
+  per lockstep iteration, ``cost_per_client_step``, ``lockstep_clients`` and ``padding``: executed /
+  useful client-steps of the schedule over 50 rounds' cohorts); null where the round has no such loop
+  (or lives in host memory). On a GPU each kernel is at least one launch per step.
 
 The persistent compilation cache stays off unless asked for (``--compile-cache DIR``), so compile
 times are cold; ``device.compilation_cache`` records the folder JAX used, if any.
@@ -279,7 +281,28 @@ def local_step_counts(engine, state, data) -> dict | None:
     step = loops[0]
     return {"kernels": step["kernels"], "loops_inside": step["ops"].get("while", 0), "ops": step["ops"],
             # anywhere in the round: a grouped convolution is a per-client kernel a GPU runs group by group
-            "grouped_convolutions": len(programs.compiled_grouped_convolutions(compiled))}
+            "grouped_convolutions": len(programs.compiled_grouped_convolutions(compiled)),
+            **step_cost(engine, state, data)}
+
+
+def step_cost(engine, state, data, rounds: int = 50) -> dict:
+    """One local step's cost (``programs.local_step_cost``: FLOPs and bytes accessed per platform, for
+    the clients that step in lockstep and per client-step) and the schedule's padding: executed /
+    useful client-steps over the cohorts of ``rounds`` rounds from ``state``'s key."""
+    from fedjax_sparse.engine import executed_client_steps
+    lockstep = {"vmap": engine.cohort_capacity, "packed": engine.pack_width}.get(engine.mode, 1)
+    cost = programs.local_step_cost(lambda s, d: engine.round_step(s, d), state, data)
+    per_client = {platform: {key: value / lockstep for key, value in costs.items() if key != "compiled"}
+                  for platform, costs in cost.items()}
+    padding = None
+    if engine.local_epochs is not None and engine.batch_size is not None and not engine.poisson:
+        cohorts = engine.cohorts(state.key, int(state.round), rounds)
+        steps = engine.local_epochs * -(-np.asarray(data.train_count)[cohorts] // engine.batch_size)
+        useful = int(steps.sum())
+        executed = sum(int(executed_client_steps(jnp.asarray(row), engine.mode, engine.pack_width)) for row in steps)
+        padding = {"rounds": rounds, "useful_client_steps": useful, "executed_client_steps": executed,
+                   "executed_per_useful": executed / max(useful, 1)}
+    return {"lockstep_clients": lockstep, "cost": cost, "cost_per_client_step": per_client, "padding": padding}
 
 
 def time_variant(config: RunConfig, point: tuple, rounds_timed: int, parts: Components | None = None,
@@ -575,7 +598,7 @@ def format_table(result: dict) -> str:
                "compile s", "peak dev MiB", "peak host MiB"]
     counted = any("local_step" in v for v in result["variants"])
     if counted:
-        columns.append("kernels/step")
+        columns += ["kernels/step", "MB/client-step (cuda)", "executed/useful"]
     rows = []
     for v in result["variants"]:
         share = v.get("tflops_share_of_matmul")
@@ -588,6 +611,10 @@ def format_table(result: dict) -> str:
             step = v.get("local_step")
             rows[-1].append("n/a" if not step else str(step["kernels"]) +
                             (f" (+{step['loops_inside']} loops)" if step["loops_inside"] else ""))
+            cuda = ((step or {}).get("cost_per_client_step") or {}).get("cuda")
+            padding = (step or {}).get("padding")
+            rows[-1] += ["n/a" if not cuda else _fmt(cuda["bytes_accessed"] / 1e6, 4),
+                         "n/a" if not padding else f"{padding['executed_per_useful']:.2f}"]
     widths = [max(len(str(r[i])) for r in [columns] + rows) for i in range(len(columns))]
     line = lambda cells: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)  # noqa: E731
                                    for i, (c, w) in enumerate(zip(cells, widths)))

@@ -12,13 +12,14 @@ follow ``platform``; choices a trace makes from ``jax.default_backend()`` follow
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from collections import Counter
 from typing import Any, Callable
 
 import jax
 
-from fedjax_sparse.training import LOCAL_STEP_SCOPE
+from fedjax_sparse.training import LOCAL_STEP_SCOPE, without_local_steps
 
 # HLO instructions that launch no kernel of their own (bookkeeping, views, control flow whose bodies
 # are counted separately).
@@ -228,3 +229,38 @@ def stablehlo_loop_op_counts(text: str, scope: str = LOCAL_STEP_SCOPE) -> list[d
                     loops.append({"total": sum(ops.values()), "in_scope": in_scope, "ops": dict(sorted(ops.items()))})
                     break
     return sorted(loops, key=lambda r: (-r["in_scope"], -r["total"]))
+
+
+# ---------------------------------------------------------------- what one local step costs
+def _costs(analysis) -> dict:
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+    return {"flops": float(analysis.get("flops", 0.0)), "bytes_accessed": float(analysis.get("bytes accessed", 0.0)),
+            "transcendentals": float(analysis.get("transcendentals", 0.0))}
+
+
+def local_step_cost(round_fn: Callable, *args, platforms: tuple[str, ...] = ("cpu", "cuda")) -> dict:
+    """XLA's cost analysis of one iteration of the local-step loop of ``round_fn(*args)`` (a round
+    whose clients train with ``training.run_local_epochs``): the round's cost less the same round
+    traced with no local step (``training.without_local_steps``). XLA costs a ``while`` body once
+    whatever its trip count, so the difference is one iteration as the schedule runs it: all K clients
+    in lockstep under ``vmap``, one client under ``map``, one group under ``packed``.
+
+    Per platform: ``"cpu"`` (this machine, compiled: after fusion) and ``"cuda"`` (lowered for CUDA
+    here, the program a GPU would run with its own choices such as ``conv_impl="auto"``; XLA's analysis
+    of the unoptimised program, before fusion, so its bytes bound from above what the fused kernels
+    move). Returns {platform: {flops, bytes_accessed, transcendentals}} per step."""
+    out = {}
+    backend = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())
+    for platform in platforms:
+        costs = []
+        for without in (False, True):
+            jitted = jax.jit(lambda *a: round_fn(*a))   # a fresh trace: the context is read while tracing
+            with without_local_steps() if without else contextlib.nullcontext():
+                if platform == backend:
+                    costs.append(_costs(jitted.lower(*args).compile().cost_analysis()))
+                else:
+                    costs.append(_costs(jitted.trace(*args).lower(lowering_platforms=(platform,)).cost_analysis()))
+        whole, rest = costs
+        out[platform] = {key: whole[key] - rest[key] for key in whole}
+        out[platform]["compiled"] = platform == backend
+    return out

@@ -15,6 +15,8 @@ identical results.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Callable, NamedTuple
 
 import jax
@@ -46,6 +48,22 @@ MODEL_RNG_STREAM = 0x6D6F64  # "mod"
 
 # The name scope of one local training step (``run_local_epochs``), which tells its loop apart in a program.
 LOCAL_STEP_SCOPE = "local_step"
+
+
+# Set while tracing a round whose local loops are left out (``without_local_steps``): what the round costs
+# besides its steps, so that a cost analysis of the whole round less this one is the cost of one step.
+_WITHOUT_LOCAL_STEPS = contextvars.ContextVar("fedjax_sparse_without_local_steps", default=False)
+
+
+@contextlib.contextmanager
+def without_local_steps():
+    """Code traced in this block runs no local step: ``run_local_epochs`` returns its carry as it got it
+    (a trace-time choice, for ``programs.local_step_cost``; never a run mode)."""
+    token = _WITHOUT_LOCAL_STEPS.set(True)
+    try:
+        yield
+    finally:
+        _WITHOUT_LOCAL_STEPS.reset(token)
 
 
 def model_rng(step_key: jax.Array) -> jax.Array:
@@ -106,7 +124,10 @@ def run_local_epochs(step_fn: StepFn, carry, data: ClientData, key: jax.Array, *
             carry, loss = step_fn(carry, batch, step, num_steps, jax.random.fold_in(key_steps, step))
         return carry, loss_sum + loss * batch.mask.sum()
 
-    carry, loss_sum = jax.lax.fori_loop(0, num_steps, body, (carry, jnp.zeros((), jnp.float32)))
+    if _WITHOUT_LOCAL_STEPS.get():
+        loss_sum = jnp.zeros((), jnp.float32)
+    else:
+        carry, loss_sum = jax.lax.fori_loop(0, num_steps, body, (carry, jnp.zeros((), jnp.float32)))
     examples = epochs * data.count
     return carry, LocalStats(loss_sum / jnp.maximum(examples, 1), num_steps, examples)
 

@@ -3,6 +3,8 @@ one-line refusals, and variants that compute the same rounds."""
 import json
 import math
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 import fedjax_sparse as fjs
@@ -154,3 +156,50 @@ def test_bench_counts_the_kernels_of_a_local_step():
     assert "kernels/step" in bench.format_table(result)
     plain = bench.bench(config, rounds_timed=1, matmul_size=64)
     assert "local_step" not in plain["variants"][0] and "kernels/step" not in bench.format_table(plain)
+
+
+def test_local_step_cost_is_one_iteration_of_the_step_loop():
+    """programs.local_step_cost on a hand-made round: each step multiplies a [B, d] batch by a [d, h]
+    matrix (2 B d h FLOPs), whatever the trip count; K clients in lockstep (vmap) cost K times that."""
+    from fedjax_sparse import programs
+    from fedjax_sparse.data.federated import ClientData
+    from fedjax_sparse.training import run_local_epochs
+    batch, d, h, n, clients = 16, 64, 128, 80, 3
+    x = jnp.ones((n, d))
+    w = jnp.ones((d, h))
+
+    def client(count, key):
+        data = ClientData(x, jnp.zeros((n,), jnp.int32), jnp.arange(n, dtype=jnp.int32), count)
+
+        def step(carry, b, i, total, k):
+            return carry + (b.x @ w).sum(), jnp.zeros(())
+        return run_local_epochs(step, jnp.zeros(()), data, key, epochs=2, batch_size=batch,
+                                preprocess=lambda v: v)[0]
+
+    keys = jax.random.split(jax.random.PRNGKey(0), clients)
+    counts = jnp.asarray([80, 9, 33], jnp.int32)
+    one = programs.local_step_cost(lambda c, k: client(c[0], k[0]), counts, keys)
+    lockstep = programs.local_step_cost(lambda c, k: jax.vmap(client)(c, k), counts, keys)
+    for platform in ("cpu", "cuda"):
+        # the product, its sum and the loop's few scalar ops: within 10 % of the product's own FLOPs
+        assert one[platform]["flops"] == pytest.approx(2 * batch * d * h, rel=0.1), platform
+        assert lockstep[platform]["flops"] == pytest.approx(clients * 2 * batch * d * h, rel=0.1), platform
+        assert one[platform]["bytes_accessed"] > 0
+    assert one["cpu"]["compiled"] and not one["cuda"]["compiled"]
+
+
+def test_bench_reports_step_cost_and_padding_per_schedule():
+    """--count-kernels also gives each variant's step cost per client-step (about the same work under
+    every schedule) and the schedule's executed / useful client-steps (map 1, vmap the most)."""
+    config = fjs.RunConfig(**dict(QUICK_CONFIG, partition="dirichlet:0.3"))
+    result = bench.bench(config, {"client_parallelism": ["map", "vmap", "packed"]}, rounds_timed=1, matmul_size=64,
+                         count_kernels=True)
+    steps = {v["client_parallelism"]: v["local_step"] for v in result["variants"]}
+    ratios = {mode: step["padding"]["executed_per_useful"] for mode, step in steps.items()}
+    assert ratios["map"] == 1.0 and ratios["vmap"] > 1.0 and 1.0 <= ratios["packed"] <= ratios["vmap"]
+    assert steps["packed"]["padding"]["useful_client_steps"] == steps["map"]["padding"]["useful_client_steps"]
+    flops = {mode: step["cost_per_client_step"]["cuda"]["flops"] for mode, step in steps.items()}
+    # the same products per client-step; lockstep adds the selects that freeze finished clients
+    assert flops["map"] <= flops["vmap"] <= 1.3 * flops["map"] and flops["map"] <= flops["packed"] <= 1.3 * flops["map"]
+    assert steps["vmap"]["lockstep_clients"] == config.clients_per_round and steps["map"]["lockstep_clients"] == 1
+    assert "executed/useful" in bench.format_table(result)
