@@ -3,6 +3,7 @@ or said once, never a traceback or a silent coercion.
 
 * a Flax model with no parameters, and one too large for memory: refused in one line by ``from_flax``,
   the second from the weights' shapes before any weight is initialised;
+* ``fjs.sweep(config, {"lr": 0.1})`` and ``seeds="01"``: refused in one line naming the fix;
 """
 
 import flax.linen as nn
@@ -68,3 +69,39 @@ def test_a_model_too_large_is_refused_from_its_shapes_before_any_weight_is_made(
     INITIALISED.clear()
     fjs.models.from_flax(Wide(), input_shape=(8, 8, 1))   # fits this machine: built, real weights checked
     assert any(INITIALISED)
+
+
+# ---------------------------------------------------------------- sweeps
+CONFIG = dict(dataset="digits", num_clients=4, clients_per_round=2, rounds=1)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("axes, said", [
+    ({"lr": 0.1}, "sweep axis 'lr' needs a list of values, got the float 0.1: write {'lr': [0.1]}"),
+    ({"option.ste": "truncated"}, "sweep axis 'option.ste' needs a list of values, got the str 'truncated': "
+                                  "write {'option.ste': ['truncated']}"),
+    (["lr"], "a sweep's axes are a dict {key: [values]}, got a list: write e.g. {'lr': [0.01, 0.1]}"),
+])
+def test_a_scalar_sweep_value_is_refused_naming_the_list(axes, said):
+    with pytest.raises(RunError) as e:
+        fjs.sweep(fjs.RunConfig(**CONFIG), axes, progress=False)
+    assert str(e.value) == said
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("seeds, said", [
+    ("01", "seeds must be a list of integers such as [0, 1, 2], got the str '01'"),
+    (3, "seeds must be a list of integers such as [0, 1, 2], got the int 3: write seeds=[3] (one seed) or "
+        "seeds=range(3)"),
+    ([0, 1.5], "seeds must be integers, got 1.5"),
+])
+def test_seeds_that_are_not_a_list_of_integers_are_refused(seeds, said, tmp_path):
+    config = fjs.RunConfig(**CONFIG, out=str(tmp_path / "sweep"))
+    with pytest.raises(RunError) as e:
+        fjs.sweep(config, {"lr": [0.1]}, seeds=seeds, progress=False)
+    assert str(e.value) == said
+    assert not (tmp_path / "sweep").exists()   # refused before anything ran
+    from fedjax_sparse.replicas import run_replicas
+    with pytest.raises(RunError) as e:
+        run_replicas(config, seeds, progress=False)
+    assert str(e.value) == said
