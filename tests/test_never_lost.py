@@ -4,17 +4,21 @@ or said once, never a traceback or a silent coercion.
 * a Flax model with no parameters, and one too large for memory: refused in one line by ``from_flax``,
   the second from the weights' shapes before any weight is initialised;
 * ``fjs.sweep(config, {"lr": 0.1})`` and ``seeds="01"``: refused in one line naming the fix;
+* an empty Poisson cohort's training loss is null (no client trained), not 0.0, and the run goes on;
 """
+import json
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import fedjax_sparse as fjs
 from fedjax_sparse import memory
 from fedjax_sparse.cli import main
 from fedjax_sparse.errors import RunError
+from fedjax_sparse.engine import reduce_client_metrics
 
 
 def one_line(err: str, needle: str) -> None:
@@ -105,3 +109,44 @@ def test_seeds_that_are_not_a_list_of_integers_are_refused(seeds, said, tmp_path
     with pytest.raises(RunError) as e:
         run_replicas(config, seeds, progress=False)
     assert str(e.value) == said
+
+
+# ---------------------------------------------------------------- an empty Poisson cohort
+@pytest.mark.fast
+def test_an_empty_cohort_has_no_loss():
+    metrics = {"loss": jnp.array([0.0, 0.0]), "density": jnp.array([0.0, 0.0]),
+               "num_examples": jnp.array([0, 0], jnp.int32)}
+    empty = reduce_client_metrics(metrics, jnp.array([False, False]))
+    assert np.isnan(empty["loss"]) and np.isnan(empty["density"])
+    metrics = {"loss": jnp.array([2.0, 0.0]), "density": jnp.array([0.5, 0.0]),
+               "num_examples": jnp.array([3, 0], jnp.int32)}
+    real = reduce_client_metrics(metrics, jnp.array([True, False]))
+    assert float(real["loss"]) == 2.0 and float(real["density"]) == 0.5
+
+
+def test_an_empty_poisson_round_logs_a_null_loss_and_the_run_goes_on(tmp_path):
+    # 4 clients at q = 1/4: 32 % of rounds are empty; seed 0's rounds 1-6 include empty ones (checked below).
+    config = fjs.RunConfig(algorithm="fedavg", dataset="digits", num_clients=4, clients_per_round=1,
+                           client_sampling="poisson", rounds=6, local_epochs=1, out=str(tmp_path / "run"))
+    result = fjs.run(config, progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows == result.rows and len(rows) == 6
+    empty = [r for r in rows if r["clients"] == 0]
+    trained = [r for r in rows if r["clients"] > 0]
+    assert empty and trained, [r["clients"] for r in rows]
+    assert all(r["loss"] is None for r in empty), [r["loss"] for r in empty]
+    assert all(r["loss"] > 0 for r in trained), [r["loss"] for r in trained]
+    assert result.summary["rounds"] == 6   # not taken for a diverged run
+
+
+@pytest.mark.fast
+def test_a_folder_whose_last_round_was_empty_is_not_called_diverged(tmp_path):
+    from fedjax_sparse.checkpoint import CHECKPOINT_DIR, prepare_out_dir
+    out = tmp_path / "run"
+    (out / CHECKPOINT_DIR / "3").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text(json.dumps({"round": 3, "loss": None, "clients": 0}) + "\n")
+    with pytest.raises(RunError, match="it holds a run stopped after a checkpoint"):
+        prepare_out_dir(out, resume=False, overwrite=False)
+    (out / "metrics.jsonl").write_text(json.dumps({"round": 3, "loss": None, "clients": 2}) + "\n")
+    with pytest.raises(RunError, match="it holds a run that diverged at round 3"):
+        prepare_out_dir(out, resume=False, overwrite=False)
