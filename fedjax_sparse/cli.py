@@ -499,7 +499,25 @@ def key_value_problem(argv: list[str]) -> str | None:
     return None
 
 
+def one_line_warnings() -> None:
+    """Our own warnings (:class:`~fedjax_sparse.errors.DataWarning`) as one ``warning: ...`` line, like
+    ``error: ...``, without Python's file, line and source line. Set by the command line's process
+    (``main()`` reading ``sys.argv``); a notebook or a test calling ``main([...])`` keeps Python's format."""
+    import warnings
+
+    from fedjax_sparse.errors import DataWarning
+    default = warnings.formatwarning
+
+    def formatwarning(message, category, filename, lineno, line=None):
+        if issubclass(category, DataWarning):
+            return f"warning: {message}\n"
+        return default(message, category, filename, lineno, line)
+    warnings.formatwarning = formatwarning  # type: ignore[assignment]
+
+
 def main(argv=None) -> int:
+    if argv is None:   # the process's own command line: python -m fedjax_sparse, or the fedjax-sparse script
+        one_line_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
     problem = key_value_problem(argv)
     if problem is not None:

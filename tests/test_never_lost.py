@@ -5,8 +5,10 @@ or said once, never a traceback or a silent coercion.
   the second from the weights' shapes before any weight is initialised;
 * ``fjs.sweep(config, {"lr": 0.1})`` and ``seeds="01"``: refused in one line naming the fix;
 * an empty Poisson cohort's training loss is null (no client trained), not 0.0, and the run goes on;
+* a ``--batch-size`` larger than every client's training set is said once;
 """
 import json
+import warnings
 
 import flax.linen as nn
 import jax
@@ -17,7 +19,7 @@ import pytest
 import fedjax_sparse as fjs
 from fedjax_sparse import memory
 from fedjax_sparse.cli import main
-from fedjax_sparse.errors import RunError
+from fedjax_sparse.errors import DataWarning, RunError
 from fedjax_sparse.engine import reduce_client_metrics
 
 
@@ -150,3 +152,31 @@ def test_a_folder_whose_last_round_was_empty_is_not_called_diverged(tmp_path):
     (out / "metrics.jsonl").write_text(json.dumps({"round": 3, "loss": None, "clients": 2}) + "\n")
     with pytest.raises(RunError, match="it holds a run that diverged at round 3"):
         prepare_out_dir(out, resume=False, overwrite=False)
+
+
+# ---------------------------------------------------------------- a batch larger than every client
+@pytest.mark.fast
+def test_a_batch_larger_than_every_client_is_said_once():
+    config = fjs.RunConfig(dataset="digits", num_clients=20, batch_size=5000, rounds=1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        experiment = fjs.build(config)
+        fjs.build(config)
+    said = [str(w.message) for w in seen if issubclass(w.category, DataWarning)]
+    largest = int(np.max(np.asarray(experiment.data.train_count)))
+    assert said == [f"RunConfig(batch_size=5000) is larger than every client's training set (the largest holds "
+                    f"{largest} examples): each local epoch is one full-batch step, padded to 5000 rows; "
+                    f"RunConfig(batch_size={largest}) takes the same steps without the padding"], said
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fjs.build(fjs.RunConfig(dataset="digits", num_clients=20, batch_size=largest, rounds=1))
+
+
+@pytest.mark.fast
+def test_the_command_line_says_our_warnings_in_one_line(monkeypatch):
+    from fedjax_sparse.cli import one_line_warnings
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)   # restored after the test
+    one_line_warnings()
+    assert warnings.formatwarning(DataWarning("--batch-size 64 is larger"), DataWarning, "x.py", 3) == \
+        "warning: --batch-size 64 is larger\n"
+    assert "x.py:3: UserWarning" in warnings.formatwarning(UserWarning("other"), UserWarning, "x.py", 3)
