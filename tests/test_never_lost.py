@@ -6,6 +6,8 @@ or said once, never a traceback or a silent coercion.
 * ``fjs.sweep(config, {"lr": 0.1})`` and ``seeds="01"``: refused in one line naming the fix;
 * an empty Poisson cohort's training loss is null (no client trained), not 0.0, and the run goes on;
 * a ``--batch-size`` larger than every client's training set is said once;
+* too many clients for the data: the advice names a number of clients that can work, and never
+  suggests lowering ``--min-client-samples`` below 1;
 """
 import json
 import warnings
@@ -19,8 +21,11 @@ import pytest
 import fedjax_sparse as fjs
 from fedjax_sparse import memory
 from fedjax_sparse.cli import main
+from fedjax_sparse.data.partition import partition_dataset
 from fedjax_sparse.errors import DataWarning, RunError
 from fedjax_sparse.engine import reduce_client_metrics
+
+from helpers import tiny_dataset
 
 
 def one_line(err: str, needle: str) -> None:
@@ -180,3 +185,28 @@ def test_the_command_line_says_our_warnings_in_one_line(monkeypatch):
     assert warnings.formatwarning(DataWarning("--batch-size 64 is larger"), DataWarning, "x.py", 3) == \
         "warning: --batch-size 64 is larger\n"
     assert "x.py:3: UserWarning" in warnings.formatwarning(UserWarning("other"), UserWarning, "x.py", 3)
+
+
+# ---------------------------------------------------------------- too many clients for the data
+@pytest.mark.fast
+@pytest.mark.parametrize("spec", ["dirichlet:0.5", "iid", "dirichlet_split:0.5:0.8"])
+def test_more_clients_than_examples_names_how_many_can_work(spec):
+    data = tiny_dataset(n_train=240)
+    with pytest.raises(ValueError) as e:
+        partition_dataset(data, spec, 5000, seed=0)
+    assert str(e.value) == ("5000 clients of at least 1 train example each (--min-client-samples 1) need 5000 "
+                            "train examples; the training set has 240: use at most 240 clients (--num-clients)")
+    with pytest.raises(ValueError) as e:
+        partition_dataset(data, spec, 100, seed=0, min_train_samples=3)
+    assert str(e.value).endswith("use at most 80 clients (--num-clients), or a lower --min-client-samples")
+
+
+@pytest.mark.fast
+def test_a_dirichlet_draw_that_fails_at_one_sample_does_not_advise_lowering_it():
+    data = tiny_dataset(n_train=240)
+    with pytest.raises(ValueError) as e:
+        partition_dataset(data, "dirichlet:0.1", 200, seed=0, max_redraws=3)
+    assert "lower it" not in str(e.value) and "raise alpha or use fewer clients" in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match="--min-client-samples \\(min_train_samples\\) is too large for this alpha and "
+                                         "number of clients: lower it, raise alpha, or use fewer clients"):
+        partition_dataset(data, "dirichlet:0.1", 20, seed=0, min_train_samples=11, max_redraws=3)
