@@ -359,8 +359,8 @@ def cmd_bench(args) -> int:
         print(f"notice: bench writes no run folder; --out {config.out} ignored (--json FILE writes the result)",
               file=sys.stderr)
         config.out = None
-    if args.json and Path(args.json).exists() and not args.overwrite:
-        raise FileExistsError(f"{args.json} already exists; choose another --json FILE or pass --overwrite")
+    if args.json:   # before the benchmark runs, not after it
+        bench.check_json_writable(args.json, overwrite=args.overwrite)
     axes = bench.parse_compare(args.compare or [])
     if args.compile_cache and args.compile_cache != "off":
         enable_compile_cache(args.compile_cache)

@@ -8,6 +8,7 @@ or said once, never a traceback or a silent coercion.
 * a ``--batch-size`` larger than every client's training set is said once;
 * too many clients for the data: the advice names a number of clients that can work, and never
   suggests lowering ``--min-client-samples`` below 1;
+* ``bench --json`` to a path that cannot be written is refused before the benchmark runs.
 """
 import json
 import warnings
@@ -210,3 +211,20 @@ def test_a_dirichlet_draw_that_fails_at_one_sample_does_not_advise_lowering_it()
     with pytest.raises(ValueError, match="--min-client-samples \\(min_train_samples\\) is too large for this alpha and "
                                          "number of clients: lower it, raise alpha, or use fewer clients"):
         partition_dataset(data, "dirichlet:0.1", 20, seed=0, min_train_samples=11, max_redraws=3)
+
+
+# ---------------------------------------------------------------- bench --json
+@pytest.mark.fast
+def test_bench_refuses_an_unwritable_json_before_benchmarking(tmp_path, monkeypatch, capsys):
+    from fedjax_sparse import bench
+
+    def ran(*a, **k):
+        raise AssertionError("the benchmark ran")
+    monkeypatch.setattr(bench, "bench", ran)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    target = blocker / "result.json"   # a folder that cannot exist: its parent is a file
+    assert main(["bench", "--dataset", "digits", "--rounds-timed", "1", "--quiet", "--json", str(target)]) == 2
+    one_line(capsys.readouterr().err, f"--json {target}: cannot write there")
+    assert main(["bench", "--dataset", "digits", "--quiet", "--json", str(tmp_path)]) == 2
+    one_line(capsys.readouterr().err, f"--json {tmp_path} is a folder; give a file name")
