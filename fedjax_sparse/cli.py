@@ -457,7 +457,8 @@ def cmd_list(args) -> int:
         print(f"  {name:<24} {MODELS.get(name, '(your model)')}")
     print("partitions: " + ", ".join(PARTITION_SCHEMES))
     from fedjax_sparse.papers import SETTINGS
-    print("settings:   (--setting NAME: a paper's experiment, fedjax_sparse/papers.py) " + ", ".join(SETTINGS))
+    print("settings:   (--setting NAME: a paper's experiment or the quickstart's, fedjax_sparse/papers.py) "
+          + ", ".join(SETTINGS))
     return 0
 
 
