@@ -628,6 +628,25 @@ def format_table(result: dict) -> str:
                       f"fastest: {result['fastest']}"]) + "\n"
 
 
+def check_json_writable(path: str | Path, overwrite: bool = False) -> None:
+    """Refuses, before a benchmark spends its minutes, a ``--json`` path that :func:`write_json` could not
+    write: an existing file (unless ``overwrite``), a folder, or a place where no file can be created
+    (tried: the folders made and the temporary file written and removed)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"--json {path} is a folder; give a file name, e.g. --json {path / 'bench.json'}")
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} already exists; choose another --json FILE or pass --overwrite")
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text("")
+        tmp.unlink()
+    except OSError as e:
+        raise ValueError(f"--json {path}: cannot write there ({e.strerror or type(e).__name__}); choose a writable "
+                         "--json FILE") from None
+
+
 def write_json(result: dict, path: str | Path, overwrite: bool = False) -> Path:
     """Writes ``result`` to ``path`` (atomically: a temporary file renamed). An existing file is
     refused unless ``overwrite``."""

@@ -367,8 +367,9 @@ def _holds(out: Path) -> tuple[str, str]:
             rows = read_metrics(out)
         except RunError:
             rows = []
-        if rows and rows[-1].get("loss") is None:
-            # Diverged (its NaN loss is written as null): a resume would repeat the same rounds.
+        if rows and rows[-1].get("loss") is None and rows[-1].get("clients") != 0:
+            # Diverged (its NaN loss is written as null; an empty Poisson round's null is no loss at all):
+            # a resume would repeat the same rounds.
             return (f"a run that diverged at round {rows[-1]['round']}",
                     "pass --overwrite to replace it with this run, or choose another --out")
         return ("a run stopped after a checkpoint",

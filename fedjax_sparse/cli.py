@@ -359,8 +359,8 @@ def cmd_bench(args) -> int:
         print(f"notice: bench writes no run folder; --out {config.out} ignored (--json FILE writes the result)",
               file=sys.stderr)
         config.out = None
-    if args.json and Path(args.json).exists() and not args.overwrite:
-        raise FileExistsError(f"{args.json} already exists; choose another --json FILE or pass --overwrite")
+    if args.json:   # before the benchmark runs, not after it
+        bench.check_json_writable(args.json, overwrite=args.overwrite)
     axes = bench.parse_compare(args.compare or [])
     if args.compile_cache and args.compile_cache != "off":
         enable_compile_cache(args.compile_cache)
@@ -457,7 +457,8 @@ def cmd_list(args) -> int:
         print(f"  {name:<24} {MODELS.get(name, '(your model)')}")
     print("partitions: " + ", ".join(PARTITION_SCHEMES))
     from fedjax_sparse.papers import SETTINGS
-    print("settings:   (--setting NAME: a paper's experiment, fedjax_sparse/papers.py) " + ", ".join(SETTINGS))
+    print("settings:   (--setting NAME: a paper's experiment or the quickstart's, fedjax_sparse/papers.py) "
+          + ", ".join(SETTINGS))
     return 0
 
 
@@ -499,7 +500,25 @@ def key_value_problem(argv: list[str]) -> str | None:
     return None
 
 
+def one_line_warnings() -> None:
+    """Our own warnings (:class:`~fedjax_sparse.errors.DataWarning`) as one ``warning: ...`` line, like
+    ``error: ...``, without Python's file, line and source line. Set by the command line's process
+    (``main()`` reading ``sys.argv``); a notebook or a test calling ``main([...])`` keeps Python's format."""
+    import warnings
+
+    from fedjax_sparse.errors import DataWarning
+    default = warnings.formatwarning
+
+    def formatwarning(message, category, filename, lineno, line=None):
+        if issubclass(category, DataWarning):
+            return f"warning: {message}\n"
+        return default(message, category, filename, lineno, line)
+    warnings.formatwarning = formatwarning  # type: ignore[assignment]
+
+
 def main(argv=None) -> int:
+    if argv is None:   # the process's own command line: python -m fedjax_sparse, or the fedjax-sparse script
+        one_line_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
     problem = key_value_problem(argv)
     if problem is not None:

@@ -548,9 +548,12 @@ def reduce_client_metrics(metrics: dict, mask: jax.Array | None = None) -> dict:
     examples, other floats averaged; the exact counts (FLOPs, bits: ``Cost``
     with [K] factors; ``num_examples`` [K] int32) stay per client, for the
     host to sum exactly (:func:`metrics_to_host`). ``mask`` [K] (a Poisson cohort's real
-    slots): the floats are averaged over the real clients only (0 in an empty round); padded
-    slots report zero costs and examples already."""
+    slots): the floats are averaged over the real clients only, and are NaN in an empty round (no
+    client trained: there is no loss or density to report, and 0 would read as one; the runner
+    writes them as null and does not take that NaN for divergence); padded slots report zero costs
+    and examples already."""
     examples = metrics["num_examples"].astype(jnp.float32)
+    empty = None if mask is None else ~mask.any()
     out = {}
     for key, value in metrics.items():
         if key in COST_METRICS or key == "num_examples":
@@ -562,6 +565,8 @@ def reduce_client_metrics(metrics: dict, mask: jax.Array | None = None) -> dict:
         else:
             real = mask.astype(value.dtype).reshape(mask.shape + (1,) * (value.ndim - 1))
             out[key] = (value * real).sum(0).mean() / jnp.maximum(mask.sum().astype(value.dtype), 1)
+        if empty is not None and key not in COST_METRICS and key != "num_examples":
+            out[key] = jnp.where(empty, jnp.nan, out[key])
     return out
 
 

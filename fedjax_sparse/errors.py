@@ -20,8 +20,8 @@ import signal
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
-__all__ = ["DataError", "DataWarning", "PinningError", "RunError", "RunStopped", "cli_caller", "in_callers_words",
-           "python_words"]
+__all__ = ["DataError", "DataWarning", "PinningError", "RunError", "RunStopped", "callers_words", "cli_caller",
+           "in_callers_words", "python_words"]
 
 
 class RunError(ValueError):
@@ -168,6 +168,12 @@ def python_words(message: str, arguments: dict[str, str] | None = None) -> str:
         out.append(message[position:match.start()] + text)
         position = end
     return "".join(out) + message[position:]
+
+
+def callers_words(message: str) -> str:
+    """``message`` (in the CLI's words) as its reader calls things: as it is under the command line,
+    in Python arguments elsewhere (:func:`python_words`). For warnings, which no wrapper rewrites."""
+    return message if _CALLER.get() == "cli" else python_words(message)
 
 
 F = TypeVar("F", bound=Callable)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -17,7 +18,7 @@ import numpy as np
 from fedjax_sparse import pinning
 from fedjax_sparse.algorithms import Algorithm, Task, compose, make_algorithm
 from fedjax_sparse.config import DEFAULT_MODELS, RunConfig, validate
-from fedjax_sparse.errors import DataError, RunError, in_callers_words
+from fedjax_sparse.errors import DataError, DataWarning, RunError, callers_words, in_callers_words
 from fedjax_sparse.data.federated import FederatedData, build_federated_data
 from fedjax_sparse.engine import Engine, choose_pack_width, poisson_capacity
 from fedjax_sparse.models import Model, make_model
@@ -152,6 +153,15 @@ def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experi
     except ValueError as e:
         raise RunError(str(e)) from None
     data_record = PartitionedData(dataset, partition).describe()
+    largest = int(np.max(np.asarray(data.train_count))) if data.num_clients else 0
+    if 0 < largest < config.batch_size:
+        # Not an error (each client trains full-batch), but not what the flag says: said once (warnings'
+        # default filter shows it once per place; stacklevel 1 keeps the place here, whoever builds: every
+        # sweep member or replica builds).
+        warnings.warn(DataWarning(callers_words(
+            f"--batch-size {config.batch_size} is larger than every client's training set (the largest holds "
+            f"{largest} examples): each local epoch is one full-batch step, padded to {config.batch_size} rows; "
+            f"--batch-size {largest} takes the same steps without the padding")), stacklevel=1)
     if parts.model is None:
         model_name = config.model or DEFAULT_MODELS.get(config.dataset, "mlp")
         try:

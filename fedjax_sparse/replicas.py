@@ -106,6 +106,23 @@ def _take(tree, i: int):
     return jax.tree_util.tree_map(lambda x: x[i], tree)
 
 
+def seed_list(seeds) -> list[int]:
+    """``seeds`` as a list of ints, or a one-line RunError: a string (``"01"`` would be the seeds 0 and 1),
+    a single number or a non-integer is refused, never coerced."""
+    import numbers
+    if isinstance(seeds, numbers.Integral) and not isinstance(seeds, bool):
+        raise RunError(f"seeds must be a list of integers such as [0, 1, 2], got the int {seeds}: write "
+                       f"seeds=[{seeds}] (one seed) or seeds=range({seeds})")
+    if isinstance(seeds, (str, bytes, dict)) or not hasattr(seeds, "__iter__"):
+        raise RunError(f"seeds must be a list of integers such as [0, 1, 2], got the {type(seeds).__name__} "
+                       f"{seeds!r}")
+    seeds = list(seeds)
+    for s in seeds:
+        if not isinstance(s, numbers.Integral) or isinstance(s, bool):
+            raise RunError(f"seeds must be integers, got {s!r}")
+    return [int(s) for s in seeds]
+
+
 @in_callers_words
 def run_replicas(config: RunConfig, seeds: Sequence[int], *, parallelism: str = "auto", resume: bool = False,
                  overwrite: bool = False, progress: bool = True, given: set[str] | None = None,
@@ -114,7 +131,7 @@ def run_replicas(config: RunConfig, seeds: Sequence[int], *, parallelism: str = 
 
     ``on_eval_for_seed(seed)``: that replica's ``on_eval(row, state, experiment)`` hook (as in
     ``runner.run``), or None."""
-    seeds = [int(s) for s in seeds]
+    seeds = seed_list(seeds)
     if not seeds:
         raise RunError("--seeds needs at least one seed")
     if len(set(seeds)) != len(seeds):

@@ -581,7 +581,9 @@ class OpenRun:
         start of this process's first chunk (its time includes compiling). Returns the row, if any."""
         config, totals, out = self.config, self.totals, self.out
         self.state = state
-        bad = [self.round + i + 1 for i in range(n) if not np.isfinite(metrics["loss"][i])]
+        # A NaN loss is divergence, except in a round whose (Poisson) cohort was empty: no loss at all.
+        empty = metrics["clients"] == 0 if "clients" in metrics else np.zeros(n, bool)
+        bad = [self.round + i + 1 for i in range(n) if not np.isfinite(metrics["loss"][i]) and not empty[i]]
         totals["round"] = self.round + n
         for key in COST_KEYS:
             # An algorithm that does not count a cost leaves its total unknown (None), not 0.

@@ -53,7 +53,7 @@ from fedjax_sparse.data.arrays import PartitionedData
 from fedjax_sparse.engine import Engine
 from fedjax_sparse.errors import RunError, in_callers_words
 from fedjax_sparse.experiment import Experiment, build, with_components, wrap_algorithm
-from fedjax_sparse.replicas import RunGroup, resolve_replica_parallelism, unshareable_reason
+from fedjax_sparse.replicas import RunGroup, resolve_replica_parallelism, seed_list, unshareable_reason
 from fedjax_sparse.runner import RESUMABLE_CHANGES, RunResult, open_run, resumed_config
 
 # Keys whose values a program may take as traced arrays (if the algorithm's builder allows: tried).
@@ -109,6 +109,21 @@ OBJECT_DECIDES = {"model": ("model", "model_option."),
                   "dataset": ("dataset", "data_dir", "download", "dataset_options"),
                   "partitioned data": ("num_clients", "partition", "min_client_samples", "partition_file"),
                   "algorithm": ("algorithm", "option.")}
+
+
+def axis_lists(axes) -> dict[str, list]:
+    """``axes`` as {key: list of values}, or a one-line RunError: a single value (``{"lr": 0.1}``; a string
+    would be swept letter by letter) or a set (no order) is refused, never coerced."""
+    if not isinstance(axes, dict):
+        raise RunError(f"a sweep's axes are a dict {{key: [values]}}, got a {type(axes).__name__}: write e.g. "
+                       "{'lr': [0.01, 0.1]}")
+    out = {}
+    for key, values in axes.items():
+        if isinstance(values, (str, bytes, dict, set, frozenset)) or not hasattr(values, "__iter__"):
+            raise RunError(f"sweep axis {key!r} needs a list of values, got the {type(values).__name__} {values!r}: "
+                           f"write {{{key!r}: [{values!r}]}}")
+        out[key] = list(values)
+    return out
 
 
 def check_axes(config: RunConfig, axes: dict[str, list], objects: Sequence[str] = ()) -> None:
@@ -299,7 +314,8 @@ def sweep(config: RunConfig, axes: dict[str, list] | None = None, seeds: Sequenc
     objects = sorted(parts.given()) + (["partitioned data"] if isinstance(parts.data, PartitionedData) else [])
     out = Path(config.out) if config.out else None
     previous = _read_record(out) if (resume and out is not None) else {}
-    seeds = None if seeds is None else [int(s) for s in seeds]
+    seeds = None if seeds is None else seed_list(seeds)
+    axes = None if axes is None else axis_lists(axes)
     if seeds is not None and (not seeds or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds)):
         raise RunError(f"a sweep needs distinct non-negative seeds, got {seeds}")
     if previous:

@@ -193,7 +193,7 @@ BAD = [
                                  min_client_samples=2),
      r"client\(s\) 3 \(1\) have fewer than min_client_samples=2 training examples"),
     ("min_samples_spec", {}, dict(partition="iid", num_clients=3, min_client_samples=3),
-     r"gives a client only 2 train samples"),
+     r"need 9 train examples; the training set has 6: use at most 2 clients"),
     ("no_spec", {}, dict(num_clients=3), r"without client ids, pass partition="),
     ("no_num_clients", {}, dict(partition="iid"), r"without client ids, pass partition=.*num_clients="),
     ("spec_conflicts_with_ids", {}, _ids(partition="iid"), r"partition='iid' conflicts with the client ids"),
@@ -223,8 +223,10 @@ def test_partition_of_a_loaded_dataset(tmp_path):
     d = from_arrays(**small(), partition="iid", num_clients=2).dataset
     pdata = partition(d, "shards:1", 3, seed=1)
     assert isinstance(pdata, PartitionedData) and pdata.num_clients == 3
-    with pytest.raises(DataError, match="needs 14 shards but the train set has only 6"):
-        partition(d, "shards:2", 7)
+    with pytest.raises(DataError, match="needs 8 shards but the train set has only 6"):
+        partition(d, "shards:2", 4)
+    with pytest.raises(DataError, match="7 clients of at least 1 train example each .* use at most 6 clients"):
+        partition(d, "shards:1", 7)
     with pytest.raises(DataError, match=r"client\(s\) .* have no training examples"):
         partition(d, "iid", 7, min_client_samples=0)
 

@@ -184,6 +184,11 @@ def _draw_dirichlet(
         totals = sum(_counts_by_proportions(int(n), q[c]) for c, n in enumerate(class_sizes))
         if np.min(train_count(totals)) >= min_train_samples:
             return q
+    if min_train_samples <= 1:   # nothing to lower: every client needs a sample to train on
+        raise ValueError(
+            f"could not give every client a train sample in {max_redraws} Dirichlet draws (alpha={alpha}, "
+            f"num_clients={num_clients}): too many clients for this alpha; raise alpha or use fewer clients"
+        )
     raise ValueError(
         f"could not give every client >= {min_train_samples} train samples in {max_redraws} Dirichlet draws "
         f"(alpha={alpha}, num_clients={num_clients}); --min-client-samples (min_train_samples) is too large for "
@@ -327,6 +332,16 @@ def partition_dataset(
     if max_redraws < 1:
         raise ValueError(f"max_redraws must be >= 1, got {max_redraws}")
     n_train, n_test = len(dataset.train_y), len(dataset.test_y)
+    need = num_clients * min_train_samples
+    if scheme != "natural" and need > n_train:
+        # No draw can work: said before any (a Dirichlet scheme would redraw max_redraws times first),
+        # with the number of clients that can.
+        lower = ", or a lower --min-client-samples" if min_train_samples > 1 else ""
+        raise ValueError(
+            f"{num_clients} clients of at least {min_train_samples} train example{'s' * (min_train_samples != 1)} "
+            f"each (--min-client-samples {min_train_samples}) need {need} train examples; the training set has "
+            f"{n_train}: use at most {n_train // min_train_samples} clients (--num-clients){lower}"
+        )
     rng = np.random.default_rng(seed)
 
     test_from_train = False

@@ -894,8 +894,10 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
 
     Raises ``TypeError`` for what is not a Flax module instance or a ``__call__`` that needs more than
     the input and the train flag, and ``ValueError`` (one line: the problem and the fix) for a module
-    that fails on ``[batch, *input_shape]`` inputs (the exception and the user's file and line) or whose
-    adapted forward pass differs from its own (see the module docstring).
+    that fails on ``[batch, *input_shape]`` inputs (the exception and the user's file and line), has no
+    parameters, could not be built here (its weights' shapes against the device's memory, before any
+    real weight is made: :func:`fedjax_sparse.memory.check_weights_fit`) or whose adapted forward pass
+    differs from its own (see the module docstring).
 
     Returns a ``Model`` whose ``params`` are ``{entry: {leaf: array}}`` keyed by module path
     (``"conv1"``, ``"Block_0/Dense_0"``), whose weight layers are the module's parameterised products
@@ -922,6 +924,13 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     except Exception as e:  # the user's module does not build on these inputs: one line, not Flax's traceback
         raise _build_error(model_name, input_shape, e) from None
     nested0 = dict(nested0)
+    if not jax.tree_util.tree_leaves(nested0.get("params", {})):
+        raise ValueError(f"from_flax: {model_name} has no parameters (no Dense/Linear, Conv, DenseGeneral/"
+                         "LinearGeneral, Einsum or Embed layer); the algorithms here train a model's weight layers: "
+                         "give it at least one")
+    # Refused from the shapes alone: nothing below is concrete until the checks make real weights (4.).
+    from fedjax_sparse import memory
+    memory.check_weights_fit(model_name, nested0)
     extra = sorted(set(nested0) - {"params", "batch_stats"})
     if extra and any(jax.tree_util.tree_leaves(nested0[c]) for c in extra):
         raise ValueError(f"from_flax: {model_name} has variable collections {extra}; only 'params' and "
@@ -981,9 +990,10 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
 
     def probed(x, *probes):
         calls = _Calls("probe", probes=probes, conv_impl=conv_impl, probe_index=probe_index)
-        logits, _ = apply_nested(to_nested(flat0_concrete), x, calls, False)
+        # Zeros made inside the trace: constants of the program, never a real copy of the weights.
+        zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), flat0)
+        logits, _ = apply_nested(to_nested(zeros), x, calls, False)
         return logits, calls.inputs
-    flat0_concrete = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), flat0)
     sources, logits_sources = direct_sources(probed, x_aval, probe_avals)
     units = [_units(r) for r in record.recorded]
     linked, sequential = link_layers([names[i] for i in probed_layers], [units[i][0] for i in probed_layers],
@@ -1047,7 +1057,9 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
         logits, _ = apply_nested(to_nested(params), x, calls, train)
         return logits, calls.layer_outputs
     modes = (False, True) if train_kwargs(True) else (False,)
-    _check_same_network(model_name, adapted, own, init_fn(jax.random.PRNGKey(0)), input_shape, modes)
+    # The first real weights: made once, for this check and the probes (memory.check_weights_fit's peak).
+    variables = init_fn(jax.random.PRNGKey(0))
+    _check_same_network(model_name, adapted, own, variables, input_shape, modes)
 
     # 5. On a probe: padded rows change nothing for the real ones (else refused), and which layers' dropped
     # units are not zero downstream (Model.unit_drop_leaks, refused by the mechanisms that drop units).
@@ -1055,7 +1067,7 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     return flax_probes.probe(Model(model_name, input_shape, classes, tuple(infos), init_fn, apply_fn,
                                    sequential=sequential, channel_entries=channel_entries, fixed_widths=True,
                                    other_macs=other_macs),
-                             module, input_shape)
+                             module, input_shape, variables)
 
 
 def _plain(tree):

@@ -273,11 +273,14 @@ def _same(a, b) -> bool:
     return True
 
 
-def probe(model: Model, module, input_shape: tuple) -> Model:
+def probe(model: Model, module, input_shape: tuple, variables: dict | None = None) -> Model:
     """The checks ``from_flax`` runs last: raises ``ValueError`` (one line) when padded rows move the
-    real ones; returns ``model`` with ``unit_drop_leaks`` set."""
+    real ones; returns ``model`` with ``unit_drop_leaks`` set. ``variables``: ``model.init(PRNGKey(0))``
+    when the caller has it already (one copy of the weights fewer at the peak)."""
     key = jax.random.PRNGKey(_PROBE_KEY)
-    variables = _perturbed(model, model.init(jax.random.PRNGKey(0)), jax.random.fold_in(key, 1))
+    if variables is None:
+        variables = model.init(jax.random.PRNGKey(0))
+    variables = _perturbed(model, variables, jax.random.fold_in(key, 1))
     x = jax.random.normal(key, (_REAL,) + tuple(input_shape), jnp.float32)
     reason = padding_leak(model, module, variables, x)
     if reason is not None:
