@@ -91,6 +91,23 @@ def test_topk_mask_ties_signed_values_and_zero():
     np.testing.assert_array_equal(sm.topk_mask(jnp.array([-0.0, 0.0, -1e-30]), 0.34), [1, 1, 0])
 
 
+def test_topk_ties_under_vmap_are_broken_per_client_and_only_when_needed():
+    """Clients in lockstep: one needs its ties broken (three equal values, room for two), the others do
+    not; each gets its own mask as alone. The prefix count that breaks ties sits behind a conditional
+    over the whole batch (a per-client lax.cond would become a select computing it every step)."""
+    x = jnp.array([[1., 1., 1., 0., 2.], [3., 1., 2., 0.5, 0.1], [0., 0., 0., 0., 0.]])
+    alone = np.stack([np.asarray(sm.topk_mask(row, 0.6)) for row in x])
+    np.testing.assert_array_equal(alone, [[1, 1, 0, 0, 1], [1, 1, 1, 0, 0], [1, 1, 1, 0, 0]])
+    batched = jax.jit(jax.vmap(lambda v: sm.topk_mask(v, 0.6)))
+    np.testing.assert_array_equal(batched(x), alone)
+    np.testing.assert_array_equal(batched(x[1:2]), alone[1:2])                       # no tie anywhere
+    np.testing.assert_array_equal(jax.vmap(jax.vmap(lambda v: sm.topk_mask(v, 0.6)))(x[None]), alone[None])
+    text = batched.lower(jnp.ones((4, 5000))).compile().as_text()
+    entry = text[text.index("ENTRY"):].split("\n}")[0]
+    # one conditional for the whole batch, returning each client's cut (not a mask)
+    assert any("conditional(" in line and "s32[4]" in line for line in entry.splitlines())
+
+
 def test_straight_through_gradient():
     w = jnp.array([1.0, -2.0, 3.0, 0.5])
     x = jnp.array([2.0, 1.0, -1.0, 4.0])

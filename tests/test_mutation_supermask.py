@@ -157,7 +157,7 @@ def test_order_keys_keep_the_order_of_tiny_and_one_ulp_apart_floats():
     assert sm_impl.order_keys(jnp.float32(-0.0)) == sm_impl.order_keys(jnp.float32(0.0))
 
 
-@pytest.mark.parametrize("method", ["radix", "bisect"])
+@pytest.mark.parametrize("method", ["radix", "bisect", "sort"])
 def test_kth_largest_key_is_the_kth_largest_at_a_bin_boundary(method):
     """Keys 0x10000 (high bin 1, alone) and 5 (bin 0): the largest key is 0x10000 itself. A
     select that needs the suffix count to exceed ``kept`` would settle in bin 0 and return
@@ -181,10 +181,23 @@ def test_kth_largest_key_methods_agree_with_a_sort_on_both_sides_of_the_switch()
         keys = sm_impl.order_keys(values)
         descending = np.sort(np.asarray(keys))[::-1]
         for kept in (1, n // 3 + 1, n):
-            got = {m: int(sm_impl.kth_largest_key(keys, kept, m)) for m in ("auto", "radix", "bisect")}
+            got = {m: int(sm_impl.kth_largest_key(keys, kept, m)) for m in ("auto", "radix", "bisect", "sort")}
             assert set(got.values()) == {int(descending[kept - 1])}, (n, kept, got)
-    with pytest.raises(ValueError, match="valid: auto, radix, bisect"):
-        sm_impl.kth_largest_key(keys, 1, "sort")
+    with pytest.raises(ValueError, match="valid: auto, radix, bisect, sort"):
+        sm_impl.kth_largest_key(keys, 1, "heap")
+
+
+def test_small_layers_select_by_sort_off_the_cpu():
+    """``auto`` on a small layer: the program lowered for CUDA sorts once (no 32-iteration bisection loop
+    a GPU would launch step after step); the CPU's program bisects."""
+    from fedjax_sparse import programs
+    keys = jnp.arange(5000, dtype=jnp.uint32)
+    select = jax.jit(lambda k: sm_impl.kth_largest_key(k, 100))
+    cuda = programs.stablehlo_op_counts(programs.lowered_text(select, keys, platform="cuda"))
+    cpu = programs.stablehlo_op_counts(programs.lowered_text(select, keys, platform="cpu"))
+    assert cuda["sort"] == 1 and cuda["while"] == 0
+    assert cpu["sort"] == 0 and cpu["while"] == 1
+    assert int(select(keys)) == 4900
 
 
 @pytest.mark.parametrize("byteorder", ["little", "big"])

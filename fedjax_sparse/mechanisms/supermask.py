@@ -48,6 +48,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_batching import custom_vmap
 
 WEIGHT_INITS = ("signed_constant", "kaiming_normal", "glorot_normal")
 MASK_BY = ("abs", "raw")
@@ -256,24 +257,33 @@ def kth_largest_key(keys: jax.Array, kept: int, method: str = "auto") -> jax.Arr
     key. ``radix``: a two-pass radix select (a 65536-bin histogram of the high 16 bits picks the
     bin, a histogram of the low 16 bits inside that bin picks the value; two scatter-adds instead
     of a sort). ``bisect``: the answer's 32 bits set from the top, each kept when enough keys reach
-    it (32 compare-and-count passes). ``auto``: bisect up to ``BISECT_MAX_KEYS`` keys, else radix.
-    Both give the same key."""
+    it (32 compare-and-count passes). ``sort``: the keys sorted, the ``kept``-th from the top (one
+    library sort). ``auto``: up to ``BISECT_MAX_KEYS`` keys, bisect on the CPU and sort elsewhere (a
+    GPU launches a bisection's 32 iterations one after another, a sort as one call; chosen where the
+    program is lowered), else radix. All give the same key."""
     if method == "auto":
-        method = "bisect" if keys.shape[-1] <= BISECT_MAX_KEYS else "radix"
+        if keys.shape[-1] > BISECT_MAX_KEYS:
+            return kth_largest_key(keys, kept, "radix")
+        return jax.lax.platform_dependent(keys, cpu=functools.partial(kth_largest_key, kept=kept, method="bisect"),
+                                          default=functools.partial(kth_largest_key, kept=kept, method="sort"))
+    if method == "sort":
+        return jnp.sort(keys)[keys.shape[-1] - kept]
     if method == "bisect":
         def set_bit(i, t):
             candidate = t | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
             return jnp.where((keys >= candidate).sum() >= kept, candidate, t)
         return jax.lax.fori_loop(0, 32, set_bit, jnp.uint32(0))
     if method != "radix":
-        raise ValueError(f"unknown k-th key method {method!r}; valid: auto, radix, bisect")
+        raise ValueError(f"unknown k-th key method {method!r}; valid: auto, radix, bisect, sort")
     high = (keys >> 16).astype(jnp.int32)
     low = (keys & jnp.uint32(0xFFFF)).astype(jnp.int32)
     hist_high = jnp.zeros((1 << 16,), jnp.int32).at[high].add(1)
     suffix_high = _suffix_counts(hist_high)
     bin_high = (suffix_high >= kept).sum() - 1                 # suffix counts fall with the bin
     above = suffix_high[bin_high] - hist_high[bin_high]        # keys in higher bins
-    hist_low = jnp.zeros((1 << 16,), jnp.int32).at[low].add((high == bin_high).astype(jnp.int32))
+    # Keys outside the chosen bin go to an index past the end and are dropped: a scalar update, no [n] array
+    # of 0/1 updates to write and read.
+    hist_low = jnp.zeros((1 << 16,), jnp.int32).at[jnp.where(high == bin_high, low, 1 << 16)].add(1, mode="drop")
     bin_low = (above + _suffix_counts(hist_low) >= kept).sum() - 1
     return (bin_high.astype(jnp.uint32) << 16) | bin_low.astype(jnp.uint32)
 
@@ -291,11 +301,39 @@ def topk_mask(values: jax.Array, fraction: float) -> jax.Array:
     above = keys > threshold
     at = keys == threshold
     room = kept - above.sum()
-    # Usually every key equal to the threshold is kept; the prefix count that
-    # picks the lowest indices among ties is a slow pass on CPU, so only then.
-    mask = jax.lax.cond(at.sum() == room, lambda: above | at,
-                        lambda: above | (at & (jnp.cumsum(at) <= room)))
+    cut = _tie_cut(at, room)
+    mask = above | (at & (jnp.arange(flat.shape[0]) < cut))
     return mask.astype(jnp.float32).reshape(values.shape)
+
+
+def _lowest_ties_cut(at: jax.Array, room: jax.Array) -> jax.Array:
+    """The index before which ``at`` holds ``room`` entries (a prefix count: a whole-layer pass)."""
+    n = at.shape[-1]
+    over = jnp.cumsum(at, axis=-1) > room[..., None]
+    return jnp.where(over.any(-1), jnp.argmax(over, axis=-1), n).astype(jnp.int32)
+
+
+@custom_vmap
+def _tie_cut(at: jax.Array, room: jax.Array) -> jax.Array:
+    """[] int32: ties (``at``) at indices below it are kept, ``room`` of them, the lowest first. Usually
+    every tie fits (``at.sum() == room``, e.g. a single key at the threshold) and the prefix count is
+    skipped. Under ``vmap`` a ``lax.cond`` on a per-client predicate becomes a select that runs the
+    prefix count every time (every local step of every FSL client, a pass over each layer), so the
+    batched rule asks once whether any client needs it. The conditional returns a count per client,
+    not a mask: XLA:CPU copies a conditional's operands and results."""
+    n = at.shape[-1]
+    return jax.lax.cond(at.sum() == room, lambda: jnp.int32(n), lambda: _lowest_ties_cut(at, room))
+
+
+@_tie_cut.def_vmap
+def _tie_cut_vmap(axis_size, in_batched, at, room):
+    at, room = (x if batched else jnp.broadcast_to(x, (axis_size,) + x.shape)
+                for x, batched in zip((at, room), in_batched))
+    n = at.shape[-1]
+    fits = at.sum(axis=-1) == room
+    cut = jax.lax.cond(fits.all(), lambda: jnp.full(fits.shape, n, jnp.int32),
+                       lambda: jnp.where(fits, n, _lowest_ties_cut(at, room)))
+    return cut, True
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

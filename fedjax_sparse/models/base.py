@@ -366,7 +366,8 @@ def sequential(name: str, input_shape: Sequence[int], num_classes: int,
                 p = params[block.name]
                 kernel = hooks.kernel(block.name, p["kernel"])
                 if isinstance(block, Conv):
-                    x = L.conv2d(x, kernel, stride=block.stride, padding=block.padding, impl=conv_impl)
+                    x = L.conv2d(x, kernel, stride=block.stride, padding=block.padding, impl=conv_impl,
+                                 name=block.name)
                 else:
                     x = L.dense(x, kernel)
                 if block.bias:

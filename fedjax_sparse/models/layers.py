@@ -18,8 +18,9 @@ Convolutions (``impl``):
 * ``"batched_im2col"``: XLA's convolution where the kernel is shared, and im2col (batched matmuls)
   wherever a ``vmap`` gives the kernel its own axis: a ``custom_vmap`` rule chooses per ``vmap``, for
   the forward pass and (through a ``custom_vjp``) for both gradients, at any nesting of vmaps
-  (clients, seeds, sweep members). First-order reverse mode only (``jax.grad``/``vjp``); forward-mode
-  or higher derivatives need ``"xla"`` or ``"im2col"``.
+  (clients, seeds, sweep members). Reverse mode (``jax.grad``/``vjp``) and reverse-over-forward-batched
+  uses such as ``jax.hessian`` work; forward mode (``jax.jvp``/``jacfwd``) is refused in one line naming
+  the layer and ``"xla"``/``"im2col"``, which support it.
 
 ``"auto"`` (default) is chosen where the program is lowered (``lax.platform_dependent``), so a program
 exported for ``"cuda"`` on a CPU-only machine is the one a GPU process runs: on CPU ``"im2col"``
@@ -127,6 +128,9 @@ def _batched_im2col_conv(stride: int, pads: Pads):
     @forward.def_vmap
     def forward_rule(axis_size, in_batched, x, kernel):
         x_batched, kernel_batched = in_batched
+        if not (x_batched or kernel_batched):
+            # A vmap that batches neither operand (forward mode batches only tangents): nothing per entry.
+            return native(x, kernel), False
         if kernel_batched:
             return jax.vmap(patches, in_axes=_in_axes(in_batched))(x, kernel), True
         n, b = x.shape[:2]
@@ -139,6 +143,8 @@ def _batched_im2col_conv(stride: int, pads: Pads):
 
     @backward.def_vmap
     def backward_rule(axis_size, in_batched, x, kernel, g):
+        if not any(in_batched):
+            return jax.vjp(native, x, kernel)[1](g), (False, False)
         # Whatever is batched, the kernel gradient is per batch entry (a grouped convolution for XLA):
         # the patches' transpose as batched matmuls.
         out = jax.vmap(lambda x, k, g: jax.vjp(patches, x, k)[1](g), in_axes=_in_axes(in_batched))(x, kernel, g)
@@ -153,21 +159,30 @@ def _batched_im2col_conv(stride: int, pads: Pads):
 
 
 def conv2d(x: jax.Array, kernel: jax.Array, *, stride: int = 1,
-           padding: str = "VALID", impl: str = "auto") -> jax.Array:
-    """x: [B, H, W, C], kernel: [kh, kw, C, O] -> [B, H', W', O] (``impl``: module docstring)."""
+           padding: str = "VALID", impl: str = "auto", name: str | None = None) -> jax.Array:
+    """x: [B, H, W, C], kernel: [kh, kw, C, O] -> [B, H', W', O] (``impl``: module docstring; ``name``: the
+    layer's, for messages)."""
     if impl not in CONV_IMPLS:
         raise ValueError(f"unknown conv implementation {impl!r}; valid: {CONV_IMPLS}")
     pads = _explicit_padding(x.shape, kernel.shape, stride, padding)
     if impl == "auto":
         # Both forms are traced; lowering keeps the target platform's alone.
-        form = functools.partial(conv2d, stride=stride, padding=padding)
+        form = functools.partial(conv2d, stride=stride, padding=padding, name=name)
         return lax.platform_dependent(x, kernel, cpu=functools.partial(form, impl=resolve_conv_impl(impl, "cpu")),
                                       default=functools.partial(form, impl="batched_im2col"))
     if impl == "xla":
         return _native_conv(x, kernel, stride, pads)
     if impl == "im2col":
         return _im2col_conv(x, kernel, stride, pads)
-    return _batched_im2col_conv(stride, pads)(x, kernel)
+    try:
+        return _batched_im2col_conv(stride, pads)(x, kernel)
+    except TypeError as e:
+        if "forward-mode" not in str(e):
+            raise
+        layer = f"layer {name}" if name else f"the convolution with kernel {tuple(kernel.shape)}"
+        raise TypeError(f"forward-mode differentiation (jax.jvp, jax.jacfwd; jax.hessian works) reached {layer}, "
+                        f"whose conv_impl {impl!r} has a reverse-mode rule only (batched matmuls for per-client "
+                        "kernels): build the model with model option conv_impl='xla' (or 'im2col')") from None
 
 
 def dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
