@@ -16,7 +16,7 @@ import numpy as np
 
 from fedjax_sparse import pinning
 from fedjax_sparse.algorithms import Algorithm, Task, compose, make_algorithm
-from fedjax_sparse.config import DEFAULT_MODELS, RunConfig, validate
+from fedjax_sparse.config import DEFAULT_MODELS, RunConfig, resolved_dp_accountant, validate
 from fedjax_sparse.errors import DataError, RunError, in_callers_words
 from fedjax_sparse.data.federated import FederatedData, build_federated_data
 from fedjax_sparse.engine import Engine
@@ -250,7 +250,7 @@ def wrap_algorithm(algorithm: Algorithm, config: RunConfig) -> Algorithm:
 
 def noise_multiplier(config: RunConfig) -> float:
     """``--dp-noise-multiplier``, or the one ``--dp-target-epsilon`` calibrates for the run's rounds
-    (the engine's sampling: K of N without replacement every round; fedjax_sparse.privacy)."""
+    (the run's sampling and accountant: ``privacy_sampling``, ``privacy_accountant``; fedjax_sparse.privacy)."""
     if config.dp_noise_multiplier is not None:
         return float(config.dp_noise_multiplier)
     from fedjax_sparse import privacy
@@ -258,7 +258,12 @@ def noise_multiplier(config: RunConfig) -> float:
     return privacy.calibrate_noise_multiplier(config.dp_target_epsilon, config.rounds, config.dp_delta,
                                               num_clients=config.num_clients,
                                               clients_per_round=config.clients_per_round,
-                                              sampling=privacy_sampling(config), accountant=config.dp_accountant)
+                                              sampling=privacy_sampling(config), accountant=privacy_accountant(config))
+
+
+def privacy_accountant(config: RunConfig) -> str:
+    """The run's accountant (``--dp-accountant``, ``auto`` resolved: PLD for Poisson sampling, else RDP)."""
+    return resolved_dp_accountant(config.dp_accountant, config.client_sampling)
 
 
 def privacy_sampling(config: RunConfig) -> str:

@@ -79,3 +79,44 @@ def test_without_dp_flags_nothing_changes(tmp_path):
     assert main(["run", *QUICK, "--out", str(out)]) == 0
     assert not any(k.startswith("dp_") or "server_dp" in k for r in rows(out) for k in r)
     assert "dp_epsilon" not in json.loads((out / "summary.json").read_text())
+
+
+def test_a_dp_run_shows_its_privacy_in_the_run_table_report_and_plot(tmp_path, capsys):
+    """epsilon, delta, the accountant and z where a user reads results: the run's table, ``report`` (a column
+    only when some run is private) and the plots' legends; Poisson sampling is accounted by PLD by default."""
+    out, plain = tmp_path / "dp", tmp_path / "plain"
+    poisson = ["--client-sampling", "poisson", "--rounds", "2"]
+    assert main(["run", *QUICK, *poisson, "--dp-clip", "0.5", "--dp-target-epsilon", "4", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    z = summary["dp_noise_multiplier"]
+    assert summary["dp_accountant"] == "pld" and summary["dp_calibrated_with"] == "pld"
+    assert summary["dp_epsilon"] == privacy.epsilon(z, 2, 1e-5, num_clients=20, clients_per_round=5,
+                                                    sampling="poisson", accountant="pld") <= 4.0
+    shown = f"ε {summary['dp_epsilon']:.4g} at δ 1e-05 (PLD), z {z:.4g}, clip 0.5"
+    assert "client-level DP" in table and shown in table
+    assert main(["run", *QUICK, "--rounds", "1", "--out", str(plain)]) == 0
+    capsys.readouterr()
+    assert main(["report", str(out), str(plain)]) == 0
+    report = capsys.readouterr().out.splitlines()
+    assert report[0].endswith("| DP: ε at δ (accountant), z, clip |")
+    assert report[2].endswith(f"| {shown} |") and report[3].endswith("| – |")
+    assert "DP:" not in fjs.report_table([plain])   # a table without DP runs keeps its columns
+    pytest.importorskip("matplotlib")
+    figure = fjs.plot_runs([out, plain])
+    legend = [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
+    assert legend[0].endswith(f"({shown})") and "ε" not in legend[1]
+
+
+@pytest.mark.fast
+def test_resuming_a_run_recorded_before_auto_accounting_keeps_its_accountant():
+    """Runs before --dp-accountant auto recorded "rdp" by default: auto resolves to it for fixed K (the same
+    experiment: a resume goes on), but to PLD for Poisson sampling (another calibration: refused in one line)."""
+    from fedjax_sparse.runner import resumed_config
+    dp = dict(dp_clip=1.0, dp_target_epsilon=4.0)
+    recorded = RunConfig(**dp, dp_accountant="rdp")
+    config, _ = resumed_config(RunConfig(**dp), recorded, None)
+    assert config.dp_accountant == "rdp"
+    with pytest.raises(RunError, match=r"--dp-accountant 'auto' \(recorded: 'rdp'\)"):
+        resumed_config(RunConfig(**dp, client_sampling="poisson"),
+                       RunConfig(**dp, dp_accountant="rdp", client_sampling="poisson"), None)
