@@ -133,6 +133,7 @@ def summarize(config, exp, rows, totals, build_seconds, compile_seconds) -> dict
             "dp_noise_multiplier": exp.algorithm.hparams.get("dp_noise_multiplier"),
             # The accountant of dp_epsilon (--dp-accountant auto resolved).
             "dp_accountant": resolved_dp_accountant(config.dp_accountant, config.client_sampling),
+            **_dp_statistics(exp),
             **(_poisson_dp_summary(config, exp) if config.client_sampling == "poisson" else {
                 "dp_accounting": "RDP (dp-accounting), K of N clients sampled without replacement each round, "
                                  "replace-one-client adjacency"})}),
@@ -140,6 +141,16 @@ def summarize(config, exp, rows, totals, build_seconds, compile_seconds) -> dict
             "client_sampling": "poisson", "cohort_capacity": exp.engine.cohort_capacity,
             "total_cohort_overflow": totals.get("cohort_overflow", 0)}),
     }
+
+
+def _dp_statistics(exp) -> dict:
+    """``dp_statistics``: what dp_epsilon does not cover, when the clients send BatchNorm running statistics."""
+    from fedjax_sparse.algorithms.private import released_statistics
+    count = released_statistics(exp.algorithm)
+    if not count:
+        return {}
+    return {"dp_statistics": f"{count} BatchNorm running statistics per client message, averaged without noise: "
+                             "not covered by dp_epsilon"}
 
 
 def _poisson_dp_summary(config, exp) -> dict:

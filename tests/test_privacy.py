@@ -318,6 +318,72 @@ def test_the_noise_on_the_mean_has_stddev_z_c_over_k():
 
 
 @pytest.mark.fast
+def test_running_statistics_are_averaged_outside_the_noise_and_the_clip():
+    """FedAvg-shaped messages with BatchNorm statistics: the parameters' updates are clipped and noised (the
+    clip's norm counts them alone), the statistics reach the server as the clients' plain mean (no noise that
+    could drive a variance below 0: here the noise is 50x the variances), said once in a warning; under a
+    Poisson mask the mean is over the real clients and an empty round keeps the broadcast statistics."""
+    k = 4
+    payload = {"params": {"w": jnp.zeros(3)}, "batch_stats": {"bn": {"mean": jnp.zeros(2), "var": jnp.ones(2)}}}
+    rng = np.random.default_rng(0)
+    var = rng.uniform(0.01, 0.2, (k, 2)).astype(np.float32)
+    mean = rng.normal(size=(k, 2)).astype(np.float32)
+    messages = {"params": {"w": jnp.asarray(np.tile([[3.0, 4.0, 0.0]], (k, 1)), jnp.float32)},
+                "batch_stats": {"bn": {"mean": jnp.asarray(mean), "var": jnp.asarray(var)}}}
+    alg = with_dp(recording(payload), clip_norm=1.0, noise_multiplier=40.0, clients_per_round=k)
+    with pytest.warns(UserWarning, match=r"^with_dp: rec's clients send 4 BatchNorm running statistics; they are "
+                                         r"averaged without noise .* use GroupNorm or LayerNorm$"):
+        new, metrics = alg.server_update({"seen": None}, messages, ctx_for(k))
+    seen = new["seen"]
+    np.testing.assert_allclose(seen["batch_stats"]["bn"]["var"], np.broadcast_to(var.mean(0), (k, 2)), rtol=1e-6)
+    np.testing.assert_allclose(seen["batch_stats"]["bn"]["mean"], np.broadcast_to(mean.mean(0), (k, 2)), rtol=1e-6)
+    assert float(metrics["dp_update_norm"]) == pytest.approx(5.0)   # ||(3, 4, 0)||: the statistics not counted
+    assert float(np.std(np.asarray(seen["params"]["w"][0]) - 0.6 * np.array([3.0, 4.0, 0.0]))) > 1.0   # noised
+    from fedjax_sparse.algorithms.private import released_statistics
+    assert released_statistics(alg) == 4
+    mask = jnp.array([True, False, True, False])
+    poisson = ServerContext(jnp.int32(0), jnp.arange(k, dtype=jnp.int32), jnp.ones(k), jax.random.PRNGKey(0), mask=mask)
+    seen = alg.server_update({"seen": None}, messages, poisson)[0]["seen"]
+    np.testing.assert_allclose(seen["batch_stats"]["bn"]["var"][0], var[[0, 2]].mean(0), rtol=1e-6)
+    empty = poisson._replace(mask=jnp.zeros(k, bool))
+    seen = alg.server_update({"seen": None}, messages, empty)[0]["seen"]
+    np.testing.assert_array_equal(seen["batch_stats"]["bn"]["var"][0], [1.0, 1.0])
+
+
+@pytest.mark.fast
+def test_robust_aggregators_and_attacks_leave_running_statistics_alone():
+    """--aggregator multi_krum selects by the parameters' distances alone (a client with outlying statistics
+    but honest parameters is not the one dropped) and averages the statistics of the clients it selected;
+    trimmed_mean trims the statistics coordinate-wise like the rest; the min-max attack perturbs the
+    parameters only: the malicious clients' running variances stay theirs (before: mean - gamma * std, < 0)."""
+    from fedjax_sparse.algorithms.compose import with_aggregator, with_attack
+    from fedjax_sparse.mechanisms.attacks import Threat
+    k = 5
+    payload = {"params": {"w": jnp.zeros(2)}, "batch_stats": {"bn": {"var": jnp.ones(2)}}}
+    w = np.array([[0.0, 0.1], [0.1, 0.0], [0.05, 0.05], [0.0, 0.0], [9.0, 9.0]], np.float32)   # client 4: outlier
+    var = np.array([[1.0, 1.0], [50.0, 50.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0]], np.float32)  # client 1's stats odd
+    messages = {"params": {"w": jnp.asarray(w)}, "batch_stats": {"bn": {"var": jnp.asarray(var)}}}
+    from fedjax_sparse.mechanisms.robust_aggregation import multi_krum_select, pairwise_sq_distances
+    by_params = np.asarray(multi_krum_select(pairwise_sq_distances(jnp.asarray(w)), 1, 3))
+    by_everything = np.asarray(multi_krum_select(pairwise_sq_distances(jnp.asarray(np.hstack([w, var]))), 1, 3))
+    assert by_params[1] and not by_everything[1] and not by_params[4]   # the case tells the two apart
+    krum = with_aggregator(recording(payload), "multi_krum", trim_fraction=0.2, krum_select=3)
+    new, metrics = krum.server_update({"seen": None}, messages, ctx_for(k))
+    assert int(metrics["krum_selected"]) == 3
+    np.testing.assert_allclose(new["seen"]["params"]["w"][0], w[by_params].mean(0), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(new["seen"]["batch_stats"]["bn"]["var"][0], var[by_params].mean(0), rtol=1e-5)
+    trimmed = with_aggregator(recording(payload), "trimmed_mean", trim_fraction=0.2)
+    new, _ = trimmed.server_update({"seen": None}, messages, ctx_for(k))
+    np.testing.assert_allclose(new["seen"]["batch_stats"]["bn"]["var"][0], [1.0, 1.0])
+    threat = Threat(k, 0.4, "all", 0)
+    attacked = with_attack(recording(payload), "min_max", threat=threat)
+    new, metrics = attacked.server_update({"seen": None}, messages, ctx_for(k))
+    assert int(metrics["malicious_clients"]) == 2 and float(metrics["attack_gamma"]) > 0
+    np.testing.assert_array_equal(new["seen"]["batch_stats"]["bn"]["var"], var)   # as the clients sent them
+    assert not np.allclose(new["seen"]["params"]["w"], w)                           # the parameters attacked
+
+
+@pytest.mark.fast
 def test_algorithms_without_float_updates_are_refused_in_one_line():
     _, data = tiny_federated((12,) * 6)
     task = make_task(data)

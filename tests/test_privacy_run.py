@@ -120,3 +120,28 @@ def test_resuming_a_run_recorded_before_auto_accounting_keeps_its_accountant():
     with pytest.raises(RunError, match=r"--dp-accountant 'auto' \(recorded: 'rdp'\)"):
         resumed_config(RunConfig(**dp, client_sampling="poisson"),
                        RunConfig(**dp, dp_accountant="rdp", client_sampling="poisson"), None)
+
+
+def test_dp_never_noises_running_statistics_so_a_batchnorm_model_evaluates(tmp_path):
+    """Issue 47 item 3: DP-FedAvg noised BatchNorm running variances like weights; with this noise they went
+    negative by round 2 (min -4.5 at round 3) and every evaluation was NaN (test loss null) while a 11.7 %
+    accuracy was reported. Now the statistics are averaged without noise (said in summary.json)."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = False):
+            x = nn.Conv(8, (3, 3), padding="SAME", name="conv")(x)
+            x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9, name="bn")(x))
+            return nn.Dense(10, name="out")(x.reshape(x.shape[0], -1))
+
+    config = RunConfig(algorithm="fedavg", dataset="digits", num_clients=20, clients_per_round=5, rounds=3,
+                       local_epochs=1, dp_clip=0.5, dp_noise_multiplier=50.0, out=str(tmp_path / "bn"))
+    with pytest.warns(UserWarning, match="16 BatchNorm running statistics; they are averaged without noise"):
+        result = fjs.run(config, model=Net(), progress=False)
+    assert all(row["test_loss"] is not None and row["accuracy"] is not None for row in result.rows)
+    assert float(jnp.min(result.state.server.variables["batch_stats"]["bn"]["var"])) >= 0
+    assert result.summary["dp_statistics"] == ("16 BatchNorm running statistics per client message, averaged "
+                                               "without noise: not covered by dp_epsilon")
+
