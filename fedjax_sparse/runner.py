@@ -638,6 +638,12 @@ class OpenRun:
         on divergence."""
         config, totals, out = self.config, self.totals, self.out
         evaluation = self.evaluate(state)
+        # A NaN/inf test loss means non-finite outputs, whose argmax (class 0) is no accuracy: the row keeps
+        # its keys with the accuracies null, and the run ends below.
+        broken = [k for k in ("test_loss", "global_test_loss")
+                  if isinstance(evaluation.get(k), float) and not np.isfinite(evaluation[k])]
+        if broken:
+            evaluation = {k: None if "accuracy" in k else v for k, v in evaluation.items()}
         if chunk_started is not None:
             self._first_chunk_done(chunk_started, len(metrics["loss"]))
         totals["seconds"] = time.perf_counter() - self.t0
@@ -680,6 +686,13 @@ class OpenRun:
                 self.bar.close()
             raise RunError(f"training diverged{self.label}: the loss is NaN/inf at round {bad[0]}; lower --lr "
                            f"(now {config.lr}) or check the data preprocessing (--preprocess)")
+        if broken:
+            if self.bar is not None:
+                self.bar.close()
+            raise RunError(f"evaluation failed{self.label}: the test loss is NaN/inf at round {totals['round']} "
+                           "(the model's outputs are not finite), so no accuracy is reported; check the model's "
+                           "normalisation (a BatchNorm running variance below 0 gives NaN) or lower --lr "
+                           f"(now {config.lr})")
         return row
 
     label = ""   # " (seed k)" for a replica, in error messages

@@ -145,3 +145,28 @@ def test_dp_never_noises_running_statistics_so_a_batchnorm_model_evaluates(tmp_p
     assert result.summary["dp_statistics"] == ("16 BatchNorm running statistics per client message, averaged "
                                                "without noise: not covered by dp_epsilon")
 
+
+def test_a_nan_evaluation_ends_the_run_in_one_line_without_an_accuracy(tmp_path):
+    """Non-finite outputs give a NaN test loss and an argmax accuracy that means nothing: the run stops at that
+    evaluation with one line, and its row says null for every accuracy."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from fedjax_sparse.models import make_model
+    model = make_model("cnn_small", (8, 8, 1), 10)
+
+    def apply(variables, x, *, train, **kwargs):   # NaN outputs in evaluation only: training goes on
+        logits, stats = model.apply_fn(variables, x, train=train, **kwargs)
+        return (logits if train else logits * jnp.nan), stats
+    broken = dataclasses.replace(model, apply_fn=apply)
+    config = RunConfig(algorithm="fedavg", dataset="digits", num_clients=10, clients_per_round=3, rounds=3,
+                       local_epochs=1, out=str(tmp_path / "nan"))
+    with pytest.raises(RunError) as stopped:
+        fjs.run(config, model=broken, progress=False)
+    message = str(stopped.value)
+    assert "\n" not in message and message.startswith("evaluation failed: the test loss is NaN/inf at round 1 ")
+    assert "no accuracy is reported" in message
+    row, = rows(tmp_path / "nan")
+    assert row["round"] == 1 and row["test_loss"] is None and row["loss"] is not None
+    assert row["accuracy"] is None and row["accuracy_std"] is None and row["global_accuracy"] is None
