@@ -689,7 +689,7 @@ class OpenRun:
         if broken:
             if self.bar is not None:
                 self.bar.close()
-            raise RunError(f"evaluation failed{self.label}: the test loss is NaN/inf at round {totals['round']} "
+            raise RunError(f"evaluation diverged{self.label}: the test loss is NaN/inf at round {totals['round']} "
                            "(the model's outputs are not finite), so no accuracy is reported; check the model's "
                            "normalisation (a BatchNorm running variance below 0 gives NaN) or lower --lr "
                            f"(now {config.lr})")

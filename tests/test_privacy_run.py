@@ -165,7 +165,7 @@ def test_a_nan_evaluation_ends_the_run_in_one_line_without_an_accuracy(tmp_path)
     with pytest.raises(RunError) as stopped:
         fjs.run(config, model=broken, progress=False)
     message = str(stopped.value)
-    assert "\n" not in message and message.startswith("evaluation failed: the test loss is NaN/inf at round 1 ")
+    assert "\n" not in message and message.startswith("evaluation diverged: the test loss is NaN/inf at round 1 ")
     assert "no accuracy is reported" in message
     row, = rows(tmp_path / "nan")
     assert row["round"] == 1 and row["test_loss"] is None and row["loss"] is not None
