@@ -133,7 +133,7 @@ def test_dp_never_noises_running_statistics_so_a_batchnorm_model_evaluates(tmp_p
         @nn.compact
         def __call__(self, x, train: bool = False):
             x = nn.Conv(8, (3, 3), padding="SAME", name="conv")(x)
-            x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9, name="bn")(x))
+            x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.5, name="bn")(x))
             return nn.Dense(10, name="out")(x.reshape(x.shape[0], -1))
 
     config = RunConfig(algorithm="fedavg", dataset="digits", num_clients=20, clients_per_round=5, rounds=3,
