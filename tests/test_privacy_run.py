@@ -93,7 +93,7 @@ def test_a_dp_run_shows_its_privacy_in_the_run_table_report_and_plot(tmp_path, c
     assert summary["dp_accountant"] == "pld" and summary["dp_calibrated_with"] == "pld"
     assert summary["dp_epsilon"] == privacy.epsilon(z, 2, 1e-5, num_clients=20, clients_per_round=5,
                                                     sampling="poisson", accountant="pld") <= 4.0
-    shown = f"ε {summary['dp_epsilon']:.4g} at δ 1e-05 (PLD), z {z:.4g}, clip 0.5"
+    shown = f"ε {summary['dp_epsilon']:#.4g} at δ 1e-05 (PLD), z {z:.4g}, clip 0.5"
     assert "client-level DP" in table and shown in table
     assert main(["run", *QUICK, "--rounds", "1", "--out", str(plain)]) == 0
     capsys.readouterr()
