@@ -168,8 +168,9 @@ def _poisson_dp_summary(config, exp) -> dict:
 
 
 def dp_text(summary: dict) -> str:
-    """A DP run's privacy in a few words: "ε 7.998 at δ 1e-05 (PLD), z 0.6808, clip 1" (ε to 4 digits) (the run table,
-    ``report``, the plots' legends). A summary of an earlier version without ``dp_accountant`` names none."""
+    """A DP run's privacy in a few words, ε to 4 significant digits: "ε 7.998 at δ 1e-05 (PLD), z 0.6808, clip 1"
+    (the run table, ``report``, the plots' legends). A summary of an earlier version without ``dp_accountant``
+    names no accountant."""
     def number(x, fmt):
         return "n/a" if x is None else format(x, fmt)
     accountant = summary.get("dp_accountant")
