@@ -266,9 +266,10 @@ def batch_norm_lag(model: Model, algorithm: Algorithm, data: FederatedData, conf
         return None
     first = min(config.eval_every, config.rounds)
     fix = STALE_STATISTICS ** (1 / (per_round * config.rounds)) if per_round else 0.0
+    earlier = f" ({m ** (per_round * first):.0%} at round {first})" if first < config.rounds else ""
     return (f"BatchNorm running statistics lag this run: momentum {m:g} over about {steps} local steps a round keeps "
-            f"{share:.0%} of their initial values at round {config.rounds}, the last evaluation "
-            f"({m ** (per_round * first):.0%} at round {first}), and evaluation normalises with them, so accuracy can "
+            f"{share:.0%} of their initial values at round {config.rounds}, the last evaluation{earlier}, and "
+            f"evaluation normalises with them, so accuracy can "
             f"fall below chance while the training loss falls; use a BatchNorm momentum of "
             f"{math.floor(fix * 100) / 100:.2f} or lower (Flax: nn.BatchNorm(momentum=...)) or more local steps "
             "(--local-epochs, --rounds); docs/design.md, 'BatchNorm in federated runs'")
