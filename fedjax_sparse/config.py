@@ -77,8 +77,9 @@ class RunConfig:
     dp_noise_multiplier: float | None = None
     dp_target_epsilon: float | None = None
     dp_delta: float = 1e-5
-    # The accountant --dp-target-epsilon calibrates with: rdp | pld (Poisson sampling only; the tighter).
-    dp_accountant: str = "rdp"
+    # The accountant the rows' epsilon and --dp-target-epsilon use: rdp | pld (Poisson sampling only; the
+    # tighter) | auto (pld for Poisson sampling, rdp for fixed K: resolved_dp_accountant).
+    dp_accountant: str = "auto"
     # Pinned draws (fedjax_sparse.pinning): replay another run's partition, initial weights, cohorts.
     partition_file: str | None = None
     init_params: str | None = None
@@ -304,6 +305,17 @@ def check_sampling(config: RunConfig) -> None:
                        f"drop {' and '.join(fixed)} or use --client-sampling fixed")
 
 
+DP_ACCOUNTANTS = ("auto", "rdp", "pld")
+
+
+def resolved_dp_accountant(dp_accountant: str | None, client_sampling: str | None) -> str:
+    """The accountant a run uses: ``auto`` (and a config without the field) is PLD for Poisson sampling,
+    where it is the tighter, and RDP for fixed K of N, which dp-accounting's PLD does not support."""
+    if dp_accountant in (None, "auto"):
+        return "pld" if client_sampling == "poisson" else "rdp"
+    return str(dp_accountant)
+
+
 def check_privacy(config: RunConfig) -> None:
     """One-line RunError for an incomplete or inapplicable --dp-* setting."""
     given = [f"--{name.replace('_', '-')}" for name in ("dp_noise_multiplier", "dp_target_epsilon")
@@ -323,8 +335,8 @@ def check_privacy(config: RunConfig) -> None:
         raise RunError(f"--dp-target-epsilon must be > 0, got {config.dp_target_epsilon}")
     if not 0 < config.dp_delta < 1:
         raise RunError(f"--dp-delta must be in (0, 1), got {config.dp_delta}")
-    if config.dp_accountant not in ("rdp", "pld"):
-        raise RunError(f"unknown --dp-accountant {config.dp_accountant!r}; valid: rdp, pld")
+    if config.dp_accountant not in DP_ACCOUNTANTS:
+        raise RunError(f"unknown --dp-accountant {config.dp_accountant!r}; valid: {', '.join(DP_ACCOUNTANTS)}")
     if config.dp_accountant == "pld" and config.client_sampling != "poisson":
         raise RunError("--dp-accountant pld accounts Poisson sampling only (dp-accounting's PLD does not support "
                        "K of N without replacement); add --client-sampling poisson or use --dp-accountant rdp")

@@ -41,6 +41,11 @@ class DataWarning(UserWarning):
     message names it and how to silence it (``warnings.filterwarnings("ignore", category=DataWarning)``)."""
 
 
+class ModelWarning(UserWarning):
+    """A model that trains but whose evaluation may mislead (BatchNorm running statistics that cannot follow
+    the rounds); the message names it and the fix."""
+
+
 class RunStopped(Exception):
     """A run stopped by SIGTERM or SIGINT after checkpointing (``round``: the rounds it completed).
     The CLI prints the message and exits with ``exit_code`` (128 + the signal's number)."""

@@ -60,7 +60,8 @@ RUN_FLAGS = [
      "DP: instead of --dp-noise-multiplier, the noise calibrated to reach this epsilon after --rounds"),
     ("--dp-delta", "dp_delta", float, "DP: the delta epsilon is reported at (default 1e-5)"),
     ("--dp-accountant", "dp_accountant", str,
-     "DP: the accountant --dp-target-epsilon calibrates with: rdp (default) | pld (--client-sampling poisson only)"),
+     "DP: the accountant of epsilon and --dp-target-epsilon: auto (default: pld with --client-sampling poisson, "
+     "else rdp) | rdp | pld (--client-sampling poisson only)"),
     ("--trim-fraction", "trim_fraction", float, "fraction of the cohort trimmed per side / assumed malicious (0.1)"),
     ("--attack", "attack", str, "model-poisoning attack around any algorithm: min_max"),
     ("--malicious-fraction", "malicious_fraction", float, "fraction of malicious clients for --attack"),

@@ -33,10 +33,26 @@ A pinned cohort schedule or a cohort kept for several rounds (``--cohort-schedul
 ``epsilon_curve`` gives epsilon after every round 1..R from one accountant call: RDP composes
 additively, so round r's RDP is r times one round's, converted to epsilon by ``rdp_to_epsilon`` (the
 same conversion as dp_accounting's, vectorised over rounds). ``z == 0`` gives epsilon = inf.
+
+Speed (``experiments/results/perf/dp_accounting_digits_cpu.json``): PLD discretises the privacy loss
+on a grid of ``PLD_VALUE_INTERVAL`` (1e-3, dp_accounting's default 1e-4). dp_accounting builds the
+discretised PLD as a PESSIMISTIC estimate (losses rounded up, truncated mass counted as infinite loss),
+so epsilon at any interval is an upper bound on the mechanism's; the coarser grid is about 10x faster
+and, over the settings ``tests/test_privacy.py`` checks, at least the 1e-4 grid's epsilon and within
+1e-3 of it. One round's PLD is built once per (z, q) and self-composed for each round count
+(``functools.lru_cache``), and epsilons and calibrations are cached, so a run's rows, its summary and a
+sweep's seeds reuse them. dp_accounting's RDP series for Poisson sampling logs "failed to converge ...
+Excluding this order" for fractional orders near 1; leaving an order out only drops one of the upper
+bounds minimised over, so the result stays valid, and the calls here silence that log (``_quiet``): it
+asks nothing of the user.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
 import math
+from typing import Callable
 
 import dp_accounting
 import numpy as np
@@ -45,9 +61,32 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 SAMPLINGS = ("without_replacement", "poisson")
 ACCOUNTANTS = ("rdp", "pld")
+# The privacy-loss grid of the PLD accountant (dp_accounting's default: 1e-4). Pessimistic at any
+# interval (an upper bound on epsilon); this one is checked against 1e-4 in tests/test_privacy.py.
+PLD_VALUE_INTERVAL = 1e-3
 NeighborRel = dp_accounting.NeighboringRelation
 # dp_accounting's default RDP orders (1.1 ... 10.9 in 0.1 steps, 11 ... 63, 128, 256, 512, 1024).
 DEFAULT_ORDERS = tuple(float(a) for a in rdp_lib.DEFAULT_RDP_ORDERS)
+
+
+class _DropNonConvergence(logging.Filter):
+    """Drops dp_accounting's "_compute_log_a_frac failed to converge ... Excluding this order" records: the
+    order is left out of the minimum, which keeps epsilon an upper bound; nothing for a user to do."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "failed to converge" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet():
+    """dp_accounting's non-convergence records dropped for the duration (a filter on absl's logger, which
+    dp_accounting logs through; a logger's filters see the records logged on it)."""
+    drop, logger = _DropNonConvergence(), logging.getLogger("absl")
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def _check(num_clients: int, clients_per_round: int, sampling: str, noise_multiplier: float) -> None:
@@ -99,14 +138,22 @@ def make_accountant(sampling: str = "without_replacement", accountant: str = "rd
         if sampling != "poisson":
             raise ValueError("dp_accounting's PLD accountant does not support sampling without replacement "
                              "(SampledWithoutReplacementDpEvent); use accountant='rdp', or sampling='poisson'")
-        return dp_accounting.pld.PLDAccountant(relation)
+        return dp_accounting.pld.PLDAccountant(relation, value_discretization_interval=PLD_VALUE_INTERVAL)
     raise ValueError(f"unknown accountant {accountant!r}; valid: {', '.join(ACCOUNTANTS)}")
 
 
 def epsilon(noise_multiplier: float, rounds: int, delta: float, *, num_clients: int, clients_per_round: int,
             sampling: str = "without_replacement", accountant: str = "rdp") -> float:
     """Epsilon at ``delta`` after ``rounds`` rounds (``accountant``: "rdp" or "pld", the latter for
-    Poisson sampling only). ``noise_multiplier == 0`` (no noise) gives inf; 0 rounds give 0."""
+    Poisson sampling only, on the ``PLD_VALUE_INTERVAL`` grid). ``noise_multiplier == 0`` (no noise)
+    gives inf; 0 rounds give 0. Cached: the same arguments cost nothing the second time."""
+    return _epsilon(float(noise_multiplier), int(rounds), float(delta), int(num_clients), int(clients_per_round),
+                    sampling, accountant)
+
+
+@functools.lru_cache(maxsize=4096)
+def _epsilon(noise_multiplier: float, rounds: int, delta: float, num_clients: int, clients_per_round: int,
+             sampling: str, accountant: str) -> float:
     event = dp_event(noise_multiplier, rounds, num_clients=num_clients, clients_per_round=clients_per_round,
                      sampling=sampling)
     fresh = make_accountant(sampling, accountant)
@@ -114,7 +161,21 @@ def epsilon(noise_multiplier: float, rounds: int, delta: float, *, num_clients: 
         return 0.0
     if noise_multiplier == 0:
         return math.inf
-    return float(fresh.compose(event).get_epsilon(delta))
+    if accountant == "pld":
+        # What PLDAccountant.compose(event).get_epsilon(delta) computes (tested), from one round's PLD built once.
+        return float(_round_pld(noise_multiplier, clients_per_round / num_clients).self_compose(rounds)
+                     .get_epsilon_for_delta(delta))
+    with _quiet():
+        return float(fresh.compose(event).get_epsilon(delta))
+
+
+@functools.lru_cache(maxsize=64)
+def _round_pld(noise_multiplier: float, sampling_prob: float):
+    """One Poisson-sampled Gaussian round's PLD (add-or-remove adjacency) on the ``PLD_VALUE_INTERVAL`` grid:
+    what ``PLDAccountant`` builds for ``PoissonSampledDpEvent(q, GaussianDpEvent(z))``."""
+    return dp_accounting.pld.privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=noise_multiplier, value_discretization_interval=PLD_VALUE_INTERVAL,
+        sampling_prob=sampling_prob, neighboring_relation=NeighborRel.ADD_OR_REMOVE_ONE)
 
 
 def round_rdp(noise_multiplier: float, *, num_clients: int, clients_per_round: int,
@@ -126,7 +187,8 @@ def round_rdp(noise_multiplier: float, *, num_clients: int, clients_per_round: i
     if noise_multiplier == 0:
         return np.full(len(orders), np.inf)
     accountant = rdp_lib.RdpAccountant(list(orders), neighboring_relation=neighboring_relation(sampling))
-    return np.asarray(accountant.compose(event).rdp, np.float64)
+    with _quiet():
+        return np.asarray(accountant.compose(event).rdp, np.float64)
 
 
 def rdp_to_epsilon(orders, rdp, delta: float) -> np.ndarray:
@@ -164,17 +226,40 @@ def epsilon_curve(noise_multiplier: float, rounds: int, delta: float, *, num_cli
     return rdp_to_epsilon(orders, counts * one[None], delta)
 
 
+def epsilon_by_round(noise_multiplier: float, rounds: int, delta: float, *, num_clients: int,
+                     clients_per_round: int, sampling: str = "without_replacement",
+                     accountant: str = "rdp") -> Callable[[int], float]:
+    """round r -> epsilon at ``delta`` after min(r, ``rounds``) rounds, by ``accountant``: what a run's
+    metrics rows say. RDP: ``epsilon_curve``, computed once (vectorised over rounds); PLD: ``epsilon``
+    per asked round (one round's PLD built once and self-composed r times: about 0.01-0.1 s a round
+    count, cached), so a long run evaluated every round does not compose the PLD of rounds it never asks."""
+    if accountant == "rdp":
+        curve = epsilon_curve(noise_multiplier, rounds, delta, num_clients=num_clients,
+                              clients_per_round=clients_per_round, sampling=sampling)
+        return lambda r: float(curve[min(int(r), len(curve)) - 1])
+    make_accountant(sampling, accountant)   # refuses an unknown accountant, or PLD without Poisson sampling, now
+    return lambda r: epsilon(noise_multiplier, min(int(r), int(rounds)), delta, num_clients=num_clients,
+                             clients_per_round=clients_per_round, sampling=sampling, accountant=accountant)
+
+
 def calibrate_noise_multiplier(target_epsilon: float, rounds: int, delta: float, *, num_clients: int,
                                clients_per_round: int, sampling: str = "without_replacement",
                                accountant: str = "rdp", tol: float = 1e-4) -> float:
     """The smallest noise multiplier z (within ``tol``) whose ``epsilon(z, rounds, delta, ...)`` is at
     most ``target_epsilon``: dp_accounting's ``calibrate_dp_mechanism`` (Brent's method, then a
-    bisection that guarantees epsilon <= target) on a bracket found by doubling / halving from 1."""
+    bisection that guarantees epsilon <= target) on a bracket found by doubling / halving from 1.
+    Cached (a sweep's seeds calibrate once)."""
     if not target_epsilon > 0:
         raise ValueError(f"target_epsilon must be > 0, got {target_epsilon}")
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
+    return _calibrate(float(target_epsilon), int(rounds), float(delta), int(num_clients), int(clients_per_round),
+                      sampling, accountant, float(tol))
 
+
+@functools.lru_cache(maxsize=256)
+def _calibrate(target_epsilon: float, rounds: int, delta: float, num_clients: int, clients_per_round: int,
+               sampling: str, accountant: str, tol: float) -> float:
     def eps(z: float) -> float:
         return epsilon(z, rounds, delta, num_clients=num_clients, clients_per_round=clients_per_round,
                        sampling=sampling, accountant=accountant)
@@ -188,12 +273,14 @@ def calibrate_noise_multiplier(target_epsilon: float, rounds: int, delta: float,
         low, high = low / 2, low
         if low < 1e-6:
             return high   # epsilon <= target already with (almost) no noise
-    return float(mechanism_calibration.calibrate_dp_mechanism(
-        lambda: make_accountant(sampling, accountant),
-        lambda z: dp_event(z, rounds, num_clients=num_clients, clients_per_round=clients_per_round,
-                           sampling=sampling),
-        target_epsilon, delta, mechanism_calibration.ExplicitBracketInterval(low, high), tol=tol))
+    with _quiet():
+        return float(mechanism_calibration.calibrate_dp_mechanism(
+            lambda: make_accountant(sampling, accountant),
+            lambda z: dp_event(z, rounds, num_clients=num_clients, clients_per_round=clients_per_round,
+                               sampling=sampling),
+            target_epsilon, delta, mechanism_calibration.ExplicitBracketInterval(low, high), tol=tol))
 
 
-__all__ = ["ACCOUNTANTS", "DEFAULT_ORDERS", "SAMPLINGS", "calibrate_noise_multiplier", "dp_event", "epsilon",
-           "epsilon_curve", "make_accountant", "neighboring_relation", "rdp_to_epsilon", "round_event", "round_rdp"]
+__all__ = ["ACCOUNTANTS", "DEFAULT_ORDERS", "PLD_VALUE_INTERVAL", "SAMPLINGS", "calibrate_noise_multiplier",
+           "dp_event", "epsilon", "epsilon_by_round", "epsilon_curve", "make_accountant", "neighboring_relation",
+           "rdp_to_epsilon", "round_event", "round_rdp"]

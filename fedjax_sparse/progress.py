@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from fedjax_sparse import timing
+from fedjax_sparse.config import resolved_dp_accountant
 
 
 COST_KEYS = ("uplink_bits", "downlink_bits", "flops")
@@ -130,6 +131,9 @@ def summarize(config, exp, rows, totals, build_seconds, compile_seconds) -> dict
         **({} if config.dp_clip is None else {
             "dp_epsilon": final.get("dp_epsilon"), "dp_delta": config.dp_delta, "dp_clip": config.dp_clip,
             "dp_noise_multiplier": exp.algorithm.hparams.get("dp_noise_multiplier"),
+            # The accountant of dp_epsilon (--dp-accountant auto resolved).
+            "dp_accountant": resolved_dp_accountant(config.dp_accountant, config.client_sampling),
+            **_dp_statistics(exp),
             **(_poisson_dp_summary(config, exp) if config.client_sampling == "poisson" else {
                 "dp_accounting": "RDP (dp-accounting), K of N clients sampled without replacement each round, "
                                  "replace-one-client adjacency"})}),
@@ -139,17 +143,40 @@ def summarize(config, exp, rows, totals, build_seconds, compile_seconds) -> dict
     }
 
 
+def _dp_statistics(exp) -> dict:
+    """``dp_statistics``: what dp_epsilon does not cover, when the clients send BatchNorm running statistics."""
+    from fedjax_sparse.algorithms.private import released_statistics
+    count = released_statistics(exp.algorithm)
+    if not count:
+        return {}
+    return {"dp_statistics": f"{count} BatchNorm running statistics per client message, averaged without noise: "
+                             "not covered by dp_epsilon"}
+
+
 def _poisson_dp_summary(config, exp) -> dict:
     """Poisson sampling's accounting: epsilon after all rounds by RDP and by PLD (rows carry RDP's)."""
     from fedjax_sparse import privacy
     z = float(exp.algorithm.hparams.get("dp_noise_multiplier"))
     kwargs = dict(num_clients=config.num_clients, clients_per_round=config.clients_per_round, sampling="poisson")
-    return {"dp_epsilon_rdp": privacy.epsilon(z, config.rounds, config.dp_delta, accountant="rdp", **kwargs),
-            "dp_epsilon_pld": privacy.epsilon(z, config.rounds, config.dp_delta, accountant="pld", **kwargs),
-            "dp_calibrated_with": config.dp_accountant if config.dp_target_epsilon is not None else None,
+    epsilons = {"dp_epsilon_rdp": privacy.epsilon(z, config.rounds, config.dp_delta, accountant="rdp", **kwargs),
+                "dp_epsilon_pld": privacy.epsilon(z, config.rounds, config.dp_delta, accountant="pld", **kwargs)}
+    accountant = resolved_dp_accountant(config.dp_accountant, config.client_sampling)
+    return {**epsilons, "dp_calibrated_with": accountant if config.dp_target_epsilon is not None else None,
             "dp_accounting": "PoissonSampledDpEvent(q = K / N, GaussianDpEvent(z)) composed over the rounds "
                              f"(dp-accounting), add-or-remove-one-client adjacency; dp_epsilon is "
-                             f"{config.dp_accountant.upper()}'s"}
+                             f"{accountant.upper()}'s"}
+
+
+def dp_text(summary: dict) -> str:
+    """A DP run's privacy in a few words, ε to 4 significant digits: "ε 7.998 at δ 1e-05 (PLD), z 0.6808, clip 1"
+    (the run table, ``report``, the plots' legends). A summary of an earlier version without ``dp_accountant``
+    names no accountant."""
+    def number(x, fmt):
+        return "n/a" if x is None else format(x, fmt)
+    accountant = summary.get("dp_accountant")
+    return (f"ε {number(summary.get('dp_epsilon'), '#.4g')} at δ {number(summary.get('dp_delta'), 'g')}"
+            + (f" ({accountant.upper()})" if accountant else "")
+            + f", z {number(summary.get('dp_noise_multiplier'), '.4g')}, clip {number(summary.get('dp_clip'), 'g')}")
 
 
 def format_summary(summary: dict) -> str:
@@ -172,6 +199,8 @@ def format_summary(summary: dict) -> str:
         ("wall time", f"{summary['seconds']:.1f} s (first chunk incl. compile "
                       f"{summary['first_chunk_seconds_incl_compile']:.1f} s)"),
     ]
+    if summary.get("dp_clip") is not None:
+        lines.append(("client-level DP", dp_text(summary)))
     width = max(len(k) for k, _ in lines)
     rule = "-" * (width + 3 + max(len(v) for _, v in lines))
     return "\n".join([rule] + [f"{k:<{width}} | {v}" for k, v in lines] + [rule])

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from fedjax_sparse.checkpoint import read_metrics
 from fedjax_sparse.errors import RunError
+from fedjax_sparse.progress import dp_text
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -39,6 +40,26 @@ class RunRecord:
     label: str = ""
     # config.json's ``resumed[*].changed_experiment`` (``--resume --change``): [(at_round, {key: {from, to}})].
     changes: list = dataclasses.field(default_factory=list)
+    # config.json's ``algorithm_options`` (the wrapped algorithm's hparams: a DP run's calibrated z).
+    algorithm_options: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def dp(self) -> dict | None:
+        """A DP run's privacy (``dp_epsilon``, ``dp_delta``, ``dp_noise_multiplier``, ``dp_clip``,
+        ``dp_accountant``) from its summary, or, for a run still going (or of an earlier version), from its
+        latest row and config; None for a run without --dp-clip."""
+        clip = self.summary.get("dp_clip", self.config.get("dp_clip"))
+        if clip is None:
+            return None
+        from fedjax_sparse.config import resolved_dp_accountant
+        latest = next((r["dp_epsilon"] for r in reversed(self.rows) if r.get("dp_epsilon") is not None), None)
+        z = self.summary.get("dp_noise_multiplier", self.algorithm_options.get(
+            "dp_noise_multiplier", self.config.get("dp_noise_multiplier")))
+        return {"dp_epsilon": self.summary.get("dp_epsilon", latest) if self.finished else latest,
+                "dp_delta": self.summary.get("dp_delta", self.config.get("dp_delta")),
+                "dp_noise_multiplier": z, "dp_clip": clip,
+                "dp_accountant": self.summary.get("dp_accountant") or resolved_dp_accountant(
+                    self.config.get("dp_accountant"), self.config.get("client_sampling"))}
 
     @property
     def changes_text(self) -> str:
@@ -89,13 +110,14 @@ def load_run(path: str | Path) -> RunRecord:
     path = Path(path)
     if not (path / "metrics.jsonl").is_file():
         raise RunError(f"{path} is not a run directory (no metrics.jsonl); pass directories written by run --out")
-    config, changes = {}, []
+    config, changes, options = {}, [], {}   # type: dict, list, dict
     if (path / "config.json").is_file():
         try:
             recorded = json.loads((path / "config.json").read_text())
         except ValueError:
             raise RunError(f"{path / 'config.json'} is damaged (not JSON)") from None
         config = recorded.get("config", {})
+        options = recorded.get("algorithm_options") or {}
         changes = [(int(r["at_round"]), r["changed_experiment"]) for r in recorded.get("resumed", [])
                    if r.get("changed_experiment")]
     summary = {}
@@ -104,7 +126,7 @@ def load_run(path: str | Path) -> RunRecord:
             summary = json.loads((path / "summary.json").read_text())
         except ValueError:
             summary = {}
-    return RunRecord(path, config, read_metrics(path), summary, changes=changes)
+    return RunRecord(path, config, read_metrics(path), summary, changes=changes, algorithm_options=options)
 
 
 def load_runs(paths) -> list[RunRecord]:
@@ -220,6 +242,7 @@ def plot_runs(paths, out: str | Path | None = None, *, x: str | None = None, y: 
             # An unfinished run's curve is marked in the legend: its last point is not its final one.
             label = run.label + (f" ({run.progress}, running or stopped)" if run.progress else "")
             label += f" [{run.changes_text}]" if run.changes else ""
+            label += f" ({dp_text(run.dp)})" if run.dp else ""   # a DP curve says its privacy
             line, = ax.plot(xs, [scale * v for v in ys], marker="." if len(xs) < 30 else None, label=label)
             for at_round, _ in run.changes:   # --resume --change: a dotted line where the new values start
                 at = [a for r, a in zip(run.series("round"), run.series(xk)) if r == at_round and a is not None]
@@ -316,6 +339,8 @@ def _pct(value) -> str:
 # The density a run's table and report show: metrics.jsonl's ``density``, over the final round's sampled
 # clients (``density_all_clients``, over every client's personal model, is in metrics.jsonl too).
 DENSITY_SHOWN = "density (sampled clients)"
+# The column of a DP run's privacy (progress.dp_text): epsilon at delta by its accountant, z and the clip.
+DP_SHOWN = "DP: ε at δ (accountant), z, clip"
 
 
 def report_table(paths) -> str:
@@ -338,12 +363,16 @@ def report_table(paths) -> str:
     # column then names its numbers the latest ones.
     final = "final acc % (std)" if all(run.finished for run in runs) else "final (or latest) acc % (std)"
     # Density as the run's own table shows it (format_summary): the final round's sampled clients'.
-    lines = [f"| run | rounds | {final} | best acc % (round) | Gbit (up+down) | TFLOPs | {DENSITY_SHOWN} | rounds/s |",
-             "|---|---|---|---|---|---|---|---|"]
+    # DP runs add their privacy in a last column (a table without one keeps its columns).
+    private = any(run.dp for run in runs)
+    dp_head, dp_rule = (f" {DP_SHOWN} |", "---|") if private else ("", "")
+    lines = [f"| run | rounds | {final} | best acc % (round) | Gbit (up+down) | TFLOPs | {DENSITY_SHOWN} | rounds/s |"
+             + dp_head, "|---|---|---|---|---|---|---|---|" + dp_rule]
     for run in runs:
         rounds = f"{run.progress} (running or stopped)" if run.progress else str(run.reached)
+        dp_cell = (f" {dp_text(run.dp) if run.dp else '–'} |") if private else ""
         if not run.rows:
-            lines.append(f"| {run.label} | {rounds} | – | – | – | – | – | – |")
+            lines.append(f"| {run.label} | {rounds} | – | – | – | – | – | – |" + dp_cell)
             continue
         last = run.rows[-1]
         evaluated = [r for r in run.rows if r.get("accuracy") is not None]
@@ -358,5 +387,6 @@ def report_table(paths) -> str:
         label = run.label + (f" [{run.changes_text}]" if run.changes else "")
         lines.append(f"| {label} | {rounds} | {acc} | {best_s} | "
                      f"{'–' if gbit is None else f'{gbit:.4g}'} | {'–' if tflops is None else f'{tflops:.4g}'} | "
-                     f"{'–' if density is None else f'{density:.3f}'} | {'–' if rate is None else f'{rate:.3g}'} |")
+                     f"{'–' if density is None else f'{density:.3f}'} | {'–' if rate is None else f'{rate:.3g}'} |"
+                     + dp_cell)
     return "\n".join(lines) + "\n"

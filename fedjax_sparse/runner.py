@@ -37,13 +37,13 @@ from fedjax_sparse import population as host_population
 from fedjax_sparse.checkpoint import (Checkpointer, clear_outputs,
                                       load_checkpoint, locked_out_dir, prepare_out_dir, read_metrics,
                                       write_metrics)
-from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig, with_default_lr
+from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig, resolved_dp_accountant, with_default_lr
 from fedjax_sparse.errors import RunError, RunStopped, in_callers_words
 from fedjax_sparse.data.federated import FederatedData
 from fedjax_sparse.engine import COHORT_METRICS, STEP_METRICS, Engine, EngineState
 from fedjax_sparse.sinks import MetricSinks
 
-from fedjax_sparse.experiment import Experiment, build, privacy_sampling, with_components
+from fedjax_sparse.experiment import Experiment, build, privacy_accountant, privacy_sampling, with_components
 from fedjax_sparse.progress import COST_KEYS, Progress, exact_number, format_summary, jsonable, summarize
 
 
@@ -116,6 +116,9 @@ def resumed_config(config: RunConfig, saved: RunConfig, given: set[str] | None) 
     asked = fields if given is None else [f for f in fields if f in given]
     def differs(name: str) -> bool:
         mine, recorded = getattr(config, name), getattr(saved, name)
+        if name == "dp_accountant":   # "auto" is what it resolves to (runs before it existed recorded "rdp")
+            mine = resolved_dp_accountant(mine, config.client_sampling)
+            recorded = resolved_dp_accountant(recorded, saved.client_sampling)
         if isinstance(mine, dict) and isinstance(recorded, dict):
             # --option / --model-option: only the keys given, compared as the strings a CLI passes.
             return any(str(v) != str(recorded.get(k)) for k, v in mine.items())
@@ -525,14 +528,14 @@ class OpenRun:
         self.t0 = 0.0
         self.last_checkpoint = time.perf_counter()
         self.checkpointer: Checkpointer | None = None
-        # --dp-clip: epsilon after each round r (index r - 1) at --dp-delta, for the engine's sampling.
-        self.dp_epsilons = None
+        # --dp-clip: round r -> epsilon after it at --dp-delta, for the run's sampling and accountant.
+        self.dp_epsilon: Callable[[int], float] | None = None
         if config.dp_clip is not None:
             from fedjax_sparse import privacy
-            self.dp_epsilons = privacy.epsilon_curve(
+            self.dp_epsilon = privacy.epsilon_by_round(
                 float(exp.algorithm.hparams["dp_noise_multiplier"]), config.rounds, config.dp_delta,
                 num_clients=config.num_clients, clients_per_round=config.clients_per_round,
-                sampling=privacy_sampling(config))
+                sampling=privacy_sampling(config), accountant=privacy_accountant(config))
 
     @property
     def round(self) -> int:
@@ -638,6 +641,12 @@ class OpenRun:
         on divergence."""
         config, totals, out = self.config, self.totals, self.out
         evaluation = self.evaluate(state)
+        # A NaN/inf test loss means non-finite outputs, whose argmax (class 0) is no accuracy: the row keeps
+        # its keys with the accuracies null, and the run ends below.
+        broken = [k for k in ("test_loss", "global_test_loss")
+                  if isinstance(evaluation.get(k), float) and not np.isfinite(evaluation[k])]
+        if broken:
+            evaluation = {k: None if "accuracy" in k else v for k, v in evaluation.items()}
         if chunk_started is not None:
             self._first_chunk_done(chunk_started, len(metrics["loss"]))
         totals["seconds"] = time.perf_counter() - self.t0
@@ -661,14 +670,8 @@ class OpenRun:
                 row[key] = int(value[-1]) if key in STEP_METRICS or key in COHORT_METRICS else float(value[-1])
         if "cohort_overflow" in metrics:
             row["total_cohort_overflow"] = totals.get("cohort_overflow", 0)
-        if self.dp_epsilons is not None:
-            row["dp_epsilon"] = float(self.dp_epsilons[min(totals["round"], len(self.dp_epsilons)) - 1])
-            if config.dp_accountant == "pld":   # Poisson sampling calibrated with PLD: the rows say PLD's epsilon
-                from fedjax_sparse import privacy
-                row["dp_epsilon"] = privacy.epsilon(
-                    float(self.exp.algorithm.hparams["dp_noise_multiplier"]), min(totals["round"], config.rounds),
-                    config.dp_delta, num_clients=config.num_clients, clients_per_round=config.clients_per_round,
-                    sampling="poisson", accountant="pld")
+        if self.dp_epsilon is not None:
+            row["dp_epsilon"] = self.dp_epsilon(totals["round"])
             row["dp_clipped_fraction"] = row.get("server_dp_clipped_fraction")
         if self.population is not None:
             # Clients trained at least once so far (the others still hold the initial row).
@@ -686,6 +689,13 @@ class OpenRun:
                 self.bar.close()
             raise RunError(f"training diverged{self.label}: the loss is NaN/inf at round {bad[0]}; lower --lr "
                            f"(now {config.lr}) or check the data preprocessing (--preprocess)")
+        if broken:
+            if self.bar is not None:
+                self.bar.close()
+            raise RunError(f"evaluation diverged{self.label}: the test loss is NaN/inf at round {totals['round']} "
+                           "(the model's outputs are not finite), so no accuracy is reported; check the model's "
+                           "normalisation (a BatchNorm running variance below 0 gives NaN) or lower --lr "
+                           f"(now {config.lr})")
         return row
 
     label = ""   # " (seed k)" for a replica, in error messages

@@ -9,7 +9,7 @@ that method) and ``config`` (further RunConfig keys)), ``paper`` (name -> the pa
 
 Each (method, seed) is one ``fjs.run`` into ``OUT/<method>/seed<k>/`` (config.json, metrics.jsonl,
 summary.json); runs with a summary.json are skipped, interrupted ones resume from their checkpoint; a
-run whose loss turns NaN/inf gets ``diverged.json`` (``DIVERGED``), the study goes on, reruns skip it
+run whose training or test loss turns NaN/inf gets ``diverged.json`` (``DIVERGED``), the study goes on, reruns skip it
 and the report counts it apart ("2 (+1 diverged)") and out of the means (``--replicas`` runs stop at
 the first divergence). ``--replicas sequential|vmap|auto`` runs each method's seeds as replicas in
 one process (``fedjax_sparse.replicas``: the same files and numbers, one compiled program). For the
@@ -140,7 +140,7 @@ def run_one(study: dict, method: str, seed: int, args, out: Path) -> dict | None
     try:
         summary = fjs.run(config, resume=resume, progress=not args.quiet, on_eval=recorder).summary
     except RunError as error:
-        if not str(error).startswith("training diverged"):
+        if not str(error).startswith(("training diverged", "evaluation diverged")):   # NaN/inf training or test loss
             raise
         (out / DIVERGED).write_text(json.dumps({"method": method, "seed": seed, "error": str(error)}, indent=2))
         print(f"[diverged] {method} seed {seed}: {error}", flush=True)

@@ -157,23 +157,27 @@ def test_dp_run_accounts_poisson_sampled_gaussian_as_dp_accounting_does(tmp_path
         dp_accounting.PoissonSampledDpEvent(k / n, dp_accounting.GaussianDpEvent(z)), rounds)
     relation = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
     rdp = dp_accounting.rdp.RdpAccountant(list(privacy.DEFAULT_ORDERS), relation).compose(event).get_epsilon(delta)
-    pld = dp_accounting.pld.PLDAccountant(relation).compose(event).get_epsilon(delta)
+    # PLD on the module's grid (1e-3: an upper bound at most 1e-3 above dp_accounting's default 1e-4 grid's).
+    pld = dp_accounting.pld.PLDAccountant(relation, privacy.PLD_VALUE_INTERVAL).compose(event).get_epsilon(delta)
+    fine = dp_accounting.pld.PLDAccountant(relation).compose(event).get_epsilon(delta)
     assert summary["dp_epsilon_rdp"] == pytest.approx(rdp, rel=1e-9)
-    assert summary["dp_epsilon_pld"] == pytest.approx(pld, rel=1e-9)
-    assert summary["dp_epsilon"] == pytest.approx(rdp, rel=1e-9) and pld < rdp   # the rows say RDP's (the default)
+    assert summary["dp_epsilon_pld"] == pytest.approx(pld, rel=1e-9) and fine <= pld <= fine * (1 + 1e-3)
+    # The rows and dp_epsilon say PLD's, the tighter, by default (--dp-accountant auto) for Poisson sampling.
+    assert summary["dp_epsilon"] == pytest.approx(pld, rel=1e-9) and pld < rdp and summary["dp_accountant"] == "pld"
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    assert all("clients" in row for row in rows) and rows[-1]["dp_epsilon"] == pytest.approx(rdp, rel=1e-9)
+    assert all("clients" in row for row in rows) and rows[-1]["dp_epsilon"] == pytest.approx(pld, rel=1e-9)
 
 
 def test_target_epsilon_calibrates_for_poisson_sampling_with_the_asked_accountant(monkeypatch):
     from fedjax_sparse import experiment
     asked = []
     monkeypatch.setattr(privacy, "calibrate_noise_multiplier", lambda *a, **k: asked.append(k) or 1.0)
-    for sampling, accountant in (("poisson", "pld"), ("poisson", "rdp"), ("fixed", "rdp")):
+    for sampling, accountant, used in (("poisson", "pld", "pld"), ("poisson", "rdp", "rdp"), ("fixed", "rdp", "rdp"),
+                                       ("poisson", "auto", "pld"), ("fixed", "auto", "rdp")):
         experiment.noise_multiplier(flat_config(dp_clip=1.0, dp_target_epsilon=4.0, client_sampling=sampling,
                                                 dp_accountant=accountant))
         expected = "poisson" if sampling == "poisson" else "without_replacement"
-        assert asked[-1]["sampling"] == expected and asked[-1]["accountant"] == accountant
+        assert asked[-1]["sampling"] == expected and asked[-1]["accountant"] == used
 
 
 def test_poisson_accounting_matches_a_published_value():

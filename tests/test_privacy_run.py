@@ -79,3 +79,94 @@ def test_without_dp_flags_nothing_changes(tmp_path):
     assert main(["run", *QUICK, "--out", str(out)]) == 0
     assert not any(k.startswith("dp_") or "server_dp" in k for r in rows(out) for k in r)
     assert "dp_epsilon" not in json.loads((out / "summary.json").read_text())
+
+
+def test_a_dp_run_shows_its_privacy_in_the_run_table_report_and_plot(tmp_path, capsys):
+    """epsilon, delta, the accountant and z where a user reads results: the run's table, ``report`` (a column
+    only when some run is private) and the plots' legends; Poisson sampling is accounted by PLD by default."""
+    out, plain = tmp_path / "dp", tmp_path / "plain"
+    poisson = ["--client-sampling", "poisson", "--rounds", "2"]
+    assert main(["run", *QUICK, *poisson, "--dp-clip", "0.5", "--dp-target-epsilon", "4", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    z = summary["dp_noise_multiplier"]
+    assert summary["dp_accountant"] == "pld" and summary["dp_calibrated_with"] == "pld"
+    assert summary["dp_epsilon"] == privacy.epsilon(z, 2, 1e-5, num_clients=20, clients_per_round=5,
+                                                    sampling="poisson", accountant="pld") <= 4.0
+    shown = f"ε {summary['dp_epsilon']:#.4g} at δ 1e-05 (PLD), z {z:.4g}, clip 0.5"
+    assert "client-level DP" in table and shown in table
+    assert main(["run", *QUICK, "--rounds", "1", "--out", str(plain)]) == 0
+    capsys.readouterr()
+    assert main(["report", str(out), str(plain)]) == 0
+    report = capsys.readouterr().out.splitlines()
+    assert report[0].endswith("| DP: ε at δ (accountant), z, clip |")
+    assert report[2].endswith(f"| {shown} |") and report[3].endswith("| – |")
+    assert "DP:" not in fjs.report_table([plain])   # a table without DP runs keeps its columns
+    pytest.importorskip("matplotlib")
+    figure = fjs.plot_runs([out, plain])
+    legend = [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
+    assert legend[0].endswith(f"({shown})") and "ε" not in legend[1]
+
+
+@pytest.mark.fast
+def test_resuming_a_run_recorded_before_auto_accounting_keeps_its_accountant():
+    """Runs before --dp-accountant auto recorded "rdp" by default: auto resolves to it for fixed K (the same
+    experiment: a resume goes on), but to PLD for Poisson sampling (another calibration: refused in one line)."""
+    from fedjax_sparse.runner import resumed_config
+    dp = dict(dp_clip=1.0, dp_target_epsilon=4.0)
+    recorded = RunConfig(**dp, dp_accountant="rdp")
+    config, _ = resumed_config(RunConfig(**dp), recorded, None)
+    assert config.dp_accountant == "rdp"
+    with pytest.raises(RunError, match=r"--dp-accountant 'auto' \(recorded: 'rdp'\)"):
+        resumed_config(RunConfig(**dp, client_sampling="poisson"),
+                       RunConfig(**dp, dp_accountant="rdp", client_sampling="poisson"), None)
+
+
+def test_dp_never_noises_running_statistics_so_a_batchnorm_model_evaluates(tmp_path):
+    """Issue 47 item 3: DP-FedAvg noised BatchNorm running variances like weights; with this noise they went
+    negative by round 2 (min -4.5 at round 3) and every evaluation was NaN (test loss null) while a 11.7 %
+    accuracy was reported. Now the statistics are averaged without noise (said in summary.json)."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = False):
+            x = nn.Conv(8, (3, 3), padding="SAME", name="conv")(x)
+            x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.5, name="bn")(x))
+            return nn.Dense(10, name="out")(x.reshape(x.shape[0], -1))
+
+    config = RunConfig(algorithm="fedavg", dataset="digits", num_clients=20, clients_per_round=5, rounds=3,
+                       local_epochs=1, dp_clip=0.5, dp_noise_multiplier=50.0, out=str(tmp_path / "bn"))
+    with pytest.warns(UserWarning, match="16 BatchNorm running statistics; they are averaged without noise"):
+        result = fjs.run(config, model=Net(), progress=False)
+    assert all(row["test_loss"] is not None and row["accuracy"] is not None for row in result.rows)
+    assert float(jnp.min(result.state.server.variables["batch_stats"]["bn"]["var"])) >= 0
+    assert result.summary["dp_statistics"] == ("16 BatchNorm running statistics per client message, averaged "
+                                               "without noise: not covered by dp_epsilon")
+
+
+def test_a_nan_evaluation_ends_the_run_in_one_line_without_an_accuracy(tmp_path):
+    """Non-finite outputs give a NaN test loss and an argmax accuracy that means nothing: the run stops at that
+    evaluation with one line, and its row says null for every accuracy."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from fedjax_sparse.models import make_model
+    model = make_model("cnn_small", (8, 8, 1), 10)
+
+    def apply(variables, x, *, train, **kwargs):   # NaN outputs in evaluation only: training goes on
+        logits, stats = model.apply_fn(variables, x, train=train, **kwargs)
+        return (logits if train else logits * jnp.nan), stats
+    broken = dataclasses.replace(model, apply_fn=apply)
+    config = RunConfig(algorithm="fedavg", dataset="digits", num_clients=10, clients_per_round=3, rounds=3,
+                       local_epochs=1, out=str(tmp_path / "nan"))
+    with pytest.raises(RunError) as stopped:
+        fjs.run(config, model=broken, progress=False)
+    message = str(stopped.value)
+    assert "\n" not in message and message.startswith("evaluation diverged: the test loss is NaN/inf at round 1 ")
+    assert "no accuracy is reported" in message
+    row, = rows(tmp_path / "nan")
+    assert row["round"] == 1 and row["test_loss"] is None and row["loss"] is not None
+    assert row["accuracy"] is None and row["accuracy_std"] is None and row["global_accuracy"] is None

@@ -53,12 +53,53 @@ from jax.flatten_util import ravel_pytree
 from fedjax_sparse.algorithms.base import Algorithm, ServerContext
 from fedjax_sparse.mechanisms.attacks import (DEVIATIONS, Threat, min_max_attack, scale_attack,
                                               tailored_multi_krum_attack, tailored_trimmed_mean_attack)
-from fedjax_sparse.mechanisms.robust_aggregation import krum_count, multi_krum, trimmed_mean
+from fedjax_sparse.mechanisms.robust_aggregation import krum_count, masked_mean, multi_krum, trimmed_mean
 
 WRAPPER_AGGREGATORS = ("mean", "trimmed_mean", "multi_krum")
 # What ``--attack`` offers (config.validate reads it); ``with_attack`` takes every one of ATTACKS.
 WRAPPER_ATTACKS = ("min_max",)
 ATTACKS = ("none", "min_max", "tailored", "scale")
+
+
+# The collection of a model's variables that holds BatchNorm running statistics (models.base). They are
+# not parameters: a client's are averages over its data, evaluation divides by the running variance, and
+# nothing trains them. The wrappers here (and DP-FedAvg's, algorithms.private) leave them out of what
+# they clip, noise, select by or attack, so a running variance is only ever averaged (never negative).
+STATISTICS = "batch_stats"
+
+
+def _is_statistics(path) -> bool:
+    return any(isinstance(key, jax.tree_util.DictKey) and key.key == STATISTICS for key in path)
+
+
+@dataclasses.dataclass(frozen=True)
+class StatisticsSplit:
+    """Which leaves of a message pytree are running statistics (under a ``batch_stats`` key, at any depth:
+    FedAvg's ``{"params", "batch_stats"}``, SCAFFOLD's and FedDrop's ``{"variables": {...}, ...}``).
+
+    ``split(tree) -> (other leaves, statistics leaves)``, both lists in flatten order (a list is a pytree:
+    ``flatten_messages`` and ``ravel_pytree`` take it); ``join`` puts them back. A tree of the same
+    structure (one client's row, the broadcast model) splits the same way."""
+    treedef: Any
+    statistics: tuple[bool, ...]
+
+    @classmethod
+    def of(cls, tree) -> "StatisticsSplit":
+        paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        return cls(treedef, tuple(_is_statistics(path) for path, _ in paths))
+
+    @property
+    def any(self) -> bool:
+        return any(self.statistics)
+
+    def split(self, tree) -> tuple[list, list]:
+        leaves = self.treedef.flatten_up_to(tree)
+        return ([leaf for leaf, stat in zip(leaves, self.statistics) if not stat],
+                [leaf for leaf, stat in zip(leaves, self.statistics) if stat])
+
+    def join(self, others, statistics):
+        others, statistics = iter(others), iter(statistics)
+        return self.treedef.unflatten([next(statistics) if stat else next(others) for stat in self.statistics])
 
 
 def flatten_messages(messages):
@@ -111,20 +152,35 @@ class Aggregator:
         """How many updates Multi-Krum averages."""
         return krum_count(k, f, self.krum_select)
 
-    def __call__(self, flat: jax.Array, ctx: ServerContext) -> tuple[jax.Array, dict]:
+    def __call__(self, flat: jax.Array, ctx: ServerContext, statistics: jax.Array | None = None):
         """[K, P] -> (aggregate [P], server metrics). Multi-Krum reports how many of the
         sampled malicious clients it selected (``malicious_selected``) when it knows the
-        threat, else how many updates it selected (``krum_selected``)."""
+        threat, else how many updates it selected (``krum_selected``).
+
+        ``statistics`` [K, S] (the clients' running statistics, ``StatisticsSplit``): then returns
+        (aggregate, metrics, statistics' aggregate [S]) too, by the same rows: the coordinate-wise trimmed
+        mean, the mean of the updates Multi-Krum selected (by the updates' distances alone), the mean. Each
+        a mean of some clients' values, so a running variance stays >= 0."""
         k = flat.shape[0]
         f = self.assumed_malicious(k, ctx.client_ids)
+        selected = None
         if self.name == "trimmed_mean":
-            return trimmed_mean(flat, f), {}
-        if self.name == "multi_krum":
+            aggregate, metrics = trimmed_mean(flat, f), {}
+        elif self.name == "multi_krum":
             aggregate, selected = multi_krum(flat, f, self.num_select(k, f))
             if self.threat is None:
-                return aggregate, {"krum_selected": selected.sum()}
-            return aggregate, {"malicious_selected": (selected & self.threat.split(ctx.client_ids)[0]).sum()}
-        return flat.mean(0), {}
+                metrics = {"krum_selected": selected.sum()}
+            else:
+                metrics = {"malicious_selected": (selected & self.threat.split(ctx.client_ids)[0]).sum()}
+        else:
+            aggregate, metrics = flat.mean(0), {}
+        if statistics is None:
+            return aggregate, metrics
+        if self.name == "trimmed_mean":
+            return aggregate, metrics, trimmed_mean(statistics, f)
+        if selected is not None:
+            return aggregate, metrics, masked_mean(statistics, selected)
+        return aggregate, metrics, statistics.mean(0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,9 +213,19 @@ class AggregatingServer:
     aggregator: Aggregator
 
     def __call__(self, server_state, messages, ctx: ServerContext):
-        flat, unravel = flatten_messages(messages)
-        aggregate, metrics = self.aggregator(flat, ctx)
-        row = unravel(aggregate)
+        split = StatisticsSplit.of(messages)
+        if split.any:
+            # Running statistics neither decide nor get decided like updates: the aggregator selects and
+            # trims by the parameters alone and reduces the statistics over the same rows.
+            others, statistics = split.split(messages)
+            flat, unravel = flatten_messages(others)
+            flat_stats, unravel_stats = flatten_messages(statistics)
+            aggregate, metrics, stats_aggregate = self.aggregator(flat, ctx, flat_stats)
+            row = split.join(unravel(aggregate), unravel_stats(stats_aggregate))
+        else:
+            flat, unravel = flatten_messages(messages)
+            aggregate, metrics = self.aggregator(flat, ctx)
+            row = unravel(aggregate)
         robust = jax.tree_util.tree_map(lambda leaf, ref: jnp.broadcast_to(leaf, ref.shape).astype(ref.dtype),
                                         row, messages)
         new_state, inner_metrics = self.server_update(server_state, robust, ctx)
@@ -242,13 +308,17 @@ def with_attack(alg: Algorithm, attack: str, *, num_clients: int | None = None,
         return min_max_attack(updates, is_mal, known, **options)
 
     def poison_messages(server_state, messages, is_mal, known, ctx):
-        """Any algorithm's float messages: the attack in update space (relative to the payload)."""
-        flat, unravel = flatten_messages(messages)
+        """Any algorithm's float messages: the attack in update space (relative to the payload). Running
+        statistics are not attacked: the malicious clients send their own (an attack built from their
+        mean and spread would send negative variances, which no client's data can give)."""
+        split = StatisticsSplit.of(messages)
+        others, statistics = split.split(messages)
+        flat, unravel = flatten_messages(others)
         payload = alg.broadcast(server_state, ctx.round)
         row_structure = jax.tree_util.tree_structure(jax.tree_util.tree_map(lambda x: x[0], messages))
         model_shaped = jax.tree_util.tree_structure(payload) == row_structure
         if model_shaped:
-            reference = ravel_pytree(payload)[0].astype(jnp.float32)
+            reference = ravel_pytree(split.split(payload)[0])[0].astype(jnp.float32)
         else:
             reference = jnp.zeros(flat.shape[1], jnp.float32)
 
@@ -259,7 +329,7 @@ def with_attack(alg: Algorithm, attack: str, *, num_clients: int | None = None,
             return reference
 
         attacked, gamma = poison(flat - reference[None], is_mal, known, ctx, model)
-        rows = jax.vmap(unravel)(attacked + reference[None])
+        rows = split.join(jax.vmap(unravel)(attacked + reference[None]), statistics)
         poisoned = jax.tree_util.tree_map(lambda new, ref: new.astype(ref.dtype), rows, messages)
         return jax.lax.cond(is_mal.any(), lambda: poisoned, lambda: messages), gamma
 
@@ -272,10 +342,11 @@ def with_attack(alg: Algorithm, attack: str, *, num_clients: int | None = None,
             messages, gamma = poison_messages(server_state, messages, is_mal, known, ctx)
         new_state, metrics = inner(server_state, messages, ctx)
         return new_state, {**metrics, "malicious_clients": is_mal.sum(), "attack_gamma": gamma}
+    server_update.inner = inner   # type: ignore[attr-defined]   # what it wraps (private.released_statistics)
 
     return dataclasses.replace(alg, name=f"{alg.name}+{attack}", server_update=server_update,
                                hparams={**alg.hparams, "attack": attack, "malicious_fraction": threat.fraction})
 
 
-__all__ = ["ATTACKS", "WRAPPER_AGGREGATORS", "WRAPPER_ATTACKS", "AggregatingServer", "Aggregator", "UpdateServer",
-           "flatten_messages", "with_aggregator", "with_attack"]
+__all__ = ["ATTACKS", "STATISTICS", "WRAPPER_AGGREGATORS", "WRAPPER_ATTACKS", "AggregatingServer", "Aggregator",
+           "StatisticsSplit", "UpdateServer", "flatten_messages", "with_aggregator", "with_attack"]

@@ -36,6 +36,14 @@ The clients' weights (training-set sizes) are ignored.
   drew times its examples, which the server only sums into its ``sampled_flops`` metric), are left
   out of the clipped vector and reach the inner server unchanged, so that metric is the plain run's.
 
+* BatchNorm running statistics (message leaves under a ``batch_stats`` key, ``compose.StatisticsSplit``)
+  are not parameters: Gaussian noise on a running variance drives it negative (seen: after 2 rounds,
+  then NaN evaluations). They are left out of the clipped vector and of the noise, and the server gets
+  the real clients' plain uniform mean of them (``statistics_mean``; an empty Poisson round keeps the
+  broadcast ones), never negative. That mean is RELEASED WITHOUT NOISE: epsilon covers the parameters,
+  not the statistics (docs/privacy.md; ``summary.json`` says so in ``dp_statistics``, and the run warns
+  once). A model without BatchNorm (GroupNorm, LayerNorm) is covered whole.
+
 Exactness: ``noise_multiplier=0`` and ``clip_norm=inf`` give the plain algorithm's result, to float
 rounding, when the plain server takes the uniform mean (SpaFL, ``fedavg`` with ``weighted=False``,
 or equal client sizes): a data-size weighted FedAvg averages differently (its weights) from the DP
@@ -61,6 +69,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -69,7 +78,7 @@ from jax.flatten_util import ravel_pytree
 
 from fedjax_sparse.algorithms.base import Algorithm, ServerContext
 from fedjax_sparse.algorithms.baselines import CaldasServerState, ScaffoldServerState
-from fedjax_sparse.algorithms.compose import UpdateServer, flatten_messages
+from fedjax_sparse.algorithms.compose import StatisticsSplit, UpdateServer, flatten_messages
 from fedjax_sparse.algorithms.feddrop import FedDropServerState
 from fedjax_sparse.algorithms.registry import algorithm_entry, algorithm_names, resolve_options, wrapper_refusal
 from fedjax_sparse.algorithms.spafl import SpaflServerState
@@ -234,6 +243,9 @@ class PrivateServer:
     reference: Callable[[Any, Any], Any] = update_reference
     name: str = "the algorithm"
     accounting: Callable[[Any, Any], tuple[str, ...]] = accounting_keys
+    # Filled while the round is traced: "statistics", how many running-statistics values a client's
+    # message holds (released without noise; ``released_statistics``).
+    seen: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def __call__(self, server_state, messages, ctx: ServerContext):
         _check_float_messages(self.name, messages)
@@ -251,24 +263,61 @@ class PrivateServer:
         payload = self.broadcast(server_state, ctx.round)
         passed = self.accounting(payload, messages)
         updates = {k: v for k, v in messages.items() if k not in passed} if passed else messages
-        flat, unravel = flatten_messages(updates)
         row = jax.tree_util.tree_map(lambda x: x[0], updates)
         ref_tree = self.reference(payload, row)
-        if ref_tree is None:
-            reference = jnp.zeros(flat.shape[1], jnp.float32)
-        elif same_structure(ref_tree, row):
-            reference = ravel_pytree(ref_tree)[0].astype(jnp.float32)
-        else:
+        if ref_tree is not None and not same_structure(ref_tree, row):
             raise TypeError(f"with_dp: the reference of {self.name}'s messages must have their structure "
                             f"{jax.tree_util.tree_structure(row)}, got {jax.tree_util.tree_structure(ref_tree)}")
+        # BatchNorm running statistics stay out of the mechanism (module docstring): the clipped, noised
+        # vector is the parameters' update alone, and the statistics are the real clients' plain mean.
+        split = StatisticsSplit.of(updates)
+        others, statistics = split.split(updates)
+        if statistics and "statistics" not in self.seen:
+            self.seen["statistics"] = sum(math.prod(leaf.shape[1:]) for leaf in statistics)
+            warnings.warn(f"with_dp: {self.name}'s clients send {self.seen['statistics']} BatchNorm running "
+                          "statistics; they are averaged without noise (noise drives running variances negative), "
+                          "so dp_epsilon covers the parameters, not them; for a guarantee over the whole model use "
+                          "GroupNorm or LayerNorm", stacklevel=2)
+        flat, unravel = flatten_messages(others)
+        ref_others, ref_stats = split.split(ref_tree) if ref_tree is not None else (None, None)
+        if ref_others is None:
+            reference = jnp.zeros(flat.shape[1], jnp.float32)
+        else:
+            reference = ravel_pytree(ref_others)[0].astype(jnp.float32)
         aggregate, metrics = self.mechanism(flat - reference[None], noise_key(ctx), mask)
-        private_row = unravel(reference + aggregate)
+        private_row = split.join(unravel(reference + aggregate), statistics_mean(statistics, mask, ref_stats))
         private = jax.tree_util.tree_map(lambda leaf, m: jnp.broadcast_to(leaf, m.shape).astype(m.dtype),
                                          private_row, updates)
         if passed:   # the accounting leaves as the clients sent them, in the messages' key order
             private = {k: messages[k] if k in passed else private[k] for k in messages}
         new_state, inner_metrics = inner(server_state, private, ctx)
         return new_state, {**inner_metrics, **metrics}
+
+
+def statistics_mean(statistics: list, mask: jax.Array | None, reference: list | None) -> list:
+    """The clients' running statistics (leaves [K, ...]) -> their uniform mean over the real clients
+    (``mask``: a Poisson cohort's real slots), without clipping or noise; an empty round keeps
+    ``reference`` (the broadcast model's; zeros without one). A mean of running variances is >= 0."""
+    if mask is None:
+        return [leaf.astype(jnp.float32).mean(0) for leaf in statistics]
+    real = mask.astype(jnp.float32)
+    count = real.sum()
+    out = []
+    for i, leaf in enumerate(statistics):
+        total = jnp.tensordot(real, leaf.astype(jnp.float32), axes=1)
+        kept = reference[i].astype(jnp.float32) if reference is not None else jnp.zeros(leaf.shape[1:], jnp.float32)
+        out.append(jnp.where(count > 0, total / jnp.maximum(count, 1.0), kept))
+    return out
+
+
+def released_statistics(alg: Algorithm) -> int:
+    """How many BatchNorm running-statistics values a client of ``alg`` (wrapped by ``with_dp``, possibly
+    inside ``with_attack``) sends that DP-FedAvg averages without noise: known once the round has been
+    traced (0 before, and for messages without statistics)."""
+    server: Any = alg.server_update
+    while server is not None and not isinstance(server, PrivateServer):
+        server = getattr(server, "inner", None)   # with_attack's server keeps the one it wraps there
+    return int(server.seen.get("statistics", 0)) if server is not None else 0
 
 
 # ---------------------------------------------------------------------------- the wrapper
@@ -321,5 +370,5 @@ def with_dp(alg: Algorithm, *, clip_norm: float, noise_multiplier: float, client
 
 
 __all__ = ["ACCOUNTING_KEYS", "DP_NOISE_STREAM", "DP_REFUSAL", "DROPOUT_REFUSAL", "DpMechanism", "PrivateServer",
-           "accounting_keys", "clip_rows", "dp_refusal", "noise_key", "noisy_sum", "same_structure", "update_reference",
-           "with_dp"]
+           "accounting_keys", "clip_rows", "dp_refusal", "noise_key", "noisy_sum", "released_statistics",
+           "same_structure", "statistics_mean", "update_reference", "with_dp"]

@@ -118,6 +118,11 @@ class Model:
     # traced program (attention's scores and values, a tied output embedding's ``attend``):
     # ``forward_macs`` is then the program's total. 0 for the zoo (hand-written tables).
     other_macs: int = 0
+    # The fraction of its running statistics a BatchNorm keeps per training step (Flax's ``momentum``,
+    # 1 - PyTorch's), the largest over the model's BatchNorms: how slowly the statistics evaluation
+    # reads follow training (``batch_norm_lag``). The zoo's BatchNorm keeps 0.9 (``layers.batch_norm``'s
+    # PyTorch momentum 0.1); ``from_flax`` reads its modules'. Unused by a model without ``batch_stats``.
+    batch_norm_momentum: float = 0.9
 
     def init(self, key: jax.Array) -> Variables:
         return self.init_fn(key)

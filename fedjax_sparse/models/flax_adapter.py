@@ -262,6 +262,7 @@ class _Calls:
         self.seen: set = set()
         self._outputs: dict[int, tuple[Path, Any]] = {}
         self.bn_after: dict[Path, Path] = {}
+        self.bn_momentum: dict[Path, float] = {}   # record mode: each BatchNorm's momentum (Model.batch_norm_momentum)
         self.layer_outputs: dict[Path, Any] = {}
         # Layers whose call is in progress: a subclass's ``__call__`` that calls ``super().__call__``
         # reaches the interception again for the same layer, which is the same use, not a second one.
@@ -306,8 +307,10 @@ class _Calls:
             out = self.hooks.activation(entry_name(path), out)  # type: ignore[union-attr]
         return out
 
-    def batch_norm(self, path: Path, x, original: Callable):
-        """``original(use_running_average, mask)`` runs the module."""
+    def batch_norm(self, path: Path, x, original: Callable, momentum: float | None = None):
+        """``original(use_running_average, mask)`` runs the module; ``momentum``: its Flax momentum."""
+        if self.mode == "record" and momentum is not None:
+            self.bn_momentum[path] = float(momentum)
         mask = None
         if self.train and self.sample_mask is not None:
             mask = jnp.broadcast_to(self.sample_mask.reshape((-1,) + (1,) * (x.ndim - 1)) > 0, x.shape)
@@ -479,7 +482,7 @@ def _linen_parts(module, train_kwargs):
                         # Set by the module from its train argument (Flax refuses it twice).
                         return next_fun(x, mask=mask)
                     return next_fun(x, use_running_average=use_running_average, mask=mask)
-                return calls.batch_norm(path, x, original)
+                return calls.batch_norm(path, x, original, m.momentum)
             if isinstance(m, nn.Dropout):
                 # Active in training when a key reached Model.apply (the engine's local steps pass one),
                 # the identity otherwise; a ``deterministic`` the module set itself is respected.
@@ -573,7 +576,7 @@ def _nnx_parts(module, train_kwargs):
 
         def batch_norm(self, x, *a, **k):
             return calls.batch_norm(where[id(self)], x, lambda ura, mask: originals[nnx.BatchNorm](
-                self, x, use_running_average=ura, mask=mask))
+                self, x, use_running_average=ura, mask=mask), self.momentum)
 
         def dropout(self, x, *a, **k):
             # Each layer its own key: the step's key folded with the layer's path.
@@ -978,6 +981,8 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
                          f"{num_classes} classes; set the last layer's features to {num_classes}")
     names = [entry_name(r.path) for r in record.recorded]
     bn_of = dict(record.bn_after)
+    # The slowest BatchNorm decides how long the running statistics take to follow training.
+    bn_momentum = max(record.bn_momentum.values(), default=Model.batch_norm_momentum)
     _check_weights_seen(model_name, record.recorded, flat0["params"])
     embed_entries.update(n for n, r in zip(names, record.recorded) if r.kind == "embed")
     flat0 = {"params": to_flat(nested0["params"]), "batch_stats": to_flat(nested0.get("batch_stats", {}))}
@@ -1066,7 +1071,7 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     from fedjax_sparse.models import flax_probes
     return flax_probes.probe(Model(model_name, input_shape, classes, tuple(infos), init_fn, apply_fn,
                                    sequential=sequential, channel_entries=channel_entries, fixed_widths=True,
-                                   other_macs=other_macs),
+                                   other_macs=other_macs, batch_norm_momentum=bn_momentum),
                              module, input_shape, variables)
 
 
