@@ -297,7 +297,8 @@ def test_a_kernel_no_layer_multiplies_by_is_refused_not_left_out():
     assert "\n" not in str(error.value)
 
 
-def test_an_nnx_rnn_is_refused_in_one_line_naming_the_linen_way():
+def test_an_nnx_rnn_counts_every_step_as_linen_does():
+    """Refused before issue 47 (its nnx.scan runs copies of the cell); the copies now carry their paths."""
     class NnxRecurrent(nnx.Module):
         def __init__(self, rngs):
             self.rnn = nnx.RNN(nnx.LSTMCell(4, 8, rngs=rngs))
@@ -305,9 +306,9 @@ def test_an_nnx_rnn_is_refused_in_one_line_naming_the_linen_way():
 
         def __call__(self, x):
             return self.head(self.rnn(x)[:, -1])
-    with pytest.raises(ValueError, match=r"^from_flax: NnxRecurrent: layer rnn is an nnx.RNN.*nn.RNN") as error:
-        from_flax(NnxRecurrent(nnx.Rngs(0)), (5, 4))
-    assert "\n" not in str(error.value)
+    model = from_flax(NnxRecurrent(nnx.Rngs(0)), (5, 4))
+    assert {layer.kind for layer in model.layers} == {"recurrent", "dense"}
+    assert model.forward_macs == from_flax(LSTMClassifier(), (5, 4)).forward_macs == 1944
 
 
 def test_pytorch_weights_are_not_converted_into_an_embedding_or_attention_layout(text):

@@ -291,8 +291,10 @@ def make_setup(model: Model, options: Mapping) -> SpaflSetup:
     if not o["train_weights"] and o["eq13"] and o["share_thresholds"]:
         raise ValueError("train_weights=false freezes the weights but eq. (13) would move them; "
                          "also pass eq13=false (as spafl_thresholds_only does)")
-    check_layer_kinds(model, "spafl", LAYER_KINDS, "thresholds each output unit (row) of every weight layer",
-                      rows=True)
+    # A shared layer's thresholds mask its kernel at every use, and its MACs count every use: exact.
+    # A scanned layer's stacked kernel has no rows of its own (a row would span the repetitions): refused.
+    check_layer_kinds(model, "spafl", tuple(k for k in LAYER_KINDS if k != "scanned"),
+                      "thresholds each output unit (row) of every weight layer", rows=True, shared=True)
     hooked = thresholded_layers(model)
     if not hooked:
         raise ValueError(f"model {model.name} routes no kernel through hooks.kernel: nothing to threshold")
