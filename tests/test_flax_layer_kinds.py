@@ -195,6 +195,8 @@ def test_nnx_linear_general_attention_einsum_and_embed_are_layers():
             + tokens * d * 8 + 8 * 3)
     assert model.forward_macs == hand
     assert model.layer("mix").out_axes == 2 and model.layer("mix").out_units == 8
+    # The position table is looked up at constant indices: its output is still a layer's output, read by q/k/v.
+    assert model.layer("attn/query").input_layer == "pos"
 
 
 def test_einsum_rows_are_the_kernels_trailing_output_axes():

@@ -33,7 +33,10 @@ import jax.extend  # noqa: F401  (jax.extend.core: not imported by `import jax`)
 
 from fedjax_sparse.models import macs as macs_lib
 
-_NONE: tuple = (frozenset(), frozenset())   # (sources, parameters): a constant
+# A value's dependencies: (sources, parameters, made in). ``sources``: layer indices (-1: the model input) whose
+# outputs it is computed from; ``parameters``: for a value computed from parameters alone (a kernel transform, a
+# learned query), their labels; ``made in``: the layer whose call computed such a value (None outside every call).
+_NONE: tuple = (frozenset(), frozenset(), None)
 _PRODUCTS = ("dot_general", "conv_general_dilated")
 
 
@@ -67,7 +70,9 @@ def _sub(value):
 
 def _join(*deps) -> tuple:
     sources = frozenset().union(*(d[0] for d in deps))
-    return (sources, frozenset()) if sources else (sources, frozenset().union(*(d[1] for d in deps)))
+    if sources:
+        return (sources, frozenset(), None)
+    return (sources, frozenset().union(*(d[1] for d in deps)), next((d[2] for d in deps if d[2] is not None), None))
 
 
 def _contraction(eqn, weight: int) -> int:
@@ -109,12 +114,21 @@ class _Flow:
         layer = macs_lib._layer_of(eqn, inherited)
         return layer if layer in self.index else inherited
 
+    def entering(self, deps: tuple, where) -> tuple:
+        """A value as an equation in ``where`` reads it: computed from parameters alone inside another layer's
+        call (a lookup of constant positions, a projection of a learned query), it is that layer's output."""
+        if deps[2] is not None and deps[2] != where:
+            return (frozenset({self.index[deps[2]]}), frozenset(), None)
+        return deps
+
     def combine(self, ins: Sequence[tuple], where) -> tuple:
         deps = _join(*ins) if ins else _NONE
-        if not deps[0] or where is None:
-            return deps          # parameters only (a kernel transform stays a parameter), or outside every layer
+        if not deps[0]:
+            return (deps[0], deps[1], where)   # parameters only (a kernel transform stays a parameter)
+        if where is None:
+            return deps
         self.layers[where].sources |= deps[0] - {self.index[where]}
-        return (frozenset({self.index[where]}), frozenset())
+        return (frozenset({self.index[where]}), frozenset(), None)
 
     def product(self, eqn, ins: Sequence[tuple], where, scale: int) -> None:
         macs = scale * _product_macs(eqn)
@@ -123,15 +137,15 @@ class _Flow:
             return
         kernel = ("params", where, "kernel")
         flow = self.layers[where]
-        weight = [i for i, (s, p) in enumerate(ins[:2]) if not s and kernel in p]
+        weight = [i for i, (s, p, _) in enumerate(ins[:2]) if not s and kernel in p]
         if weight:
             flow.kernel_macs += macs
             flow.kernel_products += 1
             flow.contractions.add(_contraction(eqn, weight[0]))
             return
         flow.side_macs += macs
-        if any(s for s, _ in ins[:2]):   # data on one side: it runs per example, beside the kernel's product
-            flow.side.append(sorted({label[-1] for s, p in ins[:2] if not s for label in p}))
+        if any(d[0] for d in ins[:2]):   # data on one side: it runs per example, beside the kernel's product
+            flow.side.append(sorted({label[-1] for s, p, _ in ins[:2] if not s for label in p}))
 
     def run(self, jaxpr, in_deps: Sequence[tuple], where, scale: int, costs: bool) -> list:
         env: dict = dict(zip(jaxpr.invars, in_deps))
@@ -140,7 +154,7 @@ class _Flow:
             return _NONE if isinstance(v, jax.extend.core.Literal) else env.get(v, _NONE)
         for eqn in jaxpr.eqns:
             here = self.scope(eqn, where)
-            ins = [of(v) for v in eqn.invars]
+            ins = [self.entering(of(v), here) for v in eqn.invars]
             name = eqn.primitive.name
             if name in _PRODUCTS and costs:
                 self.product(eqn, ins, here, scale)
@@ -215,12 +229,13 @@ def program_flow(jaxpr, in_labels: Sequence, layers: Sequence[str]) -> ProgramFl
     deps: list[tuple] = []
     for label in in_labels:
         if label == ("input",):
-            deps.append((frozenset({-1}), frozenset()))
+            deps.append((frozenset({-1}), frozenset(), None))
         else:
-            deps.append((frozenset(), frozenset({label}) if label is not None else frozenset()))
+            deps.append((frozenset(), frozenset({label}) if label is not None else frozenset(), None))
     flow = _Flow(index)
     outs = flow.run(jaxpr, deps, None, 1, True)
-    return ProgramFlow(flow.layers, outs[0][0] if outs else frozenset(), flow.other_macs)
+    logits = flow.entering(outs[0], None) if outs else _NONE
+    return ProgramFlow(flow.layers, logits[0], flow.other_macs)
 
 
 __all__ = ["LayerFlow", "ProgramFlow", "program_flow"]
