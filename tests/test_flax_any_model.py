@@ -165,6 +165,25 @@ def test_heterofl_and_fjord_book_the_same_with_and_without_remat(resnets):
     assert booked["none"][0]["flops"] == 1120896    # before: 2116224 under nn.remat (blocks read the whole input)
 
 
+class TokenMapped(nn.Module):
+    """A Dense mapped over two halves of the features by nn.vmap (shared weights), between two Dense layers."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(8, name="inp")(x).reshape(x.shape[0], 2, 4)
+        x = nn.vmap(nn.Dense, in_axes=1, out_axes=1, variable_axes={"params": None},
+                    split_rngs={"params": False})(4, name="tok")(x)
+        return nn.Dense(3, name="head")(x.reshape(x.shape[0], 8))
+
+
+def test_a_layer_under_nn_vmap_is_seen_with_its_costs_and_feeds_the_next():
+    model = from_flax(TokenMapped(), (6,))
+    assert [(layer.name, layer.macs) for layer in model.layers] == [("inp", 48), ("tok", 2 * 4 * 4), ("head", 24)]
+    assert model.layer("head").input_layer == "tok"            # before: "inp" (the mapped layer was not followed)
+    assert model.layer("tok").input_layer is None              # it reads half of inp's channels per mapped call
+    assert not model.sequential
+
+
 class ScannedBlock(nn.Module):
     @nn.compact
     def __call__(self, x, _):
@@ -357,6 +376,28 @@ def test_a_dropout_whose_mode_the_module_fixes_follows_the_adapters_mode():
         trained = model.apply(variables, x, train=True, rng=jax.random.PRNGKey(2))[0]
         assert float(jnp.max(jnp.abs(trained - evaluation))) > 1e-3, training   # built for evaluation: off before
         np.testing.assert_array_equal(np.asarray(model.apply(variables, x, train=True)[0]), np.asarray(evaluation))
+
+
+class ScaledDropout(nn.Dropout):
+    """A Dropout subclass computing more than dropout: its own code must run in evaluation too."""
+
+    @nn.compact
+    def __call__(self, x, deterministic=None, rng=None):
+        return 2.0 * super().__call__(x, deterministic=deterministic, rng=rng)
+
+
+class WithScaledDropout(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3, name="head")(ScaledDropout(0.5, deterministic=True)(nn.Dense(8, name="fc")(x)))
+
+
+def test_a_dropout_subclass_with_its_own_code_runs_it_in_evaluation():
+    model = from_flax(WithScaledDropout(), (6,))
+    variables = model.init(jax.random.PRNGKey(0))
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, 6))
+    want = WithScaledDropout().apply(_linen_variables(variables["params"]), x)
+    np.testing.assert_allclose(np.asarray(model.apply(variables, x)[0]), np.asarray(want), rtol=1e-6)
 
 
 class Sowing(nnx.Module):

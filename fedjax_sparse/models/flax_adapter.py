@@ -177,13 +177,15 @@ def link_layers(names: Sequence[str], in_units: Sequence[int], out_units: Sequen
 
     A layer's ``input_layer`` is the latest layer among its sources whose output width its input is
     made of (``in_units`` a multiple of it: a flatten repeats channels); ``sequential`` holds when
-    every layer reads exactly the previous one (the first: the input) and the logits the last."""
+    every layer reads exactly the previous one (the first: the input), as its ``input_layer`` (not a part
+    of its channels: an ``nn.vmap`` over a split channel axis), and the logits the last."""
     inputs: list[str | None] = []
     for i, src in enumerate(sources):
         candidates = [j for j in sorted(src, reverse=True) if j >= 0 and in_units[i] % out_units[j] == 0]
         inputs.append(names[candidates[0]] if candidates else None)
     expected = [frozenset({i - 1}) for i in range(len(names))]
-    sequential = list(sources) == expected and logits_sources == frozenset({len(names) - 1})
+    sequential = (list(sources) == expected and logits_sources == frozenset({len(names) - 1})
+                  and all(inp is not None for inp in inputs[1:]))
     return inputs, sequential
 
 
@@ -565,11 +567,13 @@ def _linen_interceptor(calls: _Calls, prefix: Callable[[], Path | None] = lambda
             return calls.batch_norm(path, x, original)
         if isinstance(m, nn.Dropout):
             # Active in training when a key reached Model.apply (the engine's local steps pass one),
-            # the identity otherwise, whatever ``deterministic`` the module was built with.
-            if calls.mode in ("run", "reference") and calls.train and calls.rng is not None:
-                with _field_cleared(m, "deterministic"):
-                    return next_fun(*args, **{**kwargs, "deterministic": False})
-            return args[0]
+            # the identity otherwise, whatever ``deterministic`` the module was built with; a subclass
+            # overriding Flax's Dropout runs its own code in both modes.
+            active = calls.mode in ("run", "reference") and calls.train and calls.rng is not None
+            if not active and _runs_flax_code(type(m), nn.Dropout):
+                return args[0]
+            with _field_cleared(m, "deterministic"):
+                return next_fun(*args, **{**kwargs, "deterministic": not active})
         return next_fun(*args, **kwargs)
     return _both(nn.intercept_methods(interceptor), _retraced_jit())
 
