@@ -310,6 +310,7 @@ def test_a_lora_side_path_is_refused_by_row_and_unit_mechanisms_and_booked_besid
         assert "lora_a, lora_b" in message and "fedpm" in message
     make_algorithm("fedavg", _task(model), {})
     make_algorithm("fedpm", _task(model), {})
+    make_algorithm("spafl", _task(model), {"dense_layers": "lora"})   # not thresholded: exact
     assert [name for name, _ in model.row_leaks] == ["lora"]
     # The kernel's product is the layer's; the side path (8 x 2 + 2 x 8 per example) is computed, dense.
     assert model.layer("lora").macs == 8 * 8

@@ -211,8 +211,9 @@ def check_layer_kinds(model: Model, algorithm: str, supported: Sequence[str], wh
         if layer.name in leaks:
             raise ValueError(f"{algorithm}: layer {layer.name} of model {model.name} {leaks[layer.name]}; "
                              f"{algorithm} {what} and books a pruned or dropped unit's products as not computed: "
-                             "compute the extra path in a weight layer of its own (nn.Dense, nnx.Linear), or use "
-                             "an algorithm that masks weights (fedavg, fedpm)")
+                             "compute the extra path in a weight layer of its own (nn.Dense, nnx.Linear)"
+                             f"{f', keep the layer dense (dense_layers={layer.name})' if algorithm == 'spafl' else ''}"
+                             ", or use an algorithm that masks weights (fedavg, fedpm)")
         if not shared and layer.uses > 1:
             raise ValueError(f"{algorithm}: layer {layer.name} of model {model.name} is applied {layer.uses} times "
                              f"in one forward pass (shared weights); {algorithm} {what} and follows each layer's "
