@@ -195,6 +195,8 @@ def test_nnx_linear_general_attention_einsum_and_embed_are_layers():
             + tokens * d * 8 + 8 * 3)
     assert model.forward_macs == hand
     assert model.layer("mix").out_axes == 2 and model.layer("mix").out_units == 8
+    # The position table is looked up at constant indices: its output is still a layer's output, read by q/k/v.
+    assert model.layer("attn/query").input_layer == "pos"
 
 
 def test_einsum_rows_are_the_kernels_trailing_output_axes():
@@ -297,7 +299,8 @@ def test_a_kernel_no_layer_multiplies_by_is_refused_not_left_out():
     assert "\n" not in str(error.value)
 
 
-def test_an_nnx_rnn_is_refused_in_one_line_naming_the_linen_way():
+def test_an_nnx_rnn_counts_every_step_as_linen_does():
+    """Refused before issue 47 (its nnx.scan runs copies of the cell); the copies now carry their paths."""
     class NnxRecurrent(nnx.Module):
         def __init__(self, rngs):
             self.rnn = nnx.RNN(nnx.LSTMCell(4, 8, rngs=rngs))
@@ -305,9 +308,9 @@ def test_an_nnx_rnn_is_refused_in_one_line_naming_the_linen_way():
 
         def __call__(self, x):
             return self.head(self.rnn(x)[:, -1])
-    with pytest.raises(ValueError, match=r"^from_flax: NnxRecurrent: layer rnn is an nnx.RNN.*nn.RNN") as error:
-        from_flax(NnxRecurrent(nnx.Rngs(0)), (5, 4))
-    assert "\n" not in str(error.value)
+    model = from_flax(NnxRecurrent(nnx.Rngs(0)), (5, 4))
+    assert {layer.kind for layer in model.layers} == {"recurrent", "dense"}
+    assert model.forward_macs == from_flax(LSTMClassifier(), (5, 4)).forward_macs == 1944
 
 
 def test_pytorch_weights_are_not_converted_into_an_embedding_or_attention_layout(text):

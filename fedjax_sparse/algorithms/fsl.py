@@ -163,7 +163,9 @@ def fsl(task: Task, *, subnet_fraction, upload_fraction, weight_init, mask_by, m
     optimizer = optax.chain(optax.add_decayed_weights(weight_decay), optax.trace(decay=momentum))
 
     def init(key):
-        weights, scores = sm.supernet_from_seed(key, shapes, weight_init)
+        # Each layer's fan-in from its traced contraction (an attention projection's is not its kernel's shape).
+        weights, scores = sm.supernet_from_seed(key, shapes, weight_init,
+                                                {layer.name: layer.fan_in for layer in model.layers})
         pinned = task.initial_variables
         if pinned is not None:   # --init-params: frozen weights (and scores, when given) from the file
             weights = {layer: jnp.asarray(pinned["params"][layer]["kernel"]) for layer in shapes}

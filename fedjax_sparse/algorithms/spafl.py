@@ -291,12 +291,17 @@ def make_setup(model: Model, options: Mapping) -> SpaflSetup:
     if not o["train_weights"] and o["eq13"] and o["share_thresholds"]:
         raise ValueError("train_weights=false freezes the weights but eq. (13) would move them; "
                          "also pass eq13=false (as spafl_thresholds_only does)")
-    check_layer_kinds(model, "spafl", LAYER_KINDS, "thresholds each output unit (row) of every weight layer",
-                      rows=True)
     hooked = thresholded_layers(model)
     if not hooked:
         raise ValueError(f"model {model.name} routes no kernel through hooks.kernel: nothing to threshold")
     dense = parse_dense_layers(o["dense_layers"], model, hooked)
+    # A shared layer's thresholds mask its kernel at every use, and its MACs count every use: exact.
+    # A scanned layer's stacked kernel has no rows of its own (a row would span the repetitions): refused. A layer
+    # kept dense is not thresholded, so neither its kind nor a path beside its kernel (Model.row_leaks) matters.
+    thresholded = dataclasses.replace(model, layers=tuple(l for l in model.layers if l.name not in dense),
+                                      row_leaks=tuple(l for l in model.row_leaks if l[0] not in dense))
+    check_layer_kinds(thresholded, "spafl", tuple(k for k in LAYER_KINDS if k != "scanned"),
+                      "thresholds each output unit (row) of every weight layer", rows=True, shared=True)
     layers = tuple(layer for layer in hooked if layer.name not in dense)
     if not layers:
         raise ValueError(f"dense_layers={o['dense_layers']!r} keeps every layer SpaFL thresholds in model "

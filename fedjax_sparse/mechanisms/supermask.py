@@ -55,15 +55,18 @@ MASK_BY = ("abs", "raw")
 
 
 # ---------------------------------------------------------------- initialisation
-def frozen_weights(key: jax.Array, shape: Sequence[int], init: str = "signed_constant") -> jax.Array:
+def frozen_weights(key: jax.Array, shape: Sequence[int], init: str = "signed_constant",
+                   fan_in: int | None = None) -> jax.Array:
     """Frozen supernetwork weights of one layer (kernel shape HWIO or [in, out]).
 
     ``signed_constant`` (the paper's default, App. C.1): every weight is
     +-sqrt(2 / fan_in) with a random sign; ``kaiming_normal``: N(0, 2 / fan_in);
     ``glorot_normal``: N(0, 2 / (fan_in + fan_out)) (fan_out = out * kh * kw).
+    ``fan_in``: the entries each output sums over (``LayerInfo.fan_in``: an attention projection's or a
+    fused qkv Einsum's is not its kernel's shape); default kh * kw * in.
     """
     shape = tuple(int(s) for s in shape)
-    fan_in = math.prod(shape[:-1])
+    fan_in = int(fan_in) if fan_in is not None else math.prod(shape[:-1])
     if init == "signed_constant":
         sign = jnp.where(jax.random.bernoulli(key, 0.5, shape), 1.0, -1.0)
         return (sign * math.sqrt(2.0 / fan_in)).astype(jnp.float32)
@@ -75,22 +78,26 @@ def frozen_weights(key: jax.Array, shape: Sequence[int], init: str = "signed_con
     raise ValueError(f"unknown weight init {init!r}; valid: {WEIGHT_INITS}")
 
 
-def initial_scores(key: jax.Array, shape: Sequence[int]) -> jax.Array:
-    """Kaiming-uniform scores, PyTorch's ``kaiming_uniform_(a=sqrt(5))``: U(+-1/sqrt(fan_in))."""
+def initial_scores(key: jax.Array, shape: Sequence[int], fan_in: int | None = None) -> jax.Array:
+    """Kaiming-uniform scores, PyTorch's ``kaiming_uniform_(a=sqrt(5))``: U(+-1/sqrt(fan_in))
+    (``fan_in`` as in :func:`frozen_weights`)."""
     shape = tuple(int(s) for s in shape)
-    bound = 1.0 / math.sqrt(math.prod(shape[:-1]))
+    bound = 1.0 / math.sqrt(int(fan_in) if fan_in is not None else math.prod(shape[:-1]))
     return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
 
 
 def supernet_from_seed(seed_key: jax.Array, kernel_shapes: dict[str, Sequence[int]],
-                       weight_init: str = "signed_constant") -> tuple[dict, dict]:
+                       weight_init: str = "signed_constant",
+                       fan_ins: dict[str, int] | None = None) -> tuple[dict, dict]:
     """The frozen weights and initial scores of every layer from one shared seed.
 
     ``kernel_shapes`` maps layer name -> kernel shape (in the model's layer
-    order). Server and clients call this with the same key and get the same
+    order); ``fan_ins`` layer name -> its fan-in where the shape's is not it (``LayerInfo.fan_in``).
+    Server and clients call this with the same key and get the same
     supernetwork. Returns ({name: weights}, {name: scores}).
     """
-    layers = tuple((name, tuple(int(s) for s in shape)) for name, shape in kernel_shapes.items())
+    fan_ins = fan_ins or {}
+    layers = tuple((name, tuple(int(s) for s in shape), fan_ins.get(name)) for name, shape in kernel_shapes.items())
     return _supernet(layers, weight_init)(seed_key)
 
 
@@ -99,10 +106,10 @@ def _supernet(layers: tuple, weight_init: str):
     """One jitted generator per (layers, init): eager random ops would compile one by one."""
     def build(seed_key):
         weights, scores = {}, {}
-        for i, (name, shape) in enumerate(layers):
+        for i, (name, shape, fan_in) in enumerate(layers):
             key_w, key_s = jax.random.split(jax.random.fold_in(seed_key, i))
-            weights[name] = frozen_weights(key_w, shape, weight_init)
-            scores[name] = initial_scores(key_s, shape)
+            weights[name] = frozen_weights(key_w, shape, weight_init, fan_in)
+            scores[name] = initial_scores(key_s, shape, fan_in)
         return weights, scores
     return jax.jit(build)
 

@@ -60,11 +60,19 @@ class LayerInfo:
     ``kind`` (see :data:`LAYER_KINDS`): ``"dense"`` ([in, out]), ``"conv"`` (HWIO; grouped or
     depthwise: ``[kh, kw, in/groups, out]``), and, from Flax modules, ``"dense_general"``
     (DenseGeneral/LinearGeneral, attention projections: ``[*in axes, *out axes]``), ``"einsum"``
-    (Einsum), ``"embed"`` (Embed: ``[vocab, features]``, a lookup: 0 MACs) and ``"recurrent"`` (a Dense
-    or Conv inside a recurrent cell, run once per step: ``macs`` counts every step). A row (one output
+    (Einsum), ``"embed"`` (Embed: ``[vocab, features]``, a lookup: 0 MACs), ``"recurrent"`` (a Dense
+    or Conv inside a recurrent cell, run once per step: ``macs`` counts every step) and ``"scanned"`` (a
+    layer repeated by a lifted scan, ``nn.scan`` over layers or NNX blocks from ``nnx.vmap`` run by
+    ``nnx.scan``: one kernel per repetition stacked on leading axes, ``macs`` counting every repetition,
+    no rows). A row (one output
     unit) is ``kernel[..., i]`` over the last ``out_axes`` axes flattened: ``out_units`` is their product;
     ``out_axes == 0`` means the kernel's output axes are not its trailing ones (an Einsum such as
     ``"bnd,ndh->bnh"``): it has no rows, and row mechanisms refuse it.
+
+    ``contraction``: how many kernel entries each output sums over, read from the contracted axes of
+    the traced product (``from_flax``), where the kernel's shape says otherwise (a fused qkv Einsum
+    ``"BTD,SNDH->SBTNH"`` contracts D, not 3 x heads x D); None: ``fan_in`` is the shape's.
+    ``uses``: how many times one forward pass multiplies by the kernel (a shared head, 2).
     """
     name: str
     kind: str  # one of LAYER_KINDS
@@ -74,9 +82,14 @@ class LayerInfo:
     macs: int
     input_layer: str | None = None
     out_axes: int = 1
+    contraction: int | None = None
+    uses: int = 1
 
     @property
     def fan_in(self) -> int:
+        """Entries each output sums over: the traced contraction when recorded, else from the shape."""
+        if self.contraction is not None:
+            return int(self.contraction)
         if self.out_axes != 1:
             return int(math.prod(self.kernel_shape)) // max(int(self.out_units), 1)
         return int(math.prod(self.kernel_shape[:-1]))
@@ -123,6 +136,11 @@ class Model:
     # reads follow training (``batch_norm_lag``). The zoo's BatchNorm keeps 0.9 (``layers.batch_norm``'s
     # PyTorch momentum 0.1); ``from_flax`` reads its modules'. Unused by a model without ``batch_stats``.
     batch_norm_momentum: float = 0.9
+    # Weight layers whose output does not follow their kernel's rows (found by ``from_flax``): a product
+    # beside the kernel's (LoRA's ``x @ lora_a @ lora_b``), another weight layer called inside, or a pruned
+    # row's output still moving with the input: (layer name, what). Mechanisms that threshold rows or drop
+    # units refuse these layers (``check_layer_kinds``); empty for the zoo.
+    row_leaks: tuple[tuple[str, str], ...] = ()
 
     def init(self, key: jax.Array) -> Variables:
         return self.init_fn(key)
@@ -177,11 +195,11 @@ class Model:
 UNIT_ORDER = "channel order: "
 
 
-LAYER_KINDS = ("dense", "conv", "dense_general", "einsum", "embed", "recurrent")
+LAYER_KINDS = ("dense", "conv", "dense_general", "einsum", "embed", "recurrent", "scanned")
 
 
 def check_layer_kinds(model: Model, algorithm: str, supported: Sequence[str], what: str, *,
-                      rows: bool = False, other_macs: bool = True, grouped: bool = True) -> None:
+                      rows: bool = False, other_macs: bool = True, grouped: bool = True, shared: bool = False) -> None:
     """Refuses, in one line naming the first offending layer and why, a model with a weight layer whose
     kind ``algorithm``'s mechanism does not act on. ``what`` says what the mechanism does to the kinds it
     supports (e.g. "drops output channels of dense/conv layers"). ``rows``: the mechanism acts on rows
@@ -189,8 +207,23 @@ def check_layer_kinds(model: Model, algorithm: str, supported: Sequence[str], wh
     the mechanism's FLOPs model covers weight layers only, so products outside them (attention's scores
     and values, ``Model.other_macs``) are refused. ``grouped=False``: the mechanism pairs every input channel
     with every output channel, so a grouped or depthwise convolution (``in_units`` != the kernel's input
-    axis) is refused. The table of layer kind x mechanism is in docs/design.md."""
+    axis) is refused. ``shared=True``: the mechanism acts on a kernel the same way at each of its uses (a
+    layer applied twice, ``LayerInfo.uses``); else such a layer is refused. Every caller thresholds rows or
+    drops units, so a layer in ``Model.row_leaks`` (its output does not follow its kernel's rows) is
+    refused too. The table of layer kind x mechanism is in docs/design.md."""
+    leaks = dict(model.row_leaks)
     for layer in model.layers:
+        if layer.name in leaks:
+            raise ValueError(f"{algorithm}: layer {layer.name} of model {model.name} {leaks[layer.name]}; "
+                             f"{algorithm} {what} and books a pruned or dropped unit's products as not computed: "
+                             "compute the extra path in a weight layer of its own (nn.Dense, nnx.Linear)"
+                             f"{f', keep the layer dense (dense_layers={layer.name})' if algorithm == 'spafl' else ''}"
+                             ", or use an algorithm that masks weights (fedavg, fedpm)")
+        if not shared and layer.uses > 1:
+            raise ValueError(f"{algorithm}: layer {layer.name} of model {model.name} is applied {layer.uses} times "
+                             f"in one forward pass (shared weights); {algorithm} {what} and follows each layer's "
+                             "output to one next layer: give each use its own module, or use spafl, fedpm, fsl or "
+                             "the fedavg family")
         if layer.kind not in supported:
             raise ValueError(f"{algorithm}: layer {layer.name} of model {model.name} is a {layer.kind} layer "
                              f"(kind {layer.kind!r}, kernel {tuple(layer.kernel_shape)}); {algorithm} {what}, "

@@ -12,22 +12,30 @@ What is derived, from one abstract forward pass (no FLOPs spent):
   ``DenseGeneral``/``LinearGeneral``, attention's projections among them (``"dense_general"``, one row
   per output unit over the kernel's trailing output axes: ``LayerInfo.out_axes``), ``Einsum``
   (``"einsum"``), ``Embed`` (``"embed"``: its table is the entry's ``"kernel"`` in the Model's variables,
-  ``"embedding"`` in the module's; a lookup, 0 MACs) and the Dense/Conv inside a recurrent cell
-  (``"recurrent"``; a lifted scan traces the cell more than once, which is the same use);
-* MACs per example from the traced program (:mod:`fedjax_sparse.models.macs`): every dot and
-  convolution of the module's own forward pass, scans times their length, at batch 1 and 2; each layer's
-  call runs in a named scope that attributes its products to it, the rest (attention's score and value
-  products) is ``Model.other_macs``, so ``forward_macs`` is the program's total;
+  ``"embedding"`` in the module's; a lookup, 0 MACs), the Dense/Conv inside a recurrent cell
+  (``"recurrent"``, linen's ``nn.RNN`` and ``nnx.RNN``; a lifted scan traces the cell more than once, which is
+  the same use) and a layer repeated by a lifted scan (``"scanned"``: ``nn.scan`` over layers, NNX blocks
+  built by ``nnx.vmap`` and run by ``nnx.scan``; one kernel per repetition stacked on leading axes);
+* from the module's own program (:mod:`~fedjax_sparse.models.program_flow`; each layer's call runs in a
+  named scope tagged with its name, and every value is followed through sub-programs, so layers under
+  ``nn.remat``, ``nn.jit``, ``nn.scan``, ``nn.vmap``, ``nnx.remat``, ``nnx.scan`` and ``nnx.vmap`` are seen as the
+  others): MACs per example (every dot and convolution, scans times their length, at batch 1 and 2) of the
+  products multiplying by each layer's kernel; the rest (attention's score and value products, products
+  inside a layer's call beside its kernel's, LoRA's ``x @ lora_a @ lora_b``) is ``Model.other_macs``, so
+  ``forward_macs`` is the program's total; ``LayerInfo.contraction``, how many entries each output of the
+  kernel's product sums over where the kernel's shape says otherwise (a fused qkv Einsum), which is the
+  fan-in of FedPM's and FSL's constants; ``LayerInfo.uses``, how many times a pass multiplies by the
+  kernel (a shared head: 2); which layer feeds which (``LayerInfo.input_layer``) and whether the network
+  is a plain chain (``Model.sequential``): a value computed inside a layer's call is that layer's output,
+  and a layer's direct sources are the layers whose outputs reach its call without passing another (a
+  residual add reaches two: not sequential);
 * refused in one line: a ``kernel``/``embedding`` no seen layer multiplies by (ConvTranspose,
-  OptimizedLSTMCell, a product with a module's own ``self.param``), a layer whose stored kernel a
-  transform slices (``nn.scan`` over layers), products inside a ``while`` loop, an ``nnx.RNN`` (its
-  ``nnx.scan`` runs copies of the cell; linen's ``nn.RNN`` is counted step by step). What each mechanism does
-  to each kind, or why it refuses it: ``models.base.check_layer_kinds`` and the table in docs/design.md;
-* which layer feeds which (``LayerInfo.input_layer``) and whether the network is a plain chain
-  (``Model.sequential``), from the program's data flow: each layer's output is replaced by a
-  probe input and the jaxpr tells which probes reach each layer's input without passing another
-  weight layer (a residual add reaches two: not sequential; layers inside a lifted transform are not
-  probed: their input_layer is None and the model is not sequential);
+  OptimizedLSTMCell, a product with a module's own ``self.param``), a kernel the stored one is no stack of,
+  products inside a ``while`` loop. What each mechanism does to each kind, or why it refuses it:
+  ``models.base.check_layer_kinds`` and the table in docs/design.md;
+* ``Model.row_leaks``: layers whose output does not follow their kernel's rows (products beside the
+  kernel's, a weight layer called inside another's call, or, on the probe, a pruned row whose output still
+  moves with the input): the mechanisms that threshold rows or drop units refuse them;
 * ``BatchNorm`` modules that read a weight layer's output directly: they are declared per-channel
   entries of that layer (``Model.channel_entries``), trained with statistics over the real samples
   of a padded batch only (Flax's ``mask``), and the layer's activation hook moves behind them.
@@ -44,18 +52,20 @@ matmuls where Flax's convolution would become a grouped one (slow on GPUs); and 
 :func:`~fedjax_sparse.models.layers.max_pool` (the zoo's pool: same values, cheaper gradient on CPU,
 ties split as in the zoo; a ``max_pool`` imported by name before the call keeps Flax's own);
 everything else is Flax's own code. The fast convolution applies only to layers that run Flax's own
-``Conv.__call__`` with its own convolution function in float32: a subclass with its own ``__call__``
-(a weight-standardised conv) is still a weight layer, and runs its own code.
+``Conv`` code with its own convolution function in float32: a subclass overriding anything of it (its own
+``__call__``, or ``param`` standardising the kernel where it is read, as BiT's ``StdConv`` does) is still a
+weight layer, and runs its own code.
 
 Never a different network: ``from_flax`` runs the adapted forward pass (fast paths included, no-op
 hooks) and the module's own code (Flax's layers and pool, the same BatchNorm/Dropout modes) on a
-probe batch of 2 random examples with the weights of ``init``, in evaluation mode and, when
+probe batch of 2 random examples with the weights of ``init`` moved off their initial values (every
+parameter and statistic: a zero-initialised head would make both sides' logits 0), in evaluation mode and, when
 ``__call__`` takes a train flag, training mode (dropout on, the same key on both sides), and refuses
 the model (``ValueError`` naming the largest difference and the first layer that differs) unless the
 logits agree to 1e-4 of their scale.
 
-Normalisation and padding (:mod:`~fedjax_sparse.models.flax_probes`, on a probe with perturbed biases,
-norm parameters and statistics): a unit the mechanisms drop must be exactly zero where the next weight
+Normalisation and padding (:mod:`~fedjax_sparse.models.flax_probes`, on a probe with every parameter
+and statistic perturbed): a unit the mechanisms drop must be exactly zero where the next weight
 layer reads it (zero kernel gradient on those rows, training and evaluation mode); where a
 normalisation the adapter does not handle sits between (``GroupNorm``, ``LayerNorm``, a library's own
 BatchNorm, a ``BatchNorm`` behind the ReLU) the layer goes into ``Model.unit_drop_leaks`` and FedDrop,
@@ -64,8 +74,10 @@ normalisation (other algorithms run it). Padded rows of a batch must change noth
 (logits and batch statistics, training mode with the sample mask and evaluation mode): a module with
 its own batch statistics is refused in one line.
 
-Train/eval mode: ``BatchNorm`` gets ``use_running_average=not train`` whatever the module says, a
-``train``/``training`` argument of ``__call__`` receives ``train`` (``deterministic`` its negation).
+Train/eval mode: ``BatchNorm`` gets ``use_running_average=not train`` whatever the module says (also
+when the module fixes it when built, ``BatchNorm(not self.training)``), ``Dropout`` is active exactly in
+training with a key whatever ``deterministic`` it was built with, a ``train``/``training`` argument of
+``__call__`` receives ``train`` (``deterministic`` its negation).
 Randomness the model's authors wrote: in training, ``Model.apply(..., rng=key)`` gives linen the key as
 the ``dropout`` stream (``nn.Dropout``, attention dropout in ``nn.MultiHeadDotProductAttention``, a
 module's own ``self.make_rng('dropout')``) and each ``nnx.Dropout`` the key folded with its path; the
@@ -75,8 +87,17 @@ client's step key (the same seed gives the same numbers), and evaluation passes 
 training too. ``from_flax`` traces training mode with a key and refuses, in one line naming the layer and
 the fix, a module that asks for another rng stream (``self.make_rng('noise')``) or computes over a device
 axis (``BatchNorm(axis_name=...)``: the engine's vmap over clients binds none). ``nnx`` layers that hold
-their own ``Rngs`` (other than ``nnx.Dropout``) draw from them as their code says. Weight sharing (one
-Dense called twice) is refused, and so are variable collections other than ``params`` and ``batch_stats``.
+their own ``Rngs`` (other than ``nnx.Dropout``) draw from them as their code says. A layer applied twice
+(a shared head) is one layer with ``uses`` 2; variable collections other than ``params`` and ``batch_stats``
+are refused.
+
+Modules that run by themselves: an NNX model is merged from copies of all its state (an ``nnx.Rngs``'
+counters, what ``sow`` stored after the user called it), each module tagged with its path in a static
+attribute that NNX's lifted transforms carry into their copies; a linen module inside
+``nnx.bridge.ToNNX`` is intercepted under the bridge's path; ``nn.jit`` retraces each block (it keys its
+cache by the module's configuration, which would reuse one block's trace for the next). When the adapter
+fails on a module that runs by itself, the one-line error says it is the adapter's limit, not the model's
+error.
 """
 from __future__ import annotations
 
@@ -156,13 +177,15 @@ def link_layers(names: Sequence[str], in_units: Sequence[int], out_units: Sequen
 
     A layer's ``input_layer`` is the latest layer among its sources whose output width its input is
     made of (``in_units`` a multiple of it: a flatten repeats channels); ``sequential`` holds when
-    every layer reads exactly the previous one (the first: the input) and the logits the last."""
+    every layer reads exactly the previous one (the first: the input), as its ``input_layer`` (not a part
+    of its channels: an ``nn.vmap`` over a split channel axis), and the logits the last."""
     inputs: list[str | None] = []
     for i, src in enumerate(sources):
         candidates = [j for j in sorted(src, reverse=True) if j >= 0 and in_units[i] % out_units[j] == 0]
         inputs.append(names[candidates[0]] if candidates else None)
     expected = [frozenset({i - 1}) for i in range(len(names))]
-    sequential = list(sources) == expected and logits_sources == frozenset({len(names) - 1})
+    sequential = (list(sources) == expected and logits_sources == frozenset({len(names) - 1})
+                  and all(inp is not None for inp in inputs[1:]))
     return inputs, sequential
 
 
@@ -229,36 +252,34 @@ class _Recorded:
     in_shape: tuple
     out_shape: tuple
     out_axes: int = 1       # trailing kernel axes that are output units (0: none, see LayerInfo)
-    nested: bool = False    # called inside a lifted transform (nn.RNN's scan): its input is on an inner trace
+    nested: bool = False    # called inside a lifted transform (remat, scan, jit): its values live on an inner trace
 
 
 class _Calls:
     """What one traced forward pass does at each intercepted module call.
 
     mode "record": runs the modules, records weight layers and which BatchNorm reads which layer.
-    mode "probe": records each weight layer's input and returns ``probes[i]`` instead of its output.
     mode "run": applies the activation hooks (and the CPU convolution fast path).
     mode "reference": the module's own code everywhere (no fast path, no hooks), with the adapter's
     BatchNorm/Dropout modes: what ``from_flax``'s equivalence check compares "run" against; each weight
-    layer's call runs in a ``jax.named_scope`` tagged with its name (``macs.TAG``), which attributes its
-    products in the program count.
+    layer's call runs in a ``jax.named_scope`` tagged with its name (``macs.TAG``), from which the program's
+    data flow, products and costs are read (:mod:`~fedjax_sparse.models.program_flow`).
     ``layer_outputs`` keeps each weight layer's output (before its hook) in "run"/"reference" mode,
-    which names the first layer where the two differ (not for layers inside a lifted transform).
-    A layer inside a lifted transform (``nested``: a recurrent cell under ``nn.RNN``'s scan) may be traced
-    more than once per pass (Flax traces a scan body for its shapes first): that is the same use; it is
-    not probed (its input lives on the scan's trace), so its ``input_layer`` is None."""
+    which names the first layer where the two differ (not for layers inside a lifted transform, whose
+    outputs live on its own trace).
+    A layer inside a lifted transform (``nested``: ``nn.remat``, ``nn.scan``, a recurrent cell under
+    ``nn.RNN``) may be traced more than once per pass (Flax traces a scan body for its shapes first), and a
+    layer may be applied more than once (a shared head): each call is hooked; how many times a pass
+    multiplies by a kernel is read from the program (``LayerInfo.uses``)."""
 
     def __init__(self, mode: str, *, train: bool = False, hooks: Hooks | None = None, sample_mask=None,
-                 probes: Sequence | None = None, bn_of: dict | None = None, conv_impl: str = "auto", rng=None,
-                 probe_index: dict | None = None):
+                 bn_of: dict | None = None, conv_impl: str = "auto", rng=None):
         self.mode, self.train, self.hooks, self.sample_mask, self.rng = mode, train, hooks, sample_mask, rng
-        self.probes, self.conv_impl = probes, conv_impl
-        self.probe_index = probe_index or {}  # probe mode: layer path -> its probe's index
+        self.conv_impl = conv_impl
         self.outer_trace = None               # the trace the forward pass starts on (set by apply)
         self.bn_of = bn_of or {}          # BatchNorm path -> the layer path it follows
         self.deferred = set(self.bn_of.values())
         self.recorded: list[_Recorded] = []
-        self.inputs: list = [None] * len(probes or ())
         self.seen: set = set()
         self._outputs: dict[int, tuple[Path, Any]] = {}
         self.bn_after: dict[Path, Path] = {}
@@ -266,33 +287,31 @@ class _Calls:
         self.layer_outputs: dict[Path, Any] = {}
         # Layers whose call is in progress: a subclass's ``__call__`` that calls ``super().__call__``
         # reaches the interception again for the same layer, which is the same use, not a second one.
-        self.active: set = set()
+        self.active: list = []
+        # Weight layers called inside another weight layer's call (record mode): outer path -> inner paths.
+        self.inner: dict[Path, list] = {}
 
     def weight_layer(self, path: Path, kind: str, kernel, x, original: Callable, conv: dict | None, *,
                      out_axes: int = 1, nested: bool = False):
         """``conv``: the layer's configuration when it is Flax's own ``Conv`` code (the fast path may
-        replace it), None for a Dense or a subclass that runs its own ``__call__``. ``out_axes``: the
+        replace it), None for a Dense or a subclass that runs its own code. ``out_axes``: the
         kernel's trailing axes that are output units; ``nested``: see the class docstring."""
         if path in self.active:
             return original()
-        if path in self.seen and not nested:
-            raise ValueError(f"from_flax: layer {entry_name(path)} is called twice in one forward pass "
-                             "(shared weights); give each use its own module")
+        if self.mode == "record" and self.active:
+            self.inner.setdefault(self.active[-1], [])
+            if path not in self.inner[self.active[-1]]:
+                self.inner[self.active[-1]].append(path)
         first = path not in self.seen
         self.seen.add(path)
-        if self.mode == "probe":
-            if nested or path not in self.probe_index:
-                return original()
-            self.inputs[self.probe_index[path]] = x
-            return self.probes[self.probe_index[path]]  # type: ignore[index]
         out = _fast_conv(x, kernel, conv, self.conv_impl) if conv is not None and self.mode != "reference" else None
         if out is None:
-            self.active.add(path)
+            self.active.append(path)
             try:
                 with macs_lib.layer_scope(entry_name(path)) if self.mode == "reference" else contextlib.nullcontext():
                     out = original()
             finally:
-                self.active.discard(path)
+                self.active.pop()
         if self.mode in ("run", "reference") and not nested:
             self.layer_outputs[path] = out
         if self.mode == "reference":
@@ -446,52 +465,130 @@ def _linen_weight(m, args: tuple = (), kwargs: dict | None = None) -> tuple[str,
     return kind, leaf, out_axes
 
 
+@contextlib.contextmanager
+def _field_cleared(module, field: str):
+    """``module.field`` set to None for the duration (a frozen linen module: ``object.__setattr__``)."""
+    saved = getattr(module, field)
+    object.__setattr__(module, field, None)
+    try:
+        yield
+    finally:
+        object.__setattr__(module, field, saved)
+
+
+# Names a dataclass writes into every (linen or nnx) subclass, which override nothing the layer computes.
+_GENERATED = {"__init__", "__eq__", "__hash__", "__repr__", "__match_args__", "__annotations__", "__doc__",
+              "__module__", "__qualname__", "__dataclass_fields__", "__dataclass_params__", "__abstractmethods__",
+              "__parameters__", "__orig_bases__", "__slots__", "__weakref__", "__dict__"}
+
+
+def _runs_flax_code(cls, base) -> bool:
+    """True when ``cls`` computes what Flax's ``base`` computes: no class between them overrides a method or
+    property ``base`` has (``__call__``, ``param``, ``setup``, a helper); new fields and methods of its own
+    are fine. Otherwise the layer runs its own code (no fast path)."""
+    inherited = {name for klass in base.__mro__ for name in vars(klass)}
+    for klass in cls.__mro__:
+        if klass is base:
+            return True
+        for name, value in vars(klass).items():
+            if name in _GENERATED or name not in inherited:
+                continue
+            if callable(value) or isinstance(value, (property, classmethod, staticmethod)):
+                return False
+    return True
+
+
 def _current_trace():
     from flax.core import tracers
     return tracers.current_trace()
 
 
 # ---------------------------------------------------------------- linen
-def _linen_parts(module, train_kwargs):
+_PASSES = iter(range(1 << 62))   # a fresh number per traced pass (see _retraced_jit)
+
+
+@contextlib.contextmanager
+def _retraced_jit():
+    """While active, ``nn.jit`` traces every module instance anew in this pass: it keys its ``jax.jit`` cache
+    by the module's configuration, so a second identical block (or a later pass of the adapter) would reuse
+    the first trace, and its layers would be neither intercepted nor tagged (their products booked to the
+    first block). The key gains the module's path and the pass's number; the engine jits the whole program
+    anyway."""
+    try:
+        from flax.linen import transforms
+        proxy = transforms._HashableProxy
+        original = proxy.__dict__["from_module"]
+    except (ImportError, AttributeError, KeyError):   # another Flax: its nn.jit is traced as it comes
+        yield
+        return
+    nonce = next(_PASSES)
+
+    def from_module(cls, module):
+        made = original.__func__(cls, module)
+        path = tuple(module.scope.path) if module.scope is not None else ()
+        return cls(made.module_ref, hash((made.hash_key, nonce, path)))
+    proxy.from_module = classmethod(from_module)
+    try:
+        yield
+    finally:
+        proxy.from_module = original
+
+
+def _linen_interceptor(calls: _Calls, prefix: Callable[[], Path | None] = lambda: ()):
+    """The linen method interceptor of one traced pass. ``prefix()``: the path of the variables' root (a
+    bridge module's path inside an NNX model), None when a linen module runs outside the adapter's view."""
     import flax.linen as nn
 
-    def intercepted(calls: _Calls):
-        def interceptor(next_fun, args, kwargs, context):
-            m = context.module
-            if context.method_name != "__call__":
-                return next_fun(*args, **kwargs)
-            path = tuple(m.scope.path) if m.scope is not None else ()
-            weight = _linen_weight(m, args, kwargs)
-            params = m.variables.get("params", {}) if weight is not None else {}
-            if weight is not None and weight[1] in params:
-                kind, leaf, out_axes = weight
-                # Inside a lifted transform (``nn.scan`` of ``nn.RNN``, ``nn.remat``...): another trace.
-                nested = _current_trace() != calls.outer_trace
-                # The fast path only where the layer runs Flax's own Conv code: a subclass that overrides
-                # __call__ (a weight-standardised conv) means something else by its kernel.
-                own = type(m).__call__ is nn.Conv.__call__
-                conv = _conv_config(m, params[leaf], params.get("bias")) \
-                    if isinstance(m, nn.Conv) and own and not nested else None
-                return calls.weight_layer(path, kind, params[leaf], args[0], lambda: next_fun(*args, **kwargs),
-                                          conv, out_axes=out_axes, nested=nested)
-            if isinstance(m, nn.BatchNorm):
-                x = args[0]
-
-                def original(use_running_average, mask):
-                    if m.use_running_average is not None:
-                        # Set by the module from its train argument (Flax refuses it twice).
-                        return next_fun(x, mask=mask)
-                    return next_fun(x, use_running_average=use_running_average, mask=mask)
-                return calls.batch_norm(path, x, original, m.momentum)
-            if isinstance(m, nn.Dropout):
-                # Active in training when a key reached Model.apply (the engine's local steps pass one),
-                # the identity otherwise; a ``deterministic`` the module set itself is respected.
-                if calls.mode in ("run", "reference") and calls.train and calls.rng is not None:
-                    return next_fun(*args, **(kwargs if m.deterministic is not None
-                                              else {**kwargs, "deterministic": False}))
-                return args[0]
+    def interceptor(next_fun, args, kwargs, context):
+        m = context.module
+        root = prefix()
+        if context.method_name != "__call__" or root is None:
             return next_fun(*args, **kwargs)
-        return nn.intercept_methods(interceptor)
+        path = tuple(root) + (tuple(m.scope.path) if m.scope is not None else ())
+        weight = _linen_weight(m, args, kwargs)
+        params = m.variables.get("params", {}) if weight is not None else {}
+        if weight is not None and weight[1] in params:
+            kind, leaf, out_axes = weight
+            # Inside a lifted transform (``nn.scan`` of ``nn.RNN``, ``nn.remat``...): another trace.
+            nested = _current_trace() != calls.outer_trace
+            # The fast path only where the layer runs Flax's own Conv code: a subclass that overrides
+            # anything of it (__call__, or ``param`` standardising the kernel as BiT's StdConv does)
+            # means something else by its kernel, and runs its own code.
+            conv = _conv_config(m, params[leaf], params.get("bias")) \
+                if isinstance(m, nn.Conv) and _runs_flax_code(type(m), nn.Conv) and not nested else None
+            return calls.weight_layer(path, kind, params[leaf], args[0], lambda: next_fun(*args, **kwargs),
+                                      conv, out_axes=out_axes, nested=nested)
+        if isinstance(m, nn.BatchNorm):
+            x = args[0]
+
+            def original(use_running_average, mask):
+                # The adapter's mode whatever the module set (``BatchNorm(not self.training)`` fixes it
+                # when the module is built; Flax refuses a mode given twice, so the field is cleared
+                # for this call).
+                with _field_cleared(m, "use_running_average"):
+                    return next_fun(x, use_running_average=use_running_average, mask=mask)
+            return calls.batch_norm(path, x, original, m.momentum)
+        if isinstance(m, nn.Dropout):
+            # Active in training when a key reached Model.apply (the engine's local steps pass one),
+            # the identity otherwise, whatever ``deterministic`` the module was built with; a subclass
+            # overriding Flax's Dropout runs its own code in both modes.
+            active = calls.mode in ("run", "reference") and calls.train and calls.rng is not None
+            if not active and _runs_flax_code(type(m), nn.Dropout):
+                return args[0]
+            with _field_cleared(m, "deterministic"):
+                return next_fun(*args, **{**kwargs, "deterministic": not active})
+        return next_fun(*args, **kwargs)
+    return _both(nn.intercept_methods(interceptor), _retraced_jit())
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
+
+
+def _linen_parts(module, train_kwargs):
+    intercepted = _linen_interceptor
 
     def init(key, x):
         return module.init({"params": key}, x, **train_kwargs(False))
@@ -510,99 +607,134 @@ def _linen_parts(module, train_kwargs):
 
 
 # ---------------------------------------------------------------- nnx
+_NNX_PATH = "_fjs_path"   # a static attribute naming each module's path: it survives NNX's lifted transforms
+
+
+def _nnx_path(module) -> Path:
+    """The module's path in the model: read from the static attribute ``apply`` sets on every module of
+    the merged model, which NNX's transforms (``nnx.remat``, ``nnx.scan``, ``nnx.vmap``) carry into the copies
+    they run."""
+    path = getattr(module, _NNX_PATH, None)
+    if path is None:
+        raise ValueError(f"from_flax: a {type(module).__name__} runs that is not part of the model the adapter "
+                         "merged (a module created inside __call__, or a copy made by a transform that drops static "
+                         "attributes), so its weights cannot be followed: create every layer in __init__")
+    return path
+
+
 def _nnx_parts(module, train_kwargs):
     from flax import nnx
 
-    rnn = next((tuple(p) for p, m in nnx.iter_graph(module) if isinstance(m, getattr(nnx, "RNN", ()))), None)
-    if rnn is not None:
-        raise ValueError(f"from_flax: {type(module).__name__}: layer {entry_name(rnn)} is an nnx.RNN, whose nnx.scan "
-                         "runs its cell on copies the adapter cannot follow (its layers would go unseen): write the "
-                         "recurrent part with flax.linen (nn.RNN(nn.LSTMCell(...))), which from_flax counts step by "
-                         "step")
     graphdef, params_state, stats_state, rest_state = nnx.split(module, nnx.Param, nnx.BatchStat, ...)
-    originals = {cls: cls.__call__ for cls in (nnx.Linear, nnx.Conv, nnx.BatchNorm, nnx.Dropout, nnx.LinearGeneral,
-                                               nnx.Einsum, nnx.Embed)}
-    # Subclasses of Linear/Conv that define their own __call__ (a weight-standardised conv): they are
+    weight_classes = {nnx.Linear: ("dense", "kernel"), nnx.Conv: ("conv", "kernel"),
+                      nnx.LinearGeneral: ("dense_general", "kernel"), nnx.Einsum: ("einsum", "kernel"),
+                      nnx.Embed: ("embed", "embedding")}
+    bridge = getattr(getattr(nnx, "bridge", None), "ToNNX", None)
+    originals = {cls: cls.__call__ for cls in (*weight_classes, nnx.BatchNorm, nnx.Dropout)
+                 + ((bridge,) if bridge is not None else ())}
+    # Subclasses of the weight layers that define their own __call__ (a weight-standardised conv): they are
     # the weight layers, running their own code (no fast path); their super().__call__ runs Flax's.
-    overriding = {c: c.__dict__["__call__"] for _, m in nnx.iter_graph(module) if isinstance(m, (nnx.Linear, nnx.Conv))
-                  for c in type(m).__mro__ if c not in (nnx.Linear, nnx.Conv) and "__call__" in c.__dict__
-                  and issubclass(c, (nnx.Linear, nnx.Conv))}
+    overriding = {c: c.__dict__["__call__"] for _, m in nnx.iter_graph(module)
+                  if isinstance(m, tuple(weight_classes)) for c in type(m).__mro__
+                  if c not in weight_classes and "__call__" in c.__dict__ and issubclass(c, tuple(weight_classes))}
 
     @contextlib.contextmanager
     def intercepted(calls: _Calls, merged):
-        where = {id(m): tuple(p) for p, m in nnx.iter_graph(merged) if isinstance(m, nnx.Module)}
         cells = {tuple(p) for p, m in nnx.iter_graph(merged) if isinstance(m, nnx.RNNCellBase)}
+        bridges: list = []    # the paths of the nnx.bridge.ToNNX modules whose linen module is running
 
-        def kind_of(self, kind):
-            path = where[id(self)]
-            return "recurrent" if any(path[:i] in cells for i in range(len(path))) else kind
+        def layer(self, kind, kernel, x, run, conv=None, out_axes=1):
+            path = _nnx_path(self)
+            if any(path[:i] in cells for i in range(len(path))):
+                kind = "recurrent"
+            # Inside a lifted transform (nnx.remat, nnx.scan, nnx.vmap): another trace, a copy of the module.
+            nested = _current_trace() != calls.outer_trace
+            return calls.weight_layer(path, kind, kernel, x, run, None if nested else conv, out_axes=out_axes,
+                                      nested=nested)
 
         def linear_general(self, x, *a, **k):
             features = self.out_features if isinstance(self.out_features, (tuple, list)) else (self.out_features,)
             out_axes = 0 if getattr(self, "batch_axis", None) else len(features)
-            return calls.weight_layer(where[id(self)], kind_of(self, "dense_general"), self.kernel[...], x,
-                                      lambda: originals[nnx.LinearGeneral](self, x, *a, **k), None, out_axes=out_axes)
+            return layer(self, "dense_general", self.kernel[...], x,
+                         lambda: originals[nnx.LinearGeneral](self, x, *a, **k), out_axes=out_axes)
 
         def einsum(self, x, *a, **k):
             spec = k.get("einsum_str") or (a[0] if a else None) or self.einsum_str
-            return calls.weight_layer(where[id(self)], kind_of(self, "einsum"), self.kernel[...], x,
-                                      lambda: originals[nnx.Einsum](self, x, *a, **k), None,
-                                      out_axes=einsum_out_axes(spec or ""))
+            return layer(self, "einsum", self.kernel[...], x, lambda: originals[nnx.Einsum](self, x, *a, **k),
+                         out_axes=einsum_out_axes(spec or ""))
 
         def embed(self, x, *a, **k):
-            return calls.weight_layer(where[id(self)], kind_of(self, "embed"), self.embedding[...], x,
-                                      lambda: originals[nnx.Embed](self, x, *a, **k), None)
+            return layer(self, "embed", self.embedding[...], x, lambda: originals[nnx.Embed](self, x, *a, **k))
 
         def linear(self, x, *a, **k):
-            kernel = self.kernel[...]
-            return calls.weight_layer(where[id(self)], kind_of(self, "dense"), kernel, x,
-                                      lambda: originals[nnx.Linear](self, x, *a, **k), None)
+            return layer(self, "dense", self.kernel[...], x, lambda: originals[nnx.Linear](self, x, *a, **k))
 
         def conv(self, x, *a, **k):
             kernel = self.kernel[...]
             bias = self.bias[...] if self.use_bias else None
-            return calls.weight_layer(where[id(self)], kind_of(self, "conv"), kernel, x,
-                                      lambda: originals[nnx.Conv](self, x, *a, **k),
-                                      _conv_config(self, kernel, bias) if not a and not k else None)
+            plain = not a and not k and _runs_flax_code(type(self), nnx.Conv)
+            return layer(self, "conv", kernel, x, lambda: originals[nnx.Conv](self, x, *a, **k),
+                         _conv_config(self, kernel, bias) if plain else None)
 
         def own_call(cls):
             def call(self, x, *a, **k):
-                kernel = getattr(self, "kernel", None)
+                base = next(c for c in type(self).__mro__ if c in weight_classes)
+                kind, leaf = weight_classes[base]
+                kernel = getattr(self, leaf, None)
                 if not isinstance(kernel, nnx.Param):
                     return overriding[cls](self, x, *a, **k)
-                return calls.weight_layer(where[id(self)], "dense" if isinstance(self, nnx.Linear) else "conv",
-                                          kernel[...], x, lambda: overriding[cls](self, x, *a, **k), None)
+                return layer(self, kind, kernel[...], x, lambda: overriding[cls](self, x, *a, **k))
             return call
 
         def batch_norm(self, x, *a, **k):
-            return calls.batch_norm(where[id(self)], x, lambda ura, mask: originals[nnx.BatchNorm](
+            return calls.batch_norm(_nnx_path(self), x, lambda ura, mask: originals[nnx.BatchNorm](
                 self, x, use_running_average=ura, mask=mask), self.momentum)
 
         def dropout(self, x, *a, **k):
             # Each layer its own key: the step's key folded with the layer's path.
             if calls.mode in ("run", "reference") and calls.train and calls.rng is not None:
-                key = jax.random.fold_in(calls.rng, zlib.crc32(entry_name(where[id(self)]).encode()))
+                key = jax.random.fold_in(calls.rng, zlib.crc32(entry_name(_nnx_path(self)).encode()))
                 return originals[nnx.Dropout](self, x, deterministic=False, rngs=key)
             return x
+
+        def to_nnx(self, *a, **k):
+            # A linen module inside nnx.bridge.ToNNX: its variables live under the bridge's path.
+            # The path attribute is taken off for the call: ToNNX reads its other attributes as linen variables.
+            path = _nnx_path(self)
+            bridges.append(path)
+            object.__delattr__(self, _NNX_PATH)
+            try:
+                return originals[bridge](self, *a, **k)
+            finally:
+                object.__setattr__(self, _NNX_PATH, path)
+                bridges.pop()
         patched = {nnx.Linear: linear, nnx.Conv: conv, nnx.BatchNorm: batch_norm, nnx.Dropout: dropout,
                    nnx.LinearGeneral: linear_general, nnx.Einsum: einsum, nnx.Embed: embed,
+                   **({bridge: to_nnx} if bridge is not None else {}),
                    **{cls: own_call(cls) for cls in overriding}}
         try:
             for cls, fn in patched.items():
                 cls.__call__ = fn  # type: ignore[method-assign]
-            yield
+            with _linen_interceptor(calls, lambda: bridges[-1] if bridges else None):
+                yield
         finally:
             for cls, fn in {**originals, **overriding}.items():
                 cls.__call__ = fn  # type: ignore[method-assign]
 
     def merge(nested: dict):
-        # Fresh copies of the state templates, filled with this call's (traced) arrays.
+        # Fresh copies of the state templates, filled with this call's (traced) arrays. The rest (an nnx.Rngs'
+        # counters, what sow stored when the user called the module) is copied too: NNX refuses to update,
+        # inside a trace, a variable created outside it.
         params = jax.tree_util.tree_map(lambda v: v, params_state)
         nnx.replace_by_pure_dict(params, nested["params"])
         stats = jax.tree_util.tree_map(lambda v: v, stats_state)
         if nested.get("batch_stats"):
             nnx.replace_by_pure_dict(stats, nested["batch_stats"])
-        return nnx.merge(graphdef, params, stats, rest_state)
+        merged = nnx.merge(graphdef, params, stats, jax.tree_util.tree_map(lambda v: v, rest_state))
+        for path, sub in nnx.iter_graph(merged):
+            if isinstance(sub, nnx.Module):
+                object.__setattr__(sub, _NNX_PATH, tuple(path))
+        return merged
 
     def init(key, x):
         # An NNX module holds its initial weights: ``key`` is not used (build the module with the
@@ -614,6 +746,7 @@ def _nnx_parts(module, train_kwargs):
 
     def apply(nested: dict, x, calls: _Calls, train: bool):
         merged = merge(nested)
+        calls.outer_trace = _current_trace()
         with intercepted(calls, merged), _zoo_max_pool(calls.mode != "reference"):
             logits = merged(x, **train_kwargs(train))
         stats = nnx.to_pure_dict(nnx.state(merged, nnx.BatchStat)) if nested.get("batch_stats") else {}
@@ -713,16 +846,50 @@ def _engine_error(model_name: str, error: Exception, train: bool) -> Exception |
     return None
 
 
-def _build_error(model_name: str, input_shape: tuple, error: Exception, train: bool = False) -> Exception:
+def _runs_alone(module, input_shape: tuple, kwargs: dict) -> bool:
+    """Whether the module runs by itself, outside the adapter, on a batch of zeros [2, *input_shape]
+    (abstractly: no FLOPs spent; an NNX module on a copy, so the user's module is untouched)."""
+    x = jnp.zeros((2,) + tuple(input_shape), jnp.float32)
+    try:
+        if _is_nnx(module):
+            from flax import nnx
+            nnx.eval_shape(lambda m, x: m(x, **kwargs), nnx.clone(module), x)
+        else:
+            key = jax.random.PRNGKey(0)
+            jax.eval_shape(lambda: module.init_with_output({"params": key, "dropout": key}, x, **kwargs))
+    except Exception:
+        return False
+    return True
+
+
+# What an adapter failure on a module that runs by itself most likely means, by the words of the exception.
+_ADAPTER_CAUSES = (
+    ("trace level", "it updates NNX state (an nnx.Rngs' counter, a value stored by sow) from inside a transform "
+                    "the adapter cannot follow"),
+    ("different trace", "it updates NNX state from inside a transform the adapter cannot follow"),
+)
+
+
+def _build_error(model_name: str, input_shape: tuple, error: Exception, train: bool = False,
+                 alone: bool = False) -> Exception:
     """The one-line error for a module that fails on a batch ``[1, *input_shape]``: the exception, its
     first line and the user's file and line; the input_shape hint only for shape errors. Rng streams
-    and axis names the engine does not provide are said as such (``_engine_error``)."""
+    and axis names the engine does not provide are said as such (``_engine_error``). ``alone``: the module
+    runs by itself (``_runs_alone``), so the failure is the adapter's, and the message says so."""
     engine = _engine_error(model_name, error, train)
     if engine is not None:
         return engine
     first = str(error).splitlines()[0] if str(error).strip() else "no message"
     where = _user_frame(error)
     at = f" at {where[0]}:{where[1]} (in {where[2]})" if where else ""
+    if alone:
+        cause = next((why for words, why in _ADAPTER_CAUSES if words in first.lower()),
+                     "a construct of the module the adapter cannot follow")
+        return ValueError(f"from_flax: {model_name} runs by itself on inputs of shape [batch, "
+                          f"{', '.join(map(str, input_shape))}] but not under from_flax, which intercepts its layers "
+                          f"({type(error).__name__}: {first}{at}): {cause}; this is a limit of the adapter, not an "
+                          "error in the model: please report it with the model, and meanwhile train the model's "
+                          "layers outside that construct")
     what = f"from_flax: {model_name} raised {type(error).__name__}: {first}{at}, on inputs of shape [batch, " \
            f"{', '.join(map(str, input_shape))}]"
     conv = _failing_conv(error)
@@ -822,22 +989,29 @@ def _units(r: _Recorded) -> tuple[int, int]:
     return int(math.prod(shape)) // out, out
 
 
-def _check_weights_seen(model_name: str, recorded: Sequence[_Recorded], params: dict) -> None:
-    """Refuses, in one line, a kernel the layer table would not hold as it is: a layer whose weights a
-    transform slices (``nn.scan`` over layers: the kernel it multiplies is not the stored array), or a
-    params entry holding a ``kernel``/``embedding`` that no layer the adapter sees uses (ConvTranspose,
-    OptimizedLSTMCell, a module multiplying by its own ``self.param('kernel')``): every mechanism would
-    leave its weights out without a word."""
+def _check_weights_seen(model_name: str, recorded: Sequence[_Recorded], params: dict) -> dict[str, tuple]:
+    """Refuses, in one line, a kernel the layer table would not hold as it is: a params entry holding a
+    ``kernel``/``embedding`` that no layer the adapter sees uses (ConvTranspose, OptimizedLSTMCell, a
+    module multiplying by its own ``self.param('kernel')``): every mechanism would leave its weights out
+    without a word; or a layer that multiplies by a kernel its stored one does not end with. Returns the
+    scanned layers, {name: stored shape}: a transform stacks one kernel per repetition on leading axes
+    and runs a slice per step (``nn.scan`` over layers, NNX blocks built by ``nnx.vmap`` and run by
+    ``nnx.scan``)."""
     claimed = set()
+    stacked: dict[str, tuple] = {}
     for r in recorded:
         name = entry_name(r.path)
         claimed.add(name)
         stored = params.get(name, {}).get("embedding" if r.kind == "embed" else "kernel")
-        if stored is not None and tuple(stored.shape) != tuple(r.kernel_shape):
-            raise ValueError(f"from_flax: {model_name}: layer {name} multiplies by a kernel of shape "
-                             f"{tuple(r.kernel_shape)} but stores {tuple(stored.shape)} (a transform such as nn.scan "
-                             "over layers slices it), which the algorithms' per-layer masks and thresholds cannot "
-                             "follow: write the repeated layers out (a Python loop over modules)")
+        if stored is None or tuple(stored.shape) == tuple(r.kernel_shape):
+            continue
+        shape, traced = tuple(stored.shape), tuple(r.kernel_shape)
+        if len(shape) > len(traced) and shape[len(shape) - len(traced):] == traced and r.kind != "embed":
+            stacked[name] = shape
+            continue
+        raise ValueError(f"from_flax: {model_name}: layer {name} multiplies by a kernel of shape {traced} but stores "
+                         f"{shape}, which is not a stack of such kernels, so the algorithms' per-layer masks and "
+                         "thresholds cannot follow it: multiply by the stored kernel, or write the layer out")
     for name, leaves in params.items():
         for leaf in ("kernel", "embedding"):
             if leaf in leaves and name not in claimed:
@@ -847,25 +1021,30 @@ def _check_weights_seen(model_name: str, recorded: Sequence[_Recorded], params: 
                                  "Dense/Conv inside recurrent cells): every algorithm would leave these weights out; "
                                  "build the layer from those (e.g. not ConvTranspose, OptimizedLSTMCell or a "
                                  "product with a module's own self.param)")
+    return stacked
 
 
-def _program_macs(model_name: str, apply_nested: Callable, to_nested: Callable, variables: dict,
-                  input_shape: tuple, names: Sequence[str]) -> tuple[dict[str, int], int]:
-    """({layer: MACs per example}, other MACs per example) from the module's own forward pass
-    (evaluation mode), traced at batch 1 and 2: the difference is what one more example costs."""
-    def count(batch):
-        def forward(v, x):
-            return apply_nested(to_nested(v), x, _Calls("reference"), False)[0]
+def _program_flows(model_name: str, apply_nested: Callable, to_nested: Callable, variables: dict,
+                   input_shape: tuple, names: Sequence[str]) -> dict:
+    """{batch: ProgramFlow} of the module's own forward pass (evaluation mode) at batch 1 and 2: the
+    difference of their costs is what one more example costs."""
+    from fedjax_sparse.models.program_flow import program_flow
+
+    def forward(v, x):
+        return apply_nested(to_nested(v), x, _Calls("reference"), False)[0]
+    flows = {}
+    for batch in (1, 2):
+        x_aval = jax.ShapeDtypeStruct((batch,) + input_shape, jnp.float32)
+        leaves = jax.tree_util.tree_flatten_with_path((variables, x_aval))[0]
+        labels = [("input",) if path[0].idx == 1 else tuple(str(getattr(k, "key", k)) for k in path[1:])
+                  for path, _ in leaves]
         try:
-            return macs_lib.program_macs(forward, variables, jax.ShapeDtypeStruct((batch,) + input_shape, jnp.float32))
+            flows[batch] = program_flow(jax.make_jaxpr(forward)(variables, x_aval).jaxpr, labels, names)
         except ValueError as e:
             if str(e).startswith("from_flax:"):
                 raise
             raise ValueError(f"from_flax: {model_name}: {e}") from None
-    one, two = count(1), count(2)
-    per_example = {k: int(two.get(k, 0) - one.get(k, 0)) for k in set(one) | set(two)}
-    layer_macs = {n: per_example.pop(n, 0) for n in names}
-    return layer_macs, int(sum(per_example.values()))
+    return flows
 
 
 # ---------------------------------------------------------------- the adapter
@@ -968,7 +1147,8 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     except Exception as e:  # an NNX module first runs here (its init only reads its weights)
         if str(e).startswith("from_flax:"):
             raise
-        raise _build_error(model_name, input_shape, e) from None
+        raise _build_error(model_name, input_shape, e, alone=_runs_alone(module, input_shape, train_kwargs(False))) \
+            from None
     if not record.recorded:
         raise ValueError(f"from_flax: {model_name} calls no weight layer (Dense/Linear, Conv, DenseGeneral/"
                          "LinearGeneral, Einsum, Embed); the algorithms here act on those layers' kernels")
@@ -983,38 +1163,43 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     bn_of = dict(record.bn_after)
     # The slowest BatchNorm decides how long the running statistics take to follow training.
     bn_momentum = max(record.bn_momentum.values(), default=Model.batch_norm_momentum)
-    _check_weights_seen(model_name, record.recorded, flat0["params"])
+    scanned = _check_weights_seen(model_name, record.recorded, flat0["params"])
     embed_entries.update(n for n, r in zip(names, record.recorded) if r.kind == "embed")
     flat0 = {"params": to_flat(nested0["params"]), "batch_stats": to_flat(nested0.get("batch_stats", {}))}
 
-    # 2. Which layer feeds which: each layer's output replaced by a probe (not the layers inside a lifted
-    # transform, whose inputs live on its own trace: their input_layer is None, the model not sequential).
-    probed_layers = [i for i, r in enumerate(record.recorded) if not r.nested]
-    probe_avals = [jax.ShapeDtypeStruct(record.recorded[i].out_shape, jnp.float32) for i in probed_layers]
-    probe_index = {record.recorded[i].path: j for j, i in enumerate(probed_layers)}
-
-    def probed(x, *probes):
-        calls = _Calls("probe", probes=probes, conv_impl=conv_impl, probe_index=probe_index)
-        # Zeros made inside the trace: constants of the program, never a real copy of the weights.
-        zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), flat0)
-        logits, _ = apply_nested(to_nested(zeros), x, calls, False)
-        return logits, calls.inputs
-    sources, logits_sources = direct_sources(probed, x_aval, probe_avals)
+    # 2. From the module's own program (every value followed through lifted transforms: nn.remat, nn.scan,
+    # nn.jit, nn.vmap and NNX's): which layer feeds which, each layer's products (its kernel's, with their
+    # contraction, and any beside it), MACs per example (scans times their length; the products of no layer,
+    # attention's scores and values, as Model.other_macs).
+    flows = _program_flows(model_name, apply_nested, to_nested, flat0, input_shape, names)
     units = [_units(r) for r in record.recorded]
-    linked, sequential = link_layers([names[i] for i in probed_layers], [units[i][0] for i in probed_layers],
-                                     [units[i][1] for i in probed_layers], sources, logits_sources)
-    input_layers: list[str | None] = [None] * len(names)
-    for i, inp in zip(probed_layers, linked):
-        input_layers[i] = inp
-    sequential = sequential and len(probed_layers) == len(names)
-
-    # MACs per example from the traced program (every dot and convolution, scans times their length):
-    # each layer's own products, and the rest (attention's scores and values) as Model.other_macs.
-    layer_macs, other_macs = _program_macs(model_name, apply_nested, to_nested, flat0, input_shape, names)
+    input_layers, sequential = link_layers(names, [u[0] for u in units], [u[1] for u in units],
+                                           [frozenset(flows[2].layers[n].sources) for n in names],
+                                           flows[2].logits_sources)
     infos = []
+    other_macs = flows[2].other_macs - flows[1].other_macs
+    row_leaks = []
     for r, layer_name, inp, (in_u, out_u) in zip(record.recorded, names, input_layers, units):
-        infos.append(LayerInfo(layer_name, r.kind, r.kernel_shape, in_u, out_u, layer_macs[layer_name], inp,
-                               out_axes=r.out_axes))
+        one, two = flows[1].layers[layer_name], flows[2].layers[layer_name]
+        side = two.side_macs - one.side_macs
+        other_macs += side   # computed per example, but not by the kernel the mechanisms act on
+        info = LayerInfo(layer_name, r.kind, r.kernel_shape, in_u, out_u, two.kernel_macs - one.kernel_macs, inp,
+                         out_axes=r.out_axes, uses=max(two.kernel_products, 1))
+        if layer_name in scanned:
+            # One kernel per repetition, stacked: the mechanisms see the stored array (masks per weight); its
+            # rows would span the repetitions, so it has none (out_axes 0), and its fan-in is the contraction.
+            info = dataclasses.replace(info, kind="scanned", kernel_shape=scanned[layer_name], out_axes=0)
+        if len(two.contractions) == 1 and next(iter(two.contractions)) != info.fan_in:
+            info = dataclasses.replace(info, contraction=next(iter(two.contractions)))
+        infos.append(info)
+        if two.side:
+            with_what = sorted({p for params in two.side for p in params})
+            row_leaks.append((layer_name, "computes products beside its kernel's (with its "
+                              f"{', '.join(with_what) if with_what else 'input'}), which its kernel's rows do not "
+                              "reach"))
+        elif r.path in record.inner:
+            row_leaks.append((layer_name, f"calls layer {entry_name(record.inner[r.path][0])} inside its own call, "
+                              "so its output does not follow its kernel's rows"))
     channel_entries = tuple((entry_name(bn), entry_name(layer)) for bn, layer in bn_of.items())
 
     def init_fn(key):
@@ -1043,7 +1228,8 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     except Exception as e:
         if str(e).startswith("from_flax:"):
             raise
-        raise _build_error(model_name, input_shape, e, train=True) from None
+        raise _build_error(model_name, input_shape, e, train=True,
+                           alone=_runs_alone(module, input_shape, train_kwargs(True))) from None
 
     # 4. Never a different network: the adapted forward pass (fast paths included) against the module's
     # own code on a probe batch, in evaluation mode and, when __call__ takes a train flag, training mode.
@@ -1064,14 +1250,19 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     modes = (False, True) if train_kwargs(True) else (False,)
     # The first real weights: made once, for this check and the probes (memory.check_weights_fit's peak).
     variables = init_fn(jax.random.PRNGKey(0))
-    _check_same_network(model_name, adapted, own, variables, input_shape, modes)
+    # Every parameter and statistic moved off its initial value: a zero-initialised head would make both sides'
+    # logits 0 whatever the layers before it compute.
+    from fedjax_sparse.models import flax_probes
+    probe_variables = flax_probes.perturbed(variables, set(names), _PROBE_KEY + 1)
+    _check_same_network(model_name, adapted, own, probe_variables, input_shape, modes)
+    del probe_variables
 
     # 5. On a probe: padded rows change nothing for the real ones (else refused), and which layers' dropped
     # units are not zero downstream (Model.unit_drop_leaks, refused by the mechanisms that drop units).
-    from fedjax_sparse.models import flax_probes
     return flax_probes.probe(Model(model_name, input_shape, classes, tuple(infos), init_fn, apply_fn,
                                    sequential=sequential, channel_entries=channel_entries, fixed_widths=True,
-                                   other_macs=other_macs, batch_norm_momentum=bn_momentum),
+                                   other_macs=other_macs, row_leaks=tuple(row_leaks),
+                                   batch_norm_momentum=bn_momentum),
                              module, input_shape, variables)
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -50,21 +51,29 @@ def _rng(train: bool):
     return jax.random.PRNGKey(_PROBE_KEY + 3) if train else None
 
 
-def _perturbed(model: Model, variables: dict, key) -> dict:
-    """``variables`` with every floating leaf other than a weight layer's kernel moved by noise (batch
-    statistics by its absolute value, so variances stay positive)."""
-    kernels = {layer.name for layer in model.layers}
+def perturbed(variables: dict, kernels: set, seed: int) -> dict:
+    """``variables`` with every floating leaf moved off its initial value, so that no probe is blind to a
+    layer because a zero maps to zero (a zero-initialised head makes every logit 0, whatever the layers
+    before it compute; a zero-initialised LoRA ``lora_b`` hides its side path): the weight layers' kernels
+    (``kernels``: their entry names) by noise of their own scale (1/sqrt(fan_in) for an all-zero kernel),
+    other parameters by 0.5 N(0, 1) and batch statistics by its absolute value (variances stay positive).
+    NumPy's generator from ``seed``: no JAX program to compile per leaf shape."""
+    rng = np.random.default_rng(seed)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(variables)
-    keys = jax.random.split(key, max(len(leaves), 1))
     out = []
-    for (path, leaf), k in zip(leaves, keys):
+    for path, leaf in leaves:
         names = [getattr(p, "key", None) for p in path]
-        floating = jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating)
-        if not floating or (names[:1] == ["params"] and names[1:2] and names[1] in kernels and names[-1] == "kernel"):
+        value = np.asarray(leaf)
+        if not np.issubdtype(value.dtype, np.floating):
             out.append(leaf)
             continue
-        noise = 0.5 * jax.random.normal(k, jnp.shape(leaf), jnp.asarray(leaf).dtype)
-        out.append(leaf + (jnp.abs(noise) if names[:1] == ["batch_stats"] else noise))
+        noise = 0.5 * rng.standard_normal(value.shape)
+        if names[:1] == ["params"] and names[1:2] and names[1] in kernels and names[-1] == "kernel":
+            rms = float(np.sqrt(np.mean(np.square(value, dtype=np.float64)))) if value.size else 0.0
+            noise *= rms if rms > 0 else 1.0 / np.sqrt(max(int(np.prod(value.shape[:-1])), 1))
+        elif names[:1] == ["batch_stats"]:
+            noise = np.abs(noise)
+        out.append(jnp.asarray((value + noise).astype(value.dtype)))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -273,20 +282,72 @@ def _same(a, b) -> bool:
     return True
 
 
+# ---------------------------------------------------------------- a pruned row computes nothing
+def row_leaks(model: Model, variables: dict, x) -> tuple[tuple[str, str], ...]:
+    """((layer, what), ...): the layers whose pruned rows still compute something from their input.
+
+    SpaFL zeroes a pruned unit's row ``kernel[..., i]`` through ``hooks.kernel`` and books the unit's
+    products as not computed; FedDrop, Caldas and the widths drop units the same way. With every other row
+    of every layer zeroed (``variables`` perturbed), a pruned unit's output must be what the row-less
+    layer gives every example and position alike (its bias, BatchNorm'd): a path beside the kernel (a
+    LoRA side product, ``x @ (kernel + a @ b)``, an input added inside the layer's call) makes it vary. The
+    outputs are read by a callback from the activation hook, so layers inside lifted transforms (remat,
+    scan, vmap) are read too; in evaluation mode (a side path is a product of the layer's code, not of a mode;
+    training mode's BatchNorm would map a constant unit to a constant all the same)."""
+    rows = {l.name: l for l in model.layers if l.out_axes >= 1 and l.out_units >= 2}
+    if not rows:
+        return ()
+    pruned = {name: np.arange(l.out_units) % 2 == 1 for name, l in rows.items()}
+    # The pruned kernels and the outputs' spread are computed on the host: no JAX program to compile per shape.
+    kernels = {}
+    for name, layer in rows.items():
+        kernel = np.asarray(variables["params"][name]["kernel"])
+        kernels[name] = jnp.asarray(kernel * (~pruned[name]).reshape(kernel.shape[kernel.ndim - layer.out_axes:]))
+    spread: dict[str, float] = {}
+    scale: dict[str, float] = {}
+
+    def read(name, h):
+        layer = rows[name]
+        flat = np.asarray(h, np.float32).reshape(-1, layer.out_units)
+        units = flat[:, pruned[name]]
+        spread[name] = max(spread.get(name, 0.0), float(np.max(units.max(axis=0) - units.min(axis=0))))
+        scale[name] = max(scale.get(name, 0.0), float(np.max(np.abs(flat))))
+
+    def activation(name, h):
+        layer = rows.get(name)
+        if layer is not None and int(np.prod(h.shape[h.ndim - layer.out_axes:])) == layer.out_units:
+            jax.debug.callback(functools.partial(read, name), h)
+        return h
+    hooks = Hooks(kernel=lambda name, k: kernels.get(name, k), activation=activation)
+    jax.block_until_ready(model.apply(variables, x, hooks=hooks)[0])
+    jax.effects_barrier()
+    leaks = []
+    for name in rows:
+        if name in spread and not spread[name] <= _RTOL * 10 * max(scale[name], 1e-6):
+            leaks.append((name, f"still computes a pruned row's output from its input (it varies by up to "
+                                f"{spread[name]:.3g} across examples, outputs of scale {scale[name]:.3g}, with the "
+                                "row zeroed): a path beside its kernel"))
+    return tuple(leaks)
+
+
 def probe(model: Model, module, input_shape: tuple, variables: dict | None = None) -> Model:
     """The checks ``from_flax`` runs last: raises ``ValueError`` (one line) when padded rows move the
-    real ones; returns ``model`` with ``unit_drop_leaks`` set. ``variables``: ``model.init(PRNGKey(0))``
-    when the caller has it already (one copy of the weights fewer at the peak)."""
+    real ones; returns ``model`` with ``unit_drop_leaks`` set and ``row_leaks`` completed. ``variables``:
+    ``model.init(PRNGKey(0))`` when the caller has it already (one copy of the weights fewer at the peak)."""
     key = jax.random.PRNGKey(_PROBE_KEY)
     if variables is None:
         variables = model.init(jax.random.PRNGKey(0))
-    variables = _perturbed(model, variables, jax.random.fold_in(key, 1))
+    variables = perturbed(variables, {l.name for l in model.layers}, _PROBE_KEY + 1)
     x = jax.random.normal(key, (_REAL,) + tuple(input_shape), jnp.float32)
     reason = padding_leak(model, module, variables, x)
     if reason is not None:
         raise ValueError(f"from_flax: {model.name}: {reason}")
     leaks = unit_drop_leaks(model, module, variables, x[:2])   # the equivalence check's batch shape
-    return dataclasses.replace(model, unit_drop_leaks=leaks) if leaks else model
+    known = dict(model.row_leaks)
+    rows = tuple(model.row_leaks) + tuple(l for l in row_leaks(model, variables, x) if l[0] not in known)
+    order = [l.name for l in model.layers]
+    rows = tuple(sorted(rows, key=lambda l: order.index(l[0])))
+    return dataclasses.replace(model, unit_drop_leaks=leaks, row_leaks=rows)
 
 
-__all__ = ["padding_leak", "probe", "unit_drop_leaks"]
+__all__ = ["padding_leak", "perturbed", "probe", "row_leaks", "unit_drop_leaks"]

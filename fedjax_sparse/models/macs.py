@@ -15,6 +15,7 @@ Flax adapter wraps each weight layer's call in :func:`layer_scope`); the rest go
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from typing import Callable
 
@@ -44,12 +45,14 @@ def layer_scope(name: str):
     return jax.named_scope(TAG + name.replace("/", "::"))
 
 
+_TAGGED = re.compile(re.escape(TAG) + r"([^/()\s]+)")
+
+
 def _layer_of(eqn, inherited: str | None) -> str | None:
-    found = inherited
-    for part in str(eqn.source_info.name_stack).split("/"):
-        if part.startswith(TAG):
-            found = part[len(TAG):].replace("::", "/")
-    return found
+    """The innermost layer tag on the equation's name stack (a transform writes its scopes inside
+    its own name, ``vmap(fjs_layer:conv1)``: ``nn.vmap``), else ``inherited``."""
+    found = _TAGGED.findall(str(eqn.source_info.name_stack))
+    return found[-1].replace("::", "/") if found else inherited
 
 
 def _sub_jaxprs(value):
