@@ -430,6 +430,7 @@ print(json.dumps({{"code": code, "jax_in_parent": "jax" in sys.modules}}))
     assert time.perf_counter() - started < 120
 
 
+@pytest.mark.smoke
 def test_gpu_targets_smoke_measures_on_the_real_settings(tmp_path, shared_data):
     gpu_targets = load_script("gpu_targets.py")
     out = tmp_path / "targets.json"

@@ -55,6 +55,7 @@ def test_quickstart_notebook(monkeypatch, tmp_path):
     assert checks["local_uplink_bits"] == 0 < checks["fedavg_uplink_bits"]
 
 
+@pytest.mark.smoke
 def test_your_model_and_data_notebook(monkeypatch, tmp_path):
     checks = execute("your_model_and_data", monkeypatch, tmp_path)
     assert checks["layers"] == {"linen_cnn": 4, "nnx_residual": 3}
@@ -68,6 +69,7 @@ def test_your_model_and_data_notebook(monkeypatch, tmp_path):
     assert checks["feddrop_refused_residual"] and checks["table_rows"] == 6
 
 
+@pytest.mark.smoke
 def test_spafl_notebook(monkeypatch, tmp_path):
     checks = execute("spafl", monkeypatch, tmp_path)
     assert checks["evaluations"] >= 2 and checks["layers"]
@@ -75,6 +77,7 @@ def test_spafl_notebook(monkeypatch, tmp_path):
     assert all(0.0 <= d <= 1.0 for d in checks["final_density_per_layer"].values())
 
 
+@pytest.mark.smoke
 def test_feddrop_notebook(monkeypatch, tmp_path):
     checks = execute("feddrop", monkeypatch, tmp_path)
     assert checks["syncdrop_max_error"] < 0.02          # E[d_i d_j] = min(p_i, p_j) (eq. 4)
@@ -83,6 +86,7 @@ def test_feddrop_notebook(monkeypatch, tmp_path):
     assert 0.0 < checks["keep_min"] <= checks["keep_max"] <= 1.0
 
 
+@pytest.mark.smoke
 def test_fsl_notebook(monkeypatch, tmp_path):
     checks = execute("fsl", monkeypatch, tmp_path)
     assert 0 < checks["fsl_uplink_bits"] < checks["fedavg_uplink_bits"]
