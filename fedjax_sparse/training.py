@@ -154,25 +154,6 @@ def _masked_hits_and_losses(predict, data: ClientData, order: jax.Array, b: jax.
     return hits * batch.mask, losses * batch.mask
 
 
-def predict_examples(predict: Callable[[jax.Array], jax.Array], data: ClientData, *,
-                     batch_size: int, preprocess: Callable[[jax.Array], jax.Array]):
-    """Per-example correctness and loss of ``predict`` over rows ``data.indices``
-    (all of them: ``data.count`` must equal their number). Returns ([M] float32
-    hits, [M] float32 losses)."""
-    m = data.indices.shape[0]
-    num_batches = -(-m // batch_size)
-    order = jnp.arange(m, dtype=jnp.int32)
-
-    def body(b, acc):
-        hit, loss = _masked_hits_and_losses(predict, data, order, b, batch_size, preprocess)
-        # Outputs are padded to whole batches so every write starts exactly at b * B.
-        return tuple(jax.lax.dynamic_update_slice(a, x, (b * batch_size,)) for a, x in zip(acc, (hit, loss)))
-
-    zeros = jnp.zeros((num_batches * batch_size,), jnp.float32)
-    hits, losses = jax.lax.fori_loop(0, num_batches, body, (zeros, zeros))
-    return hits[:m], losses[:m]
-
-
 def evaluate_client(predict: Callable[[jax.Array], jax.Array], data: ClientData, *,
                     batch_size: int, preprocess: Callable[[jax.Array], jax.Array]) -> EvalStats:
     """Accuracy numerator and summed loss of ``predict`` over one client's data,
