@@ -15,7 +15,6 @@ from fedjax_sparse.errors import RunError, in_callers_words
 from fedjax_sparse.execution import EXECUTION_FIELDS, Execution
 
 # The execution modes a run offers: those with a recorded win (docs/design.md, "Execution modes").
-# The engine and the evaluator accept more as library options (the references tests compare against).
 CLIENT_PARALLELISM = ("auto", "vmap", "map", "packed", "measure")
 PERSONAL_EVAL_MODES = ("auto", "per_client")
 # Execution keys of earlier versions, read from old config files only when they hold their inert value.
@@ -252,10 +251,6 @@ def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()
     check_privacy(config)
     if not 0.0 <= config.trim_fraction < 0.5:
         raise RunError(f"--trim-fraction must be in [0, 0.5), got {config.trim_fraction}")
-    if ex.personal_eval in ("batched", "loop"):
-        raise RunError(f"--personal-eval {ex.personal_eval} was removed as a run mode in 0.2.0 (no recorded win: "
-                       "per_client 0.61 s, loop 1.57 s, batched 4.91 s on CPU; none on a GPU yet); drop it "
-                       "(the numbers are the same: fedjax_sparse.evaluation.Evaluator keeps both as references)")
     if ex.personal_eval not in PERSONAL_EVAL_MODES:
         raise RunError(f"unknown --personal-eval {ex.personal_eval!r}; valid: {', '.join(PERSONAL_EVAL_MODES)}")
     from fedjax_sparse.sinks import parse_log

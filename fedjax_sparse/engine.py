@@ -197,16 +197,13 @@ class Engine:
     clients_per_round: int
     client_parallelism: str = "auto"
     eval_batch_size: int = 500
-    # Clients evaluated at once (lax.map's batch_size): trades memory for speed on GPU.
-    eval_clients_at_once: int = 1
     # Algorithms without a personal model are evaluated with one pass of the global model over the
     # union of the clients' test sets; per-client accuracies are then gathered from its per-example
     # results (faster with many small clients: no per-client padding and loop overhead; measured in
     # experiments/results/, see CHANGELOG).
     # False: evaluate every client separately (the general path; same numbers, tested).
     eval_shared_global_pass: bool = True
-    # Personalised evaluation (fedjax_sparse.evaluation): "auto" = "per_client"; "batched" and "loop"
-    # are the references tests compare against.
+    # Personalised evaluation (fedjax_sparse.evaluation): "auto" = "per_client".
     personal_eval: str = "auto"
     # Shard the sampled clients over all local devices (vmap mode only).
     shard_clients: bool = True
@@ -535,7 +532,6 @@ class Engine:
     def evaluator(self) -> Evaluator:
         """Evaluation lives in fedjax_sparse.evaluation; the engine's eval_* fields configure it."""
         return Evaluator(self.algorithm, self.num_clients, eval_batch_size=self.eval_batch_size,
-                         eval_clients_at_once=self.eval_clients_at_once,
                          eval_shared_global_pass=self.eval_shared_global_pass, personal_eval=self.personal_eval)
 
     def evaluate(self, state: EngineState, data: FederatedData) -> dict:

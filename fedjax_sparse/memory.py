@@ -60,7 +60,6 @@ from jax.extend import core as jcore
 from fedjax_sparse.algorithms.base import ClientContext
 from fedjax_sparse.errors import RunError
 from fedjax_sparse.data.federated import ClientData
-from fedjax_sparse.evaluation import plan_chunks, resolve_personal_eval
 from fedjax_sparse.models import layers as L
 
 LIMIT_ENV = "FEDJAX_SPARSE_MEMORY_LIMIT_BYTES"
@@ -331,18 +330,16 @@ def _trace_client(engine, state, data) -> tuple[int, int]:
     return peak_live_bytes(closed), tree_bytes(out[1])
 
 
-def _forward_line(predict, server, row, data, outside: bool) -> tuple[float, float]:
+def _forward_line(predict, server, row, data) -> tuple[float, float]:
     """(intercept, slope per example) of the peak bytes of ``predict(server, row, cid, x)`` on a
-    batch gathered from the test pool and preprocessed (traced at two batch sizes)."""
+    batch gathered from the test pool and preprocessed (traced at two batch sizes, outside any loop
+    as the evaluator calls it)."""
     def batch(server, row, test_x, rows):
         return predict(server, row, jnp.int32(0), data.preprocess(test_x[rows]))
 
     peaks = []
     for b in _PROBE_BATCHES:
-        if outside:
-            with L.outside_loops():
-                closed = jax.make_jaxpr(batch)(server, row, _shape(data.test_x), jax.ShapeDtypeStruct((b,), jnp.int32))
-        else:
+        with L.outside_loops():
             closed = jax.make_jaxpr(batch)(server, row, _shape(data.test_x), jax.ShapeDtypeStruct((b,), jnp.int32))
         peaks.append(peak_live_bytes(closed))
     (b1, b2), (p1, p2) = _PROBE_BATCHES, peaks
@@ -361,8 +358,7 @@ def _evaluation_bytes(engine, state, data, row_bytes: int) -> tuple[int, int]:
     global_predict, personal_predict = alg.global_predict, alg.personal_predict
     global_pass = 0
     if global_predict is not None:
-        a, b = _forward_line(lambda server, row, cid, x: global_predict(server, x), state.server, row, data,
-                             outside=True)
+        a, b = _forward_line(lambda server, row, cid, x: global_predict(server, x), state.server, row, data)
         global_pass = int(a + b * evaluator.global_eval_batch_size)
     if personal_predict is None and global_predict is not None and evaluator.eval_shared_global_pass:
         return global_pass, global_pass  # population.evaluate makes the same pass
@@ -372,36 +368,16 @@ def _evaluation_bytes(engine, state, data, row_bytes: int) -> tuple[int, int]:
         assert global_predict is not None, "an algorithm predicts with a personal or a global model"
         predict = lambda server, row, cid, x: global_predict(server, x)  # noqa: E731
         row_bytes = 0  # every client uses the server's model: no rows gathered
-    lines: dict[bool, tuple[float, float]] = {}
-
-    def line(outside: bool) -> tuple[float, float]:
-        if outside not in lines:
-            lines[outside] = _forward_line(predict, state.server, row, data, outside=outside)
-        return lines[outside]
-
-    def personal(mode: str, counts: np.ndarray) -> int:
-        """The personal models' path over clients with test counts ``counts``."""
-        if mode == "per_client":  # one client at a time, its test set padded to the granularity
-            a, b = line(True)
-            g = evaluator.per_client_granularity
-            return int(row_bytes + a + b * (-(-largest // g) * g))
-        if mode == "loop":  # eval_clients_at_once clients at a time, batches of eval_batch_size
-            a, b = line(False)
-            c = max(1, evaluator.eval_clients_at_once)
-            return int(c * (row_bytes + a) + b * c * evaluator.eval_batch_size)
-        a, b = line(False)  # batched: chunks of clients vmapped, each over its padded test set
-        chunks = plan_chunks(counts, evaluator.chunk_examples) or [(np.zeros(1), 1)]
-        return int(max(len(ids) * (row_bytes + a) + b * len(ids) * width for ids, width in chunks))
-
-    mode = resolve_personal_eval(evaluator.personal_eval)
-    device = max(personal(mode, counts), global_pass)
+    # The personal models' path (per_client): one client at a time, its test set padded to the granularity.
+    a, b = _forward_line(predict, state.server, row, data)
+    g = evaluator.per_client_granularity
+    personal = int(row_bytes + a + b * (-(-largest // g) * g))
+    device = max(personal, global_pass)
     # population.evaluate: the rows of up to 256 clients brought to the device and the same path on
     # them (the clients with the largest test sets, to be safe), and the never-trained clients' one
     # model over batches of 512.
     chunk = min(HOST_EVAL_CLIENTS, engine.num_clients)
-    a, b = line(True)
-    host = max(chunk * row_bytes + personal(mode, np.sort(counts)[::-1][:chunk]),
-               int(row_bytes + a + b * HOST_EVAL_BATCH), global_pass)
+    host = max(chunk * row_bytes + personal, int(row_bytes + a + b * HOST_EVAL_BATCH), global_pass)
     return device, host
 
 

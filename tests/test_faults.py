@@ -211,7 +211,7 @@ def test_torn_metrics_tail_and_damaged_checkpoint_are_repaired_on_resume(tmp_pat
     (["--client-bucket-size", "4"], "bucketed client schedule was removed"),
     (["--round-mode", "per_round"], "per_round was removed"),
     (["--client-parallelism", "bucketed"], "bucketed client schedule was removed"),
-    (["--personal-eval", "loop"], "removed as a run mode"),
+    (["--personal-eval", "loop"], "unknown --personal-eval 'loop'; valid: auto, per_client"),
 ])
 def test_bad_options_give_one_line(extra, needle, tmp_path, capsys):
     code, _, err = run_cli(["run", "--algorithm", "fedavg", *QUICK, "--rounds", "1",
