@@ -17,15 +17,9 @@ from fedjax_sparse.execution import EXECUTION_FIELDS, Execution
 # The execution modes a run offers: those with a recorded win (docs/design.md, "Execution modes").
 CLIENT_PARALLELISM = ("auto", "vmap", "map", "packed", "measure")
 PERSONAL_EVAL_MODES = ("auto", "per_client")
-# Execution keys of earlier versions, read from old config files only when they hold their inert value.
-REMOVED_EXECUTION = {
-    "round_mode": ("scan", "--round-mode per_round was removed in 0.2.0 (no recorded win: a tie on CPU, slower "
-                   "on an H100); runs scan their rounds; drop the flag (Engine.advance(..., 'per_round') "
-                   "steps rounds from Python in a notebook)"),
-    "client_bucket_size": (0, "the bucketed client schedule was removed in 0.2.0 (no recorded wall-clock win); "
-                              "drop --client-bucket-size and use --client-parallelism packed (its successor: "
-                              "clients sorted by size in lockstep groups, faster on an H100), map or vmap"),
-}
+# Keys of removed execution modes that recorded config.json files hold at these inert values
+# (tests/test_recorded_results.py): dropped on reading; any other value is refused.
+REMOVED_EXECUTION = {"round_mode": "scan", "client_bucket_size": 0}
 CLIENT_STATES = ("device", "host")
 CLIENT_STORAGE = ("float32", "bfloat16")
 
@@ -120,14 +114,14 @@ class RunConfig:
         if not isinstance(execution, dict):
             raise RunError(f"config key 'execution' expects an object of {', '.join(EXECUTION_FIELDS)}, got "
                            f"{execution!r}")
-        unknown = sorted(set(execution) - set(EXECUTION_FIELDS) - set(REMOVED_EXECUTION))
+        unknown = sorted(set(execution) - set(EXECUTION_FIELDS))
         if unknown:
             raise RunError(f"unknown execution key(s) {unknown}; valid keys: {list(EXECUTION_FIELDS)}")
         execution = dict(execution)
-        for name, (inert, removed) in REMOVED_EXECUTION.items():
-            for holder in (data, execution):
-                if name in holder and holder.pop(name) != inert:
-                    raise RunError(f"config key {name!r}: {removed}")
+        for name, inert in REMOVED_EXECUTION.items():
+            if name in data and data.pop(name) != inert:
+                raise RunError(f"config key {name!r}: its mode was removed in 0.2.0 (docs/design.md, "
+                               f"\"Execution modes\"); drop the key")
         for name in EXECUTION_FIELDS:
             if name in data:
                 value = data.pop(name)
@@ -232,8 +226,6 @@ def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()
                        "or npz:PATH for your own .npz file")
     if config.preprocess not in PREPROCESSING:
         raise RunError(f"unknown --preprocess {config.preprocess!r}; valid: {', '.join(PREPROCESSING)}")
-    if ex.client_parallelism == "bucketed":
-        raise RunError(f"--client-parallelism bucketed: {REMOVED_EXECUTION['client_bucket_size'][1]}")
     if ex.client_parallelism not in CLIENT_PARALLELISM:
         raise RunError(f"unknown --client-parallelism {ex.client_parallelism!r}; valid: "
                        f"{', '.join(CLIENT_PARALLELISM)}")
