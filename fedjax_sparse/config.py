@@ -13,6 +13,7 @@ from fedjax_sparse.models import model_names
 from fedjax_sparse.models.registry import is_model_reference
 from fedjax_sparse.errors import RunError, in_callers_words
 from fedjax_sparse.execution import EXECUTION_FIELDS, Execution
+from fedjax_sparse.flags import flag_of
 
 # The execution modes a run offers: those with a recorded win (docs/design.md, "Execution modes").
 CLIENT_PARALLELISM = ("auto", "vmap", "map", "packed", "measure")
@@ -136,7 +137,7 @@ class RunConfig:
         for key, value in [*data.items(), *execution.items()]:
             hint = typing.get_type_hints(Execution if key in EXECUTION_FIELDS else cls)[key]
             if not _matches(value, hint):
-                raise RunError(f"config key {key!r} (flag --{key.replace('_', '-')}) expects "
+                raise RunError(f"config key {key!r} (flag {flag_of(key)}) expects "
                                f"{_describe(hint)}, got {value!r}")
         return cls(**data, execution=Execution(**execution))
 
@@ -188,7 +189,7 @@ def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()
                     eval_batch_size=ex.eval_batch_size if ex.eval_batch_size is not None else 1)
     for name, value in positive.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise RunError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+            raise RunError(f"{flag_of(name)} must be a positive integer, got {value!r}")
     if not isinstance(ex.checkpoint_every, int) or isinstance(ex.checkpoint_every, bool) \
             or ex.checkpoint_every < 0:
         raise RunError(f"--checkpoint-every must be a non-negative integer (0: only at evaluations and by the clock), "
@@ -197,7 +198,7 @@ def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()
         value = getattr(config.execution, name)
         if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
                 and value >= 0):
-            raise RunError(f"--{name.replace('_', '-')} must be a non-negative number of seconds (0: off), "
+            raise RunError(f"{flag_of(name)} must be a non-negative number of seconds (0: off), "
                            f"got {value!r}")
     if not isinstance(config.seed, int) or isinstance(config.seed, bool) or config.seed < 0:
         raise RunError(f"--seed must be a non-negative integer, got {config.seed!r}")
@@ -305,7 +306,7 @@ def resolved_dp_accountant(dp_accountant: str | None, client_sampling: str | Non
 
 def check_privacy(config: RunConfig) -> None:
     """One-line RunError for an incomplete or inapplicable --dp-* setting."""
-    given = [f"--{name.replace('_', '-')}" for name in ("dp_noise_multiplier", "dp_target_epsilon")
+    given = [flag_of(name) for name in ("dp_noise_multiplier", "dp_target_epsilon")
              if getattr(config, name) is not None]
     if config.dp_clip is None:
         if given:
