@@ -95,9 +95,9 @@ def resolve_parallelism(mode: str) -> str:
     if mode not in CLIENT_PARALLELISM:
         raise ValueError(f"unknown client parallelism {mode!r}; valid: {CLIENT_PARALLELISM}")
     if mode == "auto":
-        # The recorded measurements (docs/design.md, "Execution modes"): map beats vmap on CPU; on one
-        # H100 packed beats map 1.9-4.4x and vmap up to 1.6x (FedAvg FMNIST a tie with vmap). Several
-        # processes, or several accelerators, share the work only through vmap's sharded client axis.
+        # The recorded measurements (docs/design.md, "Execution modes"): map beats vmap on CPU, packed
+        # beats both on one accelerator. Several processes, or several accelerators, share the work only
+        # through vmap's sharded client axis.
         if jax.default_backend() == "cpu":
             return "vmap" if jax.process_count() > 1 else "map"
         return "vmap" if jax.process_count() > 1 or jax.local_device_count() > 1 else "packed"

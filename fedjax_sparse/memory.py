@@ -2,8 +2,8 @@
 host, estimated from shapes alone, and a one-line refusal naming the flag that makes it fit.
 
 Nothing is compiled or run: shapes come from ``jax.eval_shape`` and programs from
-``jax.make_jaxpr`` (0.1-0.25 s after ``runner.build`` for SpaFL on Fashion-MNIST with LeNet-5-Caffe,
-100 clients, on this 2-core CPU). What is counted, in bytes:
+``jax.make_jaxpr`` (its cost and how close it comes: docs/design.md, "Constants and the measurements
+behind them"). What is counted, in bytes:
 
 * ``server_state_bytes``, ``client_state_bytes``: the leaves of ``jax.eval_shape(engine.init)``;
   the client state is all N rows (``per_client_row_bytes`` each). On the device: every row (split
@@ -17,9 +17,7 @@ Nothing is compiled or run: shapes come from ``jax.eval_shape`` and programs fro
   at the same time, in program order (:func:`peak_live_bytes`): its working copy of the model,
   gradients and optimizer state, one local step's forward and backward intermediates at
   ``batch_size``, its new state and its message. XLA fuses element-wise chains and reuses
-  buffers but may also keep values longer, so this is an estimate, not a bound: for the compiled
-  round, training plus the state came within 1-14 % of XLA's own buffer assignment
-  (``compile().memory_analysis()``; SpaFL FMNIST and Local MNIST, map and vmap, CPU). Times the clients
+  buffers but may also keep values longer, so this is an estimate, not a bound. Times the clients
   trained in lockstep (``lockstep_clients``: K for ``vmap``, K / devices when the cohort is split
   over devices, 1 for ``map``; ``--client-parallelism measure`` times
   ``vmap`` too, so it counts K), plus ``cohort_bytes``: the cohort's stacked rows, K x (row
@@ -187,7 +185,7 @@ def _device_capacity(data_bytes: int) -> tuple[int | None, str]:
 # ---------------------------------------------------------------- a model's weights alone
 # ``from_flax``'s peak, in copies of the weights: it initialises them once, eagerly (as ``Model.init``
 # does), and each random initialiser's op-by-op intermediates (bits, floats, their transforms) live at the
-# same time. Measured on XLA:CPU: 3.5x for a 600 MiB Dense model (peak RSS minus the RSS before).
+# same time (measured: docs/design.md, "Constants and the measurements behind them").
 BUILD_COPIES = 4
 
 
