@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import itertools
 import json
 import math
 import os
@@ -69,7 +68,7 @@ from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig, validate
 from fedjax_sparse.errors import RunError
 from fedjax_sparse.experiment import Components, Experiment, build, with_components
 from fedjax_sparse.progress import jsonable
-from fedjax_sparse.sweeps import parse_value
+from fedjax_sparse.sweeps import apply_point, grid, parse_value
 
 SCHEMA = "fedjax_sparse.bench/1"
 PRECISION_KEY = "matmul_precision"
@@ -149,13 +148,6 @@ def check_compare(axes: dict[str, list]) -> None:
                        f"model_option.NAME, {PRECISION_KEY} or {XLA_FLAGS_KEY}")
 
 
-def grid(axes: dict[str, list]) -> list[tuple]:
-    """Every variant, ``((key, value), ...)`` in the keys' order, the first key slowest; one empty
-    variant (the configuration as given) when nothing is compared."""
-    keys = list(axes)
-    return [tuple(zip(keys, values)) for values in itertools.product(*(axes[k] for k in keys))]
-
-
 def variant_name(point: tuple) -> str:
     """``client_parallelism=map model_option.conv_impl=xla`` (``configuration`` for no variant)."""
     if not point:
@@ -168,20 +160,9 @@ def variant_config(config: RunConfig, point: tuple, objects: frozenset[str] | se
     """``config`` with the variant's values (``matmul_precision`` and ``xla_flags`` are not
     configuration: they are how the process runs it), type-checked and validated as ``run`` would;
     a bad value is a one-line RunError naming the ``--compare`` value."""
-    fields = config.to_json()
-    options, model_options = dict(config.options), dict(config.model_options)
-    for key, value in point:
-        prefix, _, name = key.partition(".")
-        if key in (PRECISION_KEY, XLA_FLAGS_KEY):
-            continue
-        if prefix == "option":
-            options[name] = value
-        elif prefix == "model_option":
-            model_options[name] = value
-        else:
-            fields[key] = value
+    settings = tuple((key, value) for key, value in point if key not in (PRECISION_KEY, XLA_FLAGS_KEY))
     try:
-        out = RunConfig.from_json({**fields, "options": options, "model_options": model_options})
+        out = RunConfig.from_json(apply_point(config, settings).to_json())   # type-checked as a config file
         validate(out, objects=objects)
     except RunError as e:
         raise RunError(f"--compare {variant_name(point)}: {e}") from None
@@ -223,17 +204,9 @@ def _round_advancer(exp: Experiment, engine, state, population) -> Callable:
 def _initial_state(exp: Experiment):
     """(state, host population or None), as ``run`` starts them."""
     config, engine = exp.config, exp.engine
-    key = jax.random.PRNGKey(config.seed)
     if config.execution.client_state != "host":
-        return engine.init(key), None
-    if engine.algorithm.extra_clients is not None:
-        raise RunError(f"{config.algorithm} trains extra clients chosen inside each round, whose rows cannot be "
-                       "brought to the device ahead: use --client-state device")
-    storage = jnp.bfloat16 if config.execution.client_storage == "bfloat16" else None
-    try:
-        return host_population.init(engine, key, storage_dtype=storage)
-    except ValueError as e:
-        raise RunError(f"{e} (--client-state device)") from None
+        return engine.init(jax.random.PRNGKey(config.seed)), None
+    return host_population.init_for_run(engine, config.seed, config.execution.client_storage, config.algorithm)
 
 
 def _sum(values) -> int | float:

@@ -16,8 +16,6 @@ from fedjax_sparse.flags import RUN_FLAGS  # the table lives in a leaf module th
 
 
 KEY_VALUE_FLAGS = ("--option", "--model-option", "--compare", "--change")
-# Flags of execution modes removed in 0.2.0 (no recorded win; see config.REMOVED_EXECUTION).
-REMOVED_FLAGS = ("--round-mode", "--client-bucket-size")
 
 # `run --help` in argument groups (and `bench --help` for the flags it shares): each flag's group, in one place.
 HELP_GROUPS = {
@@ -160,8 +158,6 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
             default = getattr(defaults.execution if dest in EXECUTION_FIELDS else defaults, dest)
             text = f"{text} (default: {default})"
         _group(parser, flag).add_argument(flag, dest=dest, type=typ, default=None, help=text)
-    for flag in REMOVED_FLAGS:   # read only to refuse them in one line (config.REMOVED_EXECUTION)
-        parser.add_argument(flag, dest=flag[2:].replace("-", "_"), default=None, help=argparse.SUPPRESS)
     _group(parser, "--option").add_argument("--option", action="append", metavar="KEY=VALUE",
                                             help="algorithm option (repeatable; `list` shows each algorithm's)")
     _group(parser, "--model-option").add_argument("--model-option", action="append", metavar="KEY=VALUE",
@@ -274,12 +270,6 @@ def config_from_args(args):
                   if isinstance(base.get(k), dict) and isinstance(loaded.get(k), dict)}
         base = {**base, **loaded, **merged}
     config = RunConfig.from_json(base)
-    from fedjax_sparse.config import REMOVED_EXECUTION
-    for flag in REMOVED_FLAGS:
-        name = flag[2:].replace("-", "_")
-        value = getattr(args, name)
-        if value is not None and value != str(REMOVED_EXECUTION[name][0]):
-            raise ValueError(f"{flag} {value}: {REMOVED_EXECUTION[name][1]}")
     # What the user set: the config file's keys (execution's by their own names) and the flags below.
     given = set(base) - {"execution"} | set(base.get("execution") or {})
     for _, dest, _, _ in RUN_FLAGS:

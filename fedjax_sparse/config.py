@@ -13,20 +13,14 @@ from fedjax_sparse.models import model_names
 from fedjax_sparse.models.registry import is_model_reference
 from fedjax_sparse.errors import RunError, in_callers_words
 from fedjax_sparse.execution import EXECUTION_FIELDS, Execution
+from fedjax_sparse.flags import flag_of
 
 # The execution modes a run offers: those with a recorded win (docs/design.md, "Execution modes").
-# The engine and the evaluator accept more as library options (the references tests compare against).
 CLIENT_PARALLELISM = ("auto", "vmap", "map", "packed", "measure")
 PERSONAL_EVAL_MODES = ("auto", "per_client")
-# Execution keys of earlier versions, read from old config files only when they hold their inert value.
-REMOVED_EXECUTION = {
-    "round_mode": ("scan", "--round-mode per_round was removed in 0.2.0 (no recorded win: a tie on CPU, slower "
-                   "on an H100); runs scan their rounds; drop the flag (Engine.advance(..., 'per_round') "
-                   "steps rounds from Python in a notebook)"),
-    "client_bucket_size": (0, "the bucketed client schedule was removed in 0.2.0 (no recorded wall-clock win); "
-                              "drop --client-bucket-size and use --client-parallelism packed (its successor: "
-                              "clients sorted by size in lockstep groups, faster on an H100), map or vmap"),
-}
+# Keys of removed execution modes that recorded config.json files hold at these inert values
+# (tests/test_recorded_results.py): dropped on reading; any other value is refused.
+REMOVED_EXECUTION = {"round_mode": "scan", "client_bucket_size": 0}
 CLIENT_STATES = ("device", "host")
 CLIENT_STORAGE = ("float32", "bfloat16")
 
@@ -121,14 +115,14 @@ class RunConfig:
         if not isinstance(execution, dict):
             raise RunError(f"config key 'execution' expects an object of {', '.join(EXECUTION_FIELDS)}, got "
                            f"{execution!r}")
-        unknown = sorted(set(execution) - set(EXECUTION_FIELDS) - set(REMOVED_EXECUTION))
+        unknown = sorted(set(execution) - set(EXECUTION_FIELDS))
         if unknown:
             raise RunError(f"unknown execution key(s) {unknown}; valid keys: {list(EXECUTION_FIELDS)}")
         execution = dict(execution)
-        for name, (inert, removed) in REMOVED_EXECUTION.items():
-            for holder in (data, execution):
-                if name in holder and holder.pop(name) != inert:
-                    raise RunError(f"config key {name!r}: {removed}")
+        for name, inert in REMOVED_EXECUTION.items():
+            if name in data and data.pop(name) != inert:
+                raise RunError(f"config key {name!r}: its mode was removed in 0.2.0 (docs/design.md, "
+                               f"\"Execution modes\"); drop the key")
         for name in EXECUTION_FIELDS:
             if name in data:
                 value = data.pop(name)
@@ -143,7 +137,7 @@ class RunConfig:
         for key, value in [*data.items(), *execution.items()]:
             hint = typing.get_type_hints(Execution if key in EXECUTION_FIELDS else cls)[key]
             if not _matches(value, hint):
-                raise RunError(f"config key {key!r} (flag --{key.replace('_', '-')}) expects "
+                raise RunError(f"config key {key!r} (flag {flag_of(key)}) expects "
                                f"{_describe(hint)}, got {value!r}")
         return cls(**data, execution=Execution(**execution))
 
@@ -195,7 +189,7 @@ def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()
                     eval_batch_size=ex.eval_batch_size if ex.eval_batch_size is not None else 1)
     for name, value in positive.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise RunError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+            raise RunError(f"{flag_of(name)} must be a positive integer, got {value!r}")
     if not isinstance(ex.checkpoint_every, int) or isinstance(ex.checkpoint_every, bool) \
             or ex.checkpoint_every < 0:
         raise RunError(f"--checkpoint-every must be a non-negative integer (0: only at evaluations and by the clock), "
@@ -204,7 +198,7 @@ def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()
         value = getattr(config.execution, name)
         if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
                 and value >= 0):
-            raise RunError(f"--{name.replace('_', '-')} must be a non-negative number of seconds (0: off), "
+            raise RunError(f"{flag_of(name)} must be a non-negative number of seconds (0: off), "
                            f"got {value!r}")
     if not isinstance(config.seed, int) or isinstance(config.seed, bool) or config.seed < 0:
         raise RunError(f"--seed must be a non-negative integer, got {config.seed!r}")
@@ -233,8 +227,6 @@ def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()
                        "or npz:PATH for your own .npz file")
     if config.preprocess not in PREPROCESSING:
         raise RunError(f"unknown --preprocess {config.preprocess!r}; valid: {', '.join(PREPROCESSING)}")
-    if ex.client_parallelism == "bucketed":
-        raise RunError(f"--client-parallelism bucketed: {REMOVED_EXECUTION['client_bucket_size'][1]}")
     if ex.client_parallelism not in CLIENT_PARALLELISM:
         raise RunError(f"unknown --client-parallelism {ex.client_parallelism!r}; valid: "
                        f"{', '.join(CLIENT_PARALLELISM)}")
@@ -252,10 +244,6 @@ def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()
     check_privacy(config)
     if not 0.0 <= config.trim_fraction < 0.5:
         raise RunError(f"--trim-fraction must be in [0, 0.5), got {config.trim_fraction}")
-    if ex.personal_eval in ("batched", "loop"):
-        raise RunError(f"--personal-eval {ex.personal_eval} was removed as a run mode in 0.2.0 (no recorded win: "
-                       "per_client 0.61 s, loop 1.57 s, batched 4.91 s on CPU; none on a GPU yet); drop it "
-                       "(the numbers are the same: fedjax_sparse.evaluation.Evaluator keeps both as references)")
     if ex.personal_eval not in PERSONAL_EVAL_MODES:
         raise RunError(f"unknown --personal-eval {ex.personal_eval!r}; valid: {', '.join(PERSONAL_EVAL_MODES)}")
     from fedjax_sparse.sinks import parse_log
@@ -318,7 +306,7 @@ def resolved_dp_accountant(dp_accountant: str | None, client_sampling: str | Non
 
 def check_privacy(config: RunConfig) -> None:
     """One-line RunError for an incomplete or inapplicable --dp-* setting."""
-    given = [f"--{name.replace('_', '-')}" for name in ("dp_noise_multiplier", "dp_target_epsilon")
+    given = [flag_of(name) for name in ("dp_noise_multiplier", "dp_target_epsilon")
              if getattr(config, name) is not None]
     if config.dp_clip is None:
         if given:

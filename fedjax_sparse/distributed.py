@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from fedjax_sparse.errors import RunError
+from fedjax_sparse.flags import flag_of
 
 ENVIRONMENT = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
                "process_id": "JAX_PROCESS_ID"}
@@ -56,7 +57,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                 raise RunError(f"{variable}={raw!r} is not an integer; set it to a number") from None
     if given["num_processes"] in (None, 1) and given["coordinator"] is None:
         return 1
-    missing = [f"--{name.replace('_', '-')} (or {ENVIRONMENT[name]})" for name, value in given.items()
+    missing = [f"{flag_of(name)} (or {ENVIRONMENT[name]})" for name, value in given.items()
                if value is None]
     if missing:
         raise RunError(f"a multi-process run needs {', '.join(missing)} as well; give all three of "

@@ -95,9 +95,9 @@ def resolve_parallelism(mode: str) -> str:
     if mode not in CLIENT_PARALLELISM:
         raise ValueError(f"unknown client parallelism {mode!r}; valid: {CLIENT_PARALLELISM}")
     if mode == "auto":
-        # The recorded measurements (docs/design.md, "Execution modes"): map beats vmap on CPU; on one
-        # H100 packed beats map 1.9-4.4x and vmap up to 1.6x (FedAvg FMNIST a tie with vmap). Several
-        # processes, or several accelerators, share the work only through vmap's sharded client axis.
+        # The recorded measurements (docs/design.md, "Execution modes"): map beats vmap on CPU, packed
+        # beats both on one accelerator. Several processes, or several accelerators, share the work only
+        # through vmap's sharded client axis.
         if jax.default_backend() == "cpu":
             return "vmap" if jax.process_count() > 1 else "map"
         return "vmap" if jax.process_count() > 1 or jax.local_device_count() > 1 else "packed"
@@ -197,16 +197,13 @@ class Engine:
     clients_per_round: int
     client_parallelism: str = "auto"
     eval_batch_size: int = 500
-    # Clients evaluated at once (lax.map's batch_size): trades memory for speed on GPU.
-    eval_clients_at_once: int = 1
     # Algorithms without a personal model are evaluated with one pass of the global model over the
     # union of the clients' test sets; per-client accuracies are then gathered from its per-example
     # results (faster with many small clients: no per-client padding and loop overhead; measured in
     # experiments/results/, see CHANGELOG).
     # False: evaluate every client separately (the general path; same numbers, tested).
     eval_shared_global_pass: bool = True
-    # Personalised evaluation (fedjax_sparse.evaluation): "auto" = "per_client"; "batched" and "loop"
-    # are the references tests compare against.
+    # Personalised evaluation (fedjax_sparse.evaluation): "auto" = "per_client".
     personal_eval: str = "auto"
     # Shard the sampled clients over all local devices (vmap mode only).
     shard_clients: bool = True
@@ -535,7 +532,6 @@ class Engine:
     def evaluator(self) -> Evaluator:
         """Evaluation lives in fedjax_sparse.evaluation; the engine's eval_* fields configure it."""
         return Evaluator(self.algorithm, self.num_clients, eval_batch_size=self.eval_batch_size,
-                         eval_clients_at_once=self.eval_clients_at_once,
                          eval_shared_global_pass=self.eval_shared_global_pass, personal_eval=self.personal_eval)
 
     def evaluate(self, state: EngineState, data: FederatedData) -> dict:

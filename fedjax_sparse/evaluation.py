@@ -3,8 +3,7 @@ own test set, with its personal model when the algorithm has one, else the
 global model) and global accuracy (the global model on the union of the
 clients' test sets).
 
-Three ways to compute the personalised numbers, all giving the same counts
-(tested):
+Two ways to compute the personalised numbers, giving the same counts (tested):
 
 * ``shared global pass`` (algorithms without a personal model): one pass of
   the global model over the union of the test sets; per-client hits and losses
@@ -12,25 +11,20 @@ Three ways to compute the personalised numbers, all giving the same counts
   batches of ``global_eval_batch_size`` (512) examples, each one jitted call
   outside any scan, so convolutions are XLA's native ones (the global accuracy
   of algorithms with personal models uses the same pass).
-* ``batched``: the personal predict is
-  ``vmap``ped over a chunk of clients, each client's whole padded test set in
-  one batch. Clients are ordered by test-set size and cut into chunks of at
-  most ``chunk_examples`` padded examples, each chunk padded to a power-of-two
-  width, so padding stays small and few shapes are compiled.
-* ``per_client`` (``auto``, the only mode a run offers: the fastest recorded): one jitted call
-  per client, its whole test set in one batch padded to a multiple of ``per_client_granularity``
-  examples (a handful of compiled shapes), with XLA's native convolutions: outside any scan,
-  where XLA:CPU runs them fastest (``models.layers.outside_loops``). The calls are dispatched
-  asynchronously and fetched once.
-* ``loop``: ``lax.map`` over clients, each looping over exactly
-  ``ceil(count / eval_batch_size)`` batches (the straightforward reference).
+* ``per_client`` (``personal_eval="auto"``): one jitted call per client, its whole test set in one
+  batch padded to a multiple of ``per_client_granularity`` examples (a handful of compiled shapes),
+  with XLA's native convolutions: outside any scan, where XLA:CPU runs them fastest
+  (``models.layers.outside_loops``). The calls are dispatched asynchronously and fetched once.
+
+The other ways it was once computed, a ``lax.map`` over clients and a ``vmap`` over chunks of
+clients, are references in ``experiments/bench/bench_eval.py``, which times them next to
+``per_client`` (tests check they agree; docs/design.md, "Execution modes").
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,44 +32,21 @@ import numpy as np
 import optax
 
 from fedjax_sparse.algorithms.base import Algorithm
-from fedjax_sparse.data.federated import ClientData, FederatedData
+from fedjax_sparse.data.federated import FederatedData
 from fedjax_sparse.models import layers as L
-from fedjax_sparse.training import EvalStats, evaluate_client
 
-PERSONAL_EVAL_MODES = ("auto", "batched", "per_client", "loop")
+PERSONAL_EVAL_MODES = ("auto", "per_client")
+
+
+class EvalStats(NamedTuple):
+    correct: jax.Array   # [] float32
+    loss_sum: jax.Array  # [] float32
+    count: jax.Array     # type: ignore[assignment]  # [] int32 (shadows tuple.count; a public field)
 
 
 def resolve_personal_eval(mode: str) -> str:
-    """``auto``: per_client, the fastest recorded (experiments/results/perf/eval_spafl_fmnist_cpu.json:
-    0.61 s vs loop 1.57 s vs batched 4.91 s on CPU). ``batched`` and ``loop`` stay as library options and
-    the references tests compare against; a GPU measurement (experiments/gpu_targets.py) decides whether
-    ``batched`` becomes a run mode again."""
+    """``auto``: per_client, the fastest recorded (docs/design.md, "Execution modes")."""
     return "per_client" if mode == "auto" else mode
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 if n <= 1 else 2 ** math.ceil(math.log2(n))
-
-
-def plan_chunks(counts: np.ndarray, chunk_examples: int) -> list[tuple[np.ndarray, int]]:
-    """Client chunks for batched evaluation: [(client ids, padded width)].
-
-    Clients with test data, in increasing order of count, are grouped greedily
-    while ``len(chunk) * width <= chunk_examples``, ``width`` being the next power of two
-    >= the chunk's largest count (a single client may exceed the budget)."""
-    counts = np.asarray(counts)
-    order = [int(c) for c in np.argsort(counts, kind="stable") if counts[c] > 0]
-    chunks: list[tuple[np.ndarray, int]] = []
-    current: list[int] = []
-    for cid in order:
-        width = _next_power_of_two(int(counts[cid]))
-        if current and (len(current) + 1) * width > chunk_examples:
-            chunks.append((np.asarray(current, np.int32), _next_power_of_two(int(counts[current[-1]]))))
-            current = []
-        current.append(cid)
-    if current:
-        chunks.append((np.asarray(current, np.int32), _next_power_of_two(int(counts[current[-1]]))))
-    return chunks
 
 
 def hits_and_losses(logits: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -108,12 +79,8 @@ class Evaluator:
     algorithm: Algorithm
     num_clients: int
     eval_batch_size: int = 500
-    # Clients evaluated at once by the loop path (lax.map's batch_size).
-    eval_clients_at_once: int = 1
     eval_shared_global_pass: bool = True
     personal_eval: str = "auto"
-    # Padded test examples per batched chunk (memory: about chunk_examples inputs and activations).
-    chunk_examples: int = 2048
     # Smallest batch of the global model's pass over the union of the test sets.
     global_batch_size: int = 512
     # per_client: test sets padded to a multiple of this (fewer shapes to compile vs less padding).
@@ -129,7 +96,8 @@ class Evaluator:
         client's small test set, far too small for thousands of examples."""
         return max(self.eval_batch_size, self.global_batch_size)
 
-    def _predict_for(self, server, client_state, cid) -> Callable[[jax.Array], jax.Array]:
+    def predict_for(self, server, client_state, cid) -> Callable[[jax.Array], jax.Array]:
+        """Client ``cid``'s predict: its personal model's, else the global model's."""
         alg = self.algorithm
         if alg.personal_predict is not None:
             return functools.partial(alg.personal_predict, server, client_state, cid)
@@ -191,39 +159,6 @@ class Evaluator:
         return personal, _totals(hits, losses)
 
     @functools.cached_property
-    def _loop_fn(self):
-        def personal(state, data: FederatedData):
-            cids = jnp.arange(self.num_clients, dtype=jnp.int32)
-
-            def one(args):
-                client_state, rows, count, cid = args
-                return evaluate_client(self._predict_for(state.server, client_state, cid),
-                                       ClientData(data.test_x, data.test_y, rows, count),
-                                       batch_size=self.eval_batch_size, preprocess=data.preprocess)
-            return jax.lax.map(one, (state.clients, data.test_idx, data.test_count, cids),
-                               batch_size=self.eval_clients_at_once if self.eval_clients_at_once > 1 else None)
-        return jax.jit(personal)
-
-    @functools.cached_property
-    def _chunk_fn(self):
-        """(state, data, ids [C], width) -> (hits [C], loss sums [C]); one compile per (C, width)."""
-        def chunk(state, data: FederatedData, ids, width: int):
-            clients = jax.tree_util.tree_map(lambda x: x[ids], state.clients)
-            padded = jnp.pad(data.test_idx, ((0, 0), (0, max(width - data.test_idx.shape[1], 0))))
-            rows = padded[ids, :width]
-            counts = data.test_count[ids]
-
-            def one(client_state, rows, count, cid):
-                x = data.preprocess(data.test_x[rows])
-                y = data.test_y[rows]
-                logits = self._predict_for(state.server, client_state, cid)(x)
-                valid = (jnp.arange(width) < count).astype(jnp.float32)
-                hits, losses = hits_and_losses(logits, y)
-                return (hits * valid).sum(), (losses * valid).sum()
-            return jax.vmap(one)(clients, rows, counts, ids)
-        return jax.jit(chunk, static_argnums=3)
-
-    @functools.cached_property
     def _per_client_fn(self):
         """(state, data, cid, width) -> (hits, loss sum) of client ``cid`` on its test set, whose
         rows are padded to ``width``; one compile per width."""
@@ -236,7 +171,7 @@ class Evaluator:
             x = data.preprocess(data.test_x[rows])
             y = data.test_y[rows]
             with L.outside_loops():
-                logits = self._predict_for(state.server, client_state, cid)(x)
+                logits = self.predict_for(state.server, client_state, cid)(x)
             valid = (jnp.arange(width) < data.test_count[cid]).astype(jnp.float32)
             hits, losses = hits_and_losses(logits, y)
             return (hits * valid).sum(), (losses * valid).sum()
@@ -255,29 +190,19 @@ class Evaluator:
         return jax.jit(all_clients)
 
     # ---------------------------------------------------------------- host side
-    def personal_stats(self, state, data: FederatedData, mode: str | None = None) -> EvalStats:
-        """[N] per-client EvalStats (host numpy) by ``mode`` (default: ``personal_eval``)."""
-        mode = resolve_personal_eval(mode or self.personal_eval)
-        if mode == "loop":
-            return jax.device_get(self._loop_fn(state, data))
+    def personal_stats(self, state, data: FederatedData) -> EvalStats:
+        """[N] per-client EvalStats (host numpy), one call per client (module docstring)."""
         counts = np.asarray(jax.device_get(data.test_count))
-        if mode == "per_client":
-            g = self.per_client_granularity
-            ids = np.flatnonzero(counts > 0)
-            # Dispatched one after another without waiting; fetched together.
-            pending = [self._per_client_fn(state, data, jnp.int32(c), int(-(-counts[c] // g) * g)) for c in ids]
-            correct = np.zeros(self.num_clients, np.float64)
-            loss_sum = np.zeros(self.num_clients, np.float64)
-            if pending:
-                fetched = jax.device_get(pending)
-                correct[ids] = [h for h, _ in fetched]
-                loss_sum[ids] = [s for _, s in fetched]
-            return EvalStats(jnp.asarray(correct), jnp.asarray(loss_sum), jnp.asarray(counts))
+        g = self.per_client_granularity
+        ids = np.flatnonzero(counts > 0)
+        # Dispatched one after another without waiting; fetched together.
+        pending = [self._per_client_fn(state, data, jnp.int32(c), int(-(-counts[c] // g) * g)) for c in ids]
         correct = np.zeros(self.num_clients, np.float64)
         loss_sum = np.zeros(self.num_clients, np.float64)
-        for ids, width in plan_chunks(counts, self.chunk_examples):
-            hits, losses = jax.device_get(self._chunk_fn(state, data, jnp.asarray(ids), int(width)))
-            correct[ids], loss_sum[ids] = hits, losses
+        if pending:
+            fetched = jax.device_get(pending)
+            correct[ids] = [h for h, _ in fetched]
+            loss_sum[ids] = [s for _, s in fetched]
         return EvalStats(jnp.asarray(correct), jnp.asarray(loss_sum), jnp.asarray(counts))
 
     def evaluate(self, state, data: FederatedData) -> dict:

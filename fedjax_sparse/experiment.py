@@ -245,9 +245,8 @@ def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experi
 
 
 # A BatchNorm whose running statistics still hold more than this share of their initial values at the
-# run's last evaluation is flagged: the final (and best) accuracy rest on them. A shallow net on digits with
-# momentum 0.9 and 3 local steps a round keeps 73 % at round 1 but 4 % at round 10 and evaluates as well as
-# with momentum 0.5; with 0.99 it keeps 74 % at round 10 and evaluates worse (one seed, measured once).
+# run's last evaluation is flagged: the final (and best) accuracy rest on them (the measurement that set
+# it: docs/design.md, "Constants and the measurements behind them").
 STALE_STATISTICS = 0.1
 
 

@@ -3,6 +3,12 @@
 translates a message's flags into Python arguments with it, without either importing the other."""
 from __future__ import annotations
 
+
+def flag_of(name: str) -> str:
+    """A RunConfig or Execution field's flag: ``client_parallelism`` -> ``--client-parallelism``."""
+    return "--" + name.replace("_", "-")
+
+
 RUN_FLAGS = [
     # flag, config field, type, help
     ("--algorithm", "algorithm", str, "algorithm name (see `list`)"),

@@ -2,8 +2,8 @@
 host, estimated from shapes alone, and a one-line refusal naming the flag that makes it fit.
 
 Nothing is compiled or run: shapes come from ``jax.eval_shape`` and programs from
-``jax.make_jaxpr`` (0.1-0.25 s after ``runner.build`` for SpaFL on Fashion-MNIST with LeNet-5-Caffe,
-100 clients, on this 2-core CPU). What is counted, in bytes:
+``jax.make_jaxpr`` (its cost and how close it comes: docs/design.md, "Constants and the measurements
+behind them"). What is counted, in bytes:
 
 * ``server_state_bytes``, ``client_state_bytes``: the leaves of ``jax.eval_shape(engine.init)``;
   the client state is all N rows (``per_client_row_bytes`` each). On the device: every row (split
@@ -17,9 +17,7 @@ Nothing is compiled or run: shapes come from ``jax.eval_shape`` and programs fro
   at the same time, in program order (:func:`peak_live_bytes`): its working copy of the model,
   gradients and optimizer state, one local step's forward and backward intermediates at
   ``batch_size``, its new state and its message. XLA fuses element-wise chains and reuses
-  buffers but may also keep values longer, so this is an estimate, not a bound: for the compiled
-  round, training plus the state came within 1-14 % of XLA's own buffer assignment
-  (``compile().memory_analysis()``; SpaFL FMNIST and Local MNIST, map and vmap, CPU). Times the clients
+  buffers but may also keep values longer, so this is an estimate, not a bound. Times the clients
   trained in lockstep (``lockstep_clients``: K for ``vmap``, K / devices when the cohort is split
   over devices, 1 for ``map``; ``--client-parallelism measure`` times
   ``vmap`` too, so it counts K), plus ``cohort_bytes``: the cohort's stacked rows, K x (row
@@ -60,7 +58,6 @@ from jax.extend import core as jcore
 from fedjax_sparse.algorithms.base import ClientContext
 from fedjax_sparse.errors import RunError
 from fedjax_sparse.data.federated import ClientData
-from fedjax_sparse.evaluation import plan_chunks, resolve_personal_eval
 from fedjax_sparse.models import layers as L
 
 LIMIT_ENV = "FEDJAX_SPARSE_MEMORY_LIMIT_BYTES"
@@ -188,7 +185,7 @@ def _device_capacity(data_bytes: int) -> tuple[int | None, str]:
 # ---------------------------------------------------------------- a model's weights alone
 # ``from_flax``'s peak, in copies of the weights: it initialises them once, eagerly (as ``Model.init``
 # does), and each random initialiser's op-by-op intermediates (bits, floats, their transforms) live at the
-# same time. Measured on XLA:CPU: 3.5x for a 600 MiB Dense model (peak RSS minus the RSS before).
+# same time (measured: docs/design.md, "Constants and the measurements behind them").
 BUILD_COPIES = 4
 
 
@@ -331,18 +328,16 @@ def _trace_client(engine, state, data) -> tuple[int, int]:
     return peak_live_bytes(closed), tree_bytes(out[1])
 
 
-def _forward_line(predict, server, row, data, outside: bool) -> tuple[float, float]:
+def _forward_line(predict, server, row, data) -> tuple[float, float]:
     """(intercept, slope per example) of the peak bytes of ``predict(server, row, cid, x)`` on a
-    batch gathered from the test pool and preprocessed (traced at two batch sizes)."""
+    batch gathered from the test pool and preprocessed (traced at two batch sizes, outside any loop
+    as the evaluator calls it)."""
     def batch(server, row, test_x, rows):
         return predict(server, row, jnp.int32(0), data.preprocess(test_x[rows]))
 
     peaks = []
     for b in _PROBE_BATCHES:
-        if outside:
-            with L.outside_loops():
-                closed = jax.make_jaxpr(batch)(server, row, _shape(data.test_x), jax.ShapeDtypeStruct((b,), jnp.int32))
-        else:
+        with L.outside_loops():
             closed = jax.make_jaxpr(batch)(server, row, _shape(data.test_x), jax.ShapeDtypeStruct((b,), jnp.int32))
         peaks.append(peak_live_bytes(closed))
     (b1, b2), (p1, p2) = _PROBE_BATCHES, peaks
@@ -361,8 +356,7 @@ def _evaluation_bytes(engine, state, data, row_bytes: int) -> tuple[int, int]:
     global_predict, personal_predict = alg.global_predict, alg.personal_predict
     global_pass = 0
     if global_predict is not None:
-        a, b = _forward_line(lambda server, row, cid, x: global_predict(server, x), state.server, row, data,
-                             outside=True)
+        a, b = _forward_line(lambda server, row, cid, x: global_predict(server, x), state.server, row, data)
         global_pass = int(a + b * evaluator.global_eval_batch_size)
     if personal_predict is None and global_predict is not None and evaluator.eval_shared_global_pass:
         return global_pass, global_pass  # population.evaluate makes the same pass
@@ -372,36 +366,16 @@ def _evaluation_bytes(engine, state, data, row_bytes: int) -> tuple[int, int]:
         assert global_predict is not None, "an algorithm predicts with a personal or a global model"
         predict = lambda server, row, cid, x: global_predict(server, x)  # noqa: E731
         row_bytes = 0  # every client uses the server's model: no rows gathered
-    lines: dict[bool, tuple[float, float]] = {}
-
-    def line(outside: bool) -> tuple[float, float]:
-        if outside not in lines:
-            lines[outside] = _forward_line(predict, state.server, row, data, outside=outside)
-        return lines[outside]
-
-    def personal(mode: str, counts: np.ndarray) -> int:
-        """The personal models' path over clients with test counts ``counts``."""
-        if mode == "per_client":  # one client at a time, its test set padded to the granularity
-            a, b = line(True)
-            g = evaluator.per_client_granularity
-            return int(row_bytes + a + b * (-(-largest // g) * g))
-        if mode == "loop":  # eval_clients_at_once clients at a time, batches of eval_batch_size
-            a, b = line(False)
-            c = max(1, evaluator.eval_clients_at_once)
-            return int(c * (row_bytes + a) + b * c * evaluator.eval_batch_size)
-        a, b = line(False)  # batched: chunks of clients vmapped, each over its padded test set
-        chunks = plan_chunks(counts, evaluator.chunk_examples) or [(np.zeros(1), 1)]
-        return int(max(len(ids) * (row_bytes + a) + b * len(ids) * width for ids, width in chunks))
-
-    mode = resolve_personal_eval(evaluator.personal_eval)
-    device = max(personal(mode, counts), global_pass)
+    # The personal models' path (per_client): one client at a time, its test set padded to the granularity.
+    a, b = _forward_line(predict, state.server, row, data)
+    g = evaluator.per_client_granularity
+    personal = int(row_bytes + a + b * (-(-largest // g) * g))
+    device = max(personal, global_pass)
     # population.evaluate: the rows of up to 256 clients brought to the device and the same path on
     # them (the clients with the largest test sets, to be safe), and the never-trained clients' one
     # model over batches of 512.
     chunk = min(HOST_EVAL_CLIENTS, engine.num_clients)
-    a, b = line(True)
-    host = max(chunk * row_bytes + personal(mode, np.sort(counts)[::-1][:chunk]),
-               int(row_bytes + a + b * HOST_EVAL_BATCH), global_pass)
+    host = max(chunk * row_bytes + personal, int(row_bytes + a + b * HOST_EVAL_BATCH), global_pass)
     return device, host
 
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from fedjax_sparse.data.federated import FederatedData
 from fedjax_sparse.engine import Engine, EngineState, metrics_to_host
+from fedjax_sparse.errors import RunError
 from fedjax_sparse.evaluation import Evaluator, hits_and_losses, personal_summary
 
 
@@ -148,6 +149,18 @@ def init(engine: Engine, key: jax.Array, storage_dtype=None) -> tuple[EngineStat
                          "stores one initial row for all of them: keep the state on the device")
     state = EngineState(server, None, key_run, jnp.zeros((), jnp.int32))
     return state, HostPopulation(first, n, storage_dtype=storage_dtype)
+
+
+def init_for_run(engine: Engine, seed: int, client_storage: str, algorithm: str) -> tuple[EngineState, HostPopulation]:
+    """:func:`init` as ``--client-state host`` starts a run (``--client-storage``), a refusal in one line."""
+    if engine.algorithm.extra_clients is not None:
+        raise RunError(f"{algorithm} trains extra clients chosen inside each round, whose rows cannot be "
+                       "brought to the device ahead: use --client-state device")
+    storage = jnp.bfloat16 if client_storage == "bfloat16" else None
+    try:
+        return init(engine, jax.random.PRNGKey(seed), storage_dtype=storage)
+    except ValueError as e:
+        raise RunError(f"{e} (--client-state device)") from None
 
 
 def _resident(engine: Engine, state: EngineState, num_rounds: int) -> np.ndarray:

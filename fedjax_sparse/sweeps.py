@@ -53,6 +53,7 @@ from fedjax_sparse.data.arrays import PartitionedData
 from fedjax_sparse.engine import Engine
 from fedjax_sparse.errors import RunError, in_callers_words
 from fedjax_sparse.experiment import Experiment, build, with_components, wrap_algorithm
+from fedjax_sparse.flags import flag_of
 from fedjax_sparse.replicas import RunGroup, resolve_replica_parallelism, seed_list, unshareable_reason
 from fedjax_sparse.runner import RESUMABLE_CHANGES, RunResult, open_run, resumed_config
 
@@ -154,7 +155,8 @@ def check_axes(config: RunConfig, axes: dict[str, list], objects: Sequence[str] 
 
 
 def grid(axes: dict[str, list]) -> list[tuple]:
-    """Every grid point, ``((key, value), ...)``, the first axis slowest."""
+    """Every grid point, ``((key, value), ...)`` in the keys' order, the first axis slowest; one empty
+    point (the configuration as given) when there is no axis."""
     keys = list(axes)
     return [tuple(zip(keys, values)) for values in itertools.product(*(axes[k] for k in keys))]
 
@@ -165,8 +167,11 @@ def point_label(point: tuple) -> str:
 
 
 def apply_point(config: RunConfig, point: tuple) -> RunConfig:
-    """``config`` with the point's values."""
-    options, model_options, fields = dict(config.options), dict(config.model_options), {}
+    """``config`` with the point's values (``option.NAME``, ``model_option.NAME``, a RunConfig or
+    Execution field), unchecked."""
+    options, model_options = dict(config.options), dict(config.model_options)
+    fields: dict[str, Any] = {}
+    execution: dict[str, Any] = {}
     for key, value in point:
         prefix, _, name = key.partition(".")
         if prefix == "option":
@@ -174,8 +179,9 @@ def apply_point(config: RunConfig, point: tuple) -> RunConfig:
         elif prefix == "model_option":
             model_options[name] = value
         else:
-            fields[key] = value
-    return dataclasses.replace(config, options=options, model_options=model_options, **fields)
+            (execution if key in EXECUTION_FIELDS else fields)[key] = value
+    return dataclasses.replace(config, options=options, model_options=model_options,
+                               execution=dataclasses.replace(config.execution, **execution), **fields)
 
 
 def members_of(config: RunConfig, axes: dict[str, list], seeds: Sequence[int]) -> list[Member]:
@@ -451,10 +457,6 @@ def _without_time(record: dict) -> dict:
     return plain
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def _same(a, b) -> bool:
     """Two grid values are the same point when they make the same folder name (``1`` and ``1.0`` do not)."""
     return str(a) == str(b)
@@ -509,7 +511,7 @@ def resume_plan(config: RunConfig, axes: dict[str, list] | None, seeds: list[int
     asked = [f for f in fields if given is None or f in given]
 
     def shown(name: str, value) -> str:
-        return f"{_flag(name)} {value!r}" if cli else f"{name}={value!r}"
+        return f"{flag_of(name)} {value!r}" if cli else f"{name}={value!r}"
     for name in asked:
         if name in RESUMABLE_CHANGES:
             continue

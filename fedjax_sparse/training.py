@@ -1,4 +1,4 @@
-"""Local training and evaluation loops over one client's padded data.
+"""The local training loop over one client's padded data.
 
 Convention for clients of unequal size (as in the papers' PyTorch code): a
 client runs ``epochs`` full passes over *its own* samples, each pass a fresh
@@ -136,53 +136,3 @@ def masked_cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array) 
     """Mean softmax cross-entropy over the real (mask=1) samples."""
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     return (losses * mask).sum() / jnp.maximum(mask.sum(), 1.0)
-
-
-class EvalStats(NamedTuple):
-    correct: jax.Array   # [] float32
-    loss_sum: jax.Array  # [] float32
-    count: jax.Array     # type: ignore[assignment]  # [] int32 (shadows tuple.count; a public field)
-
-
-def _masked_hits_and_losses(predict, data: ClientData, order: jax.Array, b: jax.Array, batch_size: int,
-                            preprocess) -> tuple[jax.Array, jax.Array]:
-    """[B] correctness and loss of batch ``b`` (zero where masked)."""
-    batch = gather_batch(data, order, b * batch_size, batch_size, preprocess)
-    logits = predict(batch.x)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch.y)
-    hits = (jnp.argmax(logits, -1) == batch.y).astype(jnp.float32)
-    return hits * batch.mask, losses * batch.mask
-
-
-def predict_examples(predict: Callable[[jax.Array], jax.Array], data: ClientData, *,
-                     batch_size: int, preprocess: Callable[[jax.Array], jax.Array]):
-    """Per-example correctness and loss of ``predict`` over rows ``data.indices``
-    (all of them: ``data.count`` must equal their number). Returns ([M] float32
-    hits, [M] float32 losses)."""
-    m = data.indices.shape[0]
-    num_batches = -(-m // batch_size)
-    order = jnp.arange(m, dtype=jnp.int32)
-
-    def body(b, acc):
-        hit, loss = _masked_hits_and_losses(predict, data, order, b, batch_size, preprocess)
-        # Outputs are padded to whole batches so every write starts exactly at b * B.
-        return tuple(jax.lax.dynamic_update_slice(a, x, (b * batch_size,)) for a, x in zip(acc, (hit, loss)))
-
-    zeros = jnp.zeros((num_batches * batch_size,), jnp.float32)
-    hits, losses = jax.lax.fori_loop(0, num_batches, body, (zeros, zeros))
-    return hits[:m], losses[:m]
-
-
-def evaluate_client(predict: Callable[[jax.Array], jax.Array], data: ClientData, *,
-                    batch_size: int, preprocess: Callable[[jax.Array], jax.Array]) -> EvalStats:
-    """Accuracy numerator and summed loss of ``predict`` over one client's data,
-    looping over exactly ``ceil(count / batch_size)`` batches."""
-    order = jnp.arange(data.indices.shape[0], dtype=jnp.int32)
-
-    def body(b, acc):
-        hit, loss = _masked_hits_and_losses(predict, data, order, b, batch_size, preprocess)
-        return acc[0] + hit.sum(), acc[1] + loss.sum()
-
-    correct, loss_sum = jax.lax.fori_loop(0, steps_per_epoch(data.count, batch_size), body,
-                                          (jnp.zeros(()), jnp.zeros(())))
-    return EvalStats(correct, loss_sum, data.count)

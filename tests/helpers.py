@@ -147,3 +147,10 @@ def flat_config(**fields):
     """A RunConfig from flat keys, execution's among them, as config.json and config files give them."""
     from fedjax_sparse.config import RunConfig
     return RunConfig.from_json(fields)
+
+
+def static_training_flops_per_example(layout, counts) -> int:
+    """A width layout's training FLOPs per example with ``counts`` kept channels, in plain Python:
+    the reference ``WidthLayout.training_flops`` is checked against."""
+    ins = [counts[s] if s >= 0 else n for s, n in zip(layout.source, layout.in_units)]
+    return int(sum(u * i * c for u, i, c in zip(layout.flops_unit, ins, counts)))

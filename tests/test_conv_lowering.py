@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import make_task, tiny_federated
+from helpers import load_script, make_task, tiny_federated
 
 from fedjax_sparse import programs
 from fedjax_sparse.algorithms import make_algorithm
@@ -71,8 +71,9 @@ def test_personal_evaluation_for_cuda_has_no_grouped_convolution(lenet_data):
     evaluator = engine.evaluator
     width = int(lenet_data.test_idx.shape[1])
     ids = jnp.arange(lenet_data.num_clients, dtype=jnp.int32)
-    batched = programs.lowered_text(lambda s, d, i: evaluator._chunk_fn.__wrapped__(s, d, i, width),
-                                    state, lenet_data, ids)
+    # The vmapped reference experiments/bench/bench_eval.py times next to it.
+    chunk = load_script("bench/bench_eval.py").batched_chunk(evaluator)
+    batched = programs.lowered_text(lambda s, d, i: chunk(s, d, i, width), state, lenet_data, ids)
     per_client = programs.lowered_text(lambda s, d, c: evaluator._per_client_fn.__wrapped__(s, d, c, width),
                                        state, lenet_data, jnp.int32(1))
     assert programs.grouped_convolutions(batched) == []

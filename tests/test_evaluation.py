@@ -1,5 +1,6 @@
-"""Batched personalised evaluation (vmap over chunks of clients) gives the same per-client
-counts as evaluating one client after another, for personal and global models."""
+"""Personalised evaluation (one call per client) gives the same per-client counts as the references
+experiments/bench/bench_eval.py times it against: a ``lax.map`` over clients and a ``vmap`` over
+chunks of clients, for personal and global models."""
 import dataclasses
 
 import jax
@@ -9,15 +10,17 @@ import pytest
 from fedjax_sparse.algorithms import Task, make_algorithm
 from fedjax_sparse.data.federated import build_federated_data
 from fedjax_sparse.engine import Engine
-from fedjax_sparse.evaluation import Evaluator, plan_chunks
+from fedjax_sparse.evaluation import Evaluator, personal_summary
 from fedjax_sparse.models import make_model
-from helpers import split_partition, tiny_dataset
+from helpers import load_script, split_partition, tiny_dataset
+
+BENCH = load_script("bench/bench_eval.py")
 
 
 @pytest.mark.fast
 def test_chunks_group_clients_by_test_size_within_the_budget():
     counts = np.array([5, 0, 30, 7, 16, 3, 64])
-    chunks = plan_chunks(counts, chunk_examples=40)
+    chunks = BENCH.plan_chunks(counts, chunk_examples=40)
     # Sorted by count (client 1 has no test data and is skipped), widths are powers of two.
     assert [ids.tolist() for ids, _ in chunks] == [[5, 0, 3], [4], [2], [6]]
     assert [w for _, w in chunks] == [8, 16, 32, 64]
@@ -36,7 +39,7 @@ def _uneven_data():
 
 
 @pytest.mark.parametrize("algorithm, options", [("local", {}), ("spafl", {}), ("fedavg", {})])
-def test_batched_loop_and_shared_pass_agree(algorithm, options):
+def test_per_client_references_and_shared_pass_agree(algorithm, options):
     data = _uneven_data()
     model = make_model("cnn_small", data.input_shape, data.num_classes)
     task = Task(model=model, num_clients=6, clients_per_round=3, local_epochs=1, batch_size=16, lr=0.05,
@@ -44,25 +47,26 @@ def test_batched_loop_and_shared_pass_agree(algorithm, options):
     alg = make_algorithm(algorithm, task, options)
     engine = Engine(alg, 6, 3, eval_batch_size=8)
     state, _ = engine.run_rounds(engine.init(jax.random.PRNGKey(0)), data, 2)
-    loop = Evaluator(alg, 6, eval_batch_size=8, personal_eval="loop", eval_shared_global_pass=False)
-    batched = dataclasses.replace(loop, personal_eval="batched", chunk_examples=40)
-    a = loop.personal_stats(state, data)
-    b = batched.personal_stats(state, data)
+    evaluator = Evaluator(alg, 6, eval_batch_size=8, eval_shared_global_pass=False)
+    a = BENCH.loop_stats(evaluator)(state, data)
+    b = BENCH.batched_stats(evaluator, chunk_examples=40)(state, data)
     np.testing.assert_array_equal(np.asarray(a.count), np.asarray(b.count))
     np.testing.assert_array_equal(np.asarray(a.correct), np.asarray(b.correct))
     np.testing.assert_allclose(np.asarray(a.loss_sum), np.asarray(b.loss_sum), rtol=2e-5, atol=1e-5)
     # One call per client (granularity 16: test sets of 3..31 examples padded to 16 or 32).
-    per_client = dataclasses.replace(loop, personal_eval="per_client", per_client_granularity=16)
+    per_client = dataclasses.replace(evaluator, per_client_granularity=16)
     c = per_client.personal_stats(state, data)
     np.testing.assert_array_equal(np.asarray(a.count), np.asarray(c.count))
     np.testing.assert_array_equal(np.asarray(a.correct), np.asarray(c.correct))
     np.testing.assert_allclose(np.asarray(a.loss_sum), np.asarray(c.loss_sum), rtol=2e-5, atol=1e-5)
-    ev_loop, ev_batched = loop.evaluate(state, data), batched.evaluate(state, data)
-    for key in ("accuracy", "accuracy_std", "accuracy_min", "accuracy_max", "global_accuracy"):
-        assert ev_loop[key] == ev_batched[key], key
+    ev_loop, ev_batched = (personal_summary(s.correct, s.loss_sum, s.count) for s in (a, b))
+    ev_per_client = per_client.evaluate(state, data)
+    for key in ("accuracy", "accuracy_std", "accuracy_min", "accuracy_max"):
+        assert ev_loop[key] == ev_batched[key] == ev_per_client[key], key
     if algorithm == "fedavg":   # the shared global pass gives the same personalised numbers too
-        shared = dataclasses.replace(batched, eval_shared_global_pass=True).evaluate(state, data)
+        shared = dataclasses.replace(evaluator, eval_shared_global_pass=True).evaluate(state, data)
         assert shared["accuracy"] == pytest.approx(ev_batched["accuracy"], abs=1e-12)
+        assert shared["global_accuracy"] == ev_per_client["global_accuracy"]
     # Not a trivial agreement: some but not all test examples are right, and clients differ.
     assert 0 < float(np.sum(b.correct)) < float(np.sum(b.count))
     assert ev_batched["accuracy_max"] > ev_batched["accuracy_min"]

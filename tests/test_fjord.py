@@ -14,7 +14,7 @@ from fedjax_sparse.cli import main
 from fedjax_sparse.engine import Engine
 from fedjax_sparse.models import make_model
 from fedjax_sparse.training import masked_cross_entropy
-from helpers import assert_sliced_equals_masked, make_task, tiny_federated
+from helpers import assert_sliced_equals_masked, make_task, static_training_flops_per_example, tiny_federated
 
 
 def test_widths_nest_and_dropped_channels_get_zero_gradient():
@@ -71,7 +71,7 @@ def test_random_widths_upload_the_widest_sub_model():
     assert int(metrics["downlink_bits"][0]) == 3 * 32 * hi
     assert 3 * 32 * lo <= int(metrics["uplink_bits"][0]) <= 3 * 32 * hi
     examples = int(metrics["num_examples"][0])
-    per_example = [layout.static_training_flops_per_example(layout.static_counts(p)) for p in (0.4, 0.6)]
+    per_example = [static_training_flops_per_example(layout, layout.static_counts(p)) for p in (0.4, 0.6)]
     assert examples * per_example[0] <= int(metrics["flops"][0]) <= examples * per_example[1]
 
 

@@ -43,7 +43,6 @@ REQUIRED_CLIENT_METRICS = ("loss", "num_examples")
 ACCOUNTING_METRICS = ("flops", "uplink_bits", "downlink_bits", "density")
 # Exact costs (Cost values), summed over clients and rounds on the host.
 COST_METRICS = ("flops", "uplink_bits", "downlink_bits")
-SUMMED_CLIENT_METRICS = COST_METRICS + ("num_examples",)
 
 
 class ClientContext(NamedTuple):

@@ -38,11 +38,11 @@ import optax
 
 from fedjax_sparse import accounting
 from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics
-from fedjax_sparse.algorithms.heterofl import WIDTH_UNWRAPPABLE, HeteroFLMessage, check_sliceable
+from fedjax_sparse.algorithms.heterofl import WIDTH_UNWRAPPABLE, HeteroFLMessage, width_layout
 from fedjax_sparse.mechanisms.widths import WidthLayout, per_entry_mean
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import sgd
-from fedjax_sparse.models.base import Model, check_layer_kinds
+from fedjax_sparse.models.base import Model
 from fedjax_sparse.training import masked_cross_entropy, model_rng, run_local_epochs
 
 
@@ -102,12 +102,7 @@ def fjord(task: Task, *, p_min: float, p_max: float, eval_rate: float, momentum:
     if not 0.0 < p_min <= p_max <= 1.0:
         raise ValueError(f"fjord: need 0 < p_min <= p_max <= 1, got p_min={p_min}, p_max={p_max}")
     model = task.model
-    check_sliceable(model, "fjord", sliced)
-    check_layer_kinds(model, "fjord", ("dense", "conv"), "narrows dense/conv layers' output channels",
-                      other_macs=False, grouped=False)
-    model.check_unit_drops("fjord", [layer.name for layer in model.layers[:-1]],
-                           "zeroes each hidden layer's channels beyond a step's width")
-    layout = WidthLayout.from_model(model, model.init(jax.random.PRNGKey(0)))
+    layout = width_layout(model, "fjord", sliced, "a step's")
     download = layout.static_counts(p_max)
     download_bits = accounting.FLOAT_BITS * layout.num_values(download)
     eval_counts = layout.static_counts(eval_rate or p_max)

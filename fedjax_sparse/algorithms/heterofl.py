@@ -53,12 +53,19 @@ from fedjax_sparse.algorithms.supervised import local_train, sgd
 from fedjax_sparse.mechanisms.widths import WidthLayout, per_entry_mean
 from fedjax_sparse.models.base import NO_HOOKS, Model, check_layer_kinds
 
-def check_sliceable(model: Model, name: str, sliced: bool) -> None:
-    """A model whose widths its own code fixes (a Flax module) cannot run a cut-out sub-model."""
+def width_layout(model: Model, name: str, sliced: bool, whose: str) -> WidthLayout:
+    """The model's WidthLayout, once it is checked to take width scaling (HeteroFL's and FjORD's):
+    dense/conv layers, each hidden layer's channels droppable beyond ``whose`` width, and, ``sliced``,
+    widths its own code does not fix (a Flax module cannot run a cut-out sub-model)."""
     if sliced and model.fixed_widths:
         raise ValueError(f"{name}: model {model.name} fixes its layers' widths in its own code (a Flax module), so "
                          "no narrower sub-model can be cut out of it; add --option sliced=false (the full model "
                          "with the dropped channels zeroed: the same numbers as slicing, tested on the zoo)")
+    check_layer_kinds(model, name, ("dense", "conv"), "narrows dense/conv layers' output channels",
+                      other_macs=False, grouped=False)
+    model.check_unit_drops(name, [layer.name for layer in model.layers[:-1]],
+                           f"zeroes each hidden layer's channels beyond {whose} width")
+    return WidthLayout.from_model(model, model.init(jax.random.PRNGKey(0)))
 
 
 def parse_rates(rates: str) -> tuple[float, ...]:
@@ -98,13 +105,8 @@ WIDTH_UNWRAPPABLE = ("its clients send sub-models of different widths with their
 def heterofl(task: Task, *, rates: str, eval_rate: float, momentum: float, weighted: bool,
              sliced: bool) -> Algorithm:
     model = task.model
-    check_sliceable(model, "heterofl", sliced)
-    check_layer_kinds(model, "heterofl", ("dense", "conv"), "narrows dense/conv layers' output channels",
-                      other_macs=False, grouped=False)
+    layout = width_layout(model, "heterofl", sliced, "a client's")
     levels = parse_rates(rates)
-    model.check_unit_drops("heterofl", [layer.name for layer in model.layers[:-1]],
-                           "zeroes each hidden layer's channels beyond a client's width")
-    layout = WidthLayout.from_model(model, model.init(jax.random.PRNGKey(0)))
     table = jnp.asarray([layout.static_counts(r) for r in levels], jnp.int32)   # [levels, L]
     eval_counts = layout.static_counts(eval_rate or max(levels))
     optimizer = sgd(task.lr, momentum)

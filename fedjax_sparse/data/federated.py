@@ -11,7 +11,7 @@ every consumer masks positions >= count), ``train_count [N] int32``.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -112,5 +112,3 @@ def build_federated_data(dataset, partition, *, preprocess: str = "unit") -> Fed
         num_classes=int(dataset.num_classes), input_shape=tuple(train_x.shape[1:]),
         preprocess_name=preprocess, mean=mean, std=std)
 
-
-Preprocess = Callable[[jax.Array], jax.Array]

@@ -130,8 +130,8 @@ def _numpy_order_keys(x: np.ndarray) -> np.ndarray:
 def _numpy_argsort(x: np.ndarray) -> np.ndarray:
     """Stable argsort along the last axis: each key and its index packed into one uint64
     (key in the high word, index in the low word) and sorted. The packed values are distinct, so
-    any sort gives the stable order, and numpy sorts uint64 with its SIMD sort (x86-simd-sort):
-    3.6x faster than two stable 16-bit radix passes on the 1.6M-edge layer (15.5 vs 56.6 ms)."""
+    any sort gives the stable order, and numpy sorts uint64 with its SIMD sort (x86-simd-sort), faster
+    than two stable 16-bit radix passes (docs/design.md, "Constants and the measurements behind them")."""
     keys = _numpy_order_keys(np.ascontiguousarray(x)).reshape(-1, x.shape[-1])
     n = keys.shape[-1]
     out = np.empty(keys.shape, np.int32)
@@ -254,8 +254,8 @@ def _suffix_counts(hist: jax.Array) -> jax.Array:
 
 
 # Up to this many keys, 32 compare-and-count passes beat building two 65536-bin histograms (whose
-# fixed cost dominates on small layers): on the CPU, 0.09 vs 0.29 ms at 18,432 keys, 0.01 vs 0.29 ms
-# at 288; at 1.6M keys the radix select wins, 2.5 vs 5.6 ms.
+# fixed cost dominates on small layers); on large layers the radix select wins (docs/design.md,
+# "Constants and the measurements behind them").
 BISECT_MAX_KEYS = 1 << 16
 
 

@@ -261,10 +261,6 @@ class WidthLayout:
         """Exact training FLOPs of ``num_examples`` examples through the sub-model."""
         return accounting.Cost.terms(self.flops_unit, self.pair_counts(counts), num_examples)
 
-    def static_training_flops_per_example(self, counts) -> int:
-        ins = [counts[s] if s >= 0 else n for s, n in zip(self.source, self.in_units)]
-        return int(sum(u * i * c for u, i, c in zip(self.flops_unit, ins, counts)))
-
 
 def per_entry_mean(old, stacked, held, weights: jax.Array):
     """Each entry's weighted mean over the clients holding it; entries no
