@@ -25,14 +25,14 @@ import jax.extend  # noqa: F401  (jax.extend.core.ClosedJaxpr: not imported by `
 TAG = "fjs_layer:"
 
 
-def _dot_macs(eqn) -> int:
+def dot_macs(eqn) -> int:
     lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
     (_, rc), (_, rb) = eqn.params["dimension_numbers"]
     free = [d for i, d in enumerate(rhs) if i not in tuple(rc) + tuple(rb)]
     return int(math.prod(lhs)) * int(math.prod(free))
 
 
-def _conv_macs(eqn) -> int:
+def conv_macs(eqn) -> int:
     rhs = eqn.invars[1].aval.shape
     out = eqn.outvars[0].aval.shape
     out_feature_dim = eqn.params["dimension_numbers"].rhs_spec[0]
@@ -48,7 +48,7 @@ def layer_scope(name: str):
 _TAGGED = re.compile(re.escape(TAG) + r"([^/()\s]+)")
 
 
-def _layer_of(eqn, inherited: str | None) -> str | None:
+def layer_of(eqn, inherited: str | None) -> str | None:
     """The innermost layer tag on the equation's name stack (a transform writes its scopes inside
     its own name, ``vmap(fjs_layer:conv1)``: ``nn.vmap``), else ``inherited``."""
     found = _TAGGED.findall(str(eqn.source_info.name_stack))
@@ -70,12 +70,12 @@ def jaxpr_macs(jaxpr, counts: Counter | None = None, scale: int = 1, layer: str 
     counts = Counter() if counts is None else counts
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        where = _layer_of(eqn, layer)
+        where = layer_of(eqn, layer)
         if name == "dot_general":
-            counts[where] += scale * _dot_macs(eqn)
+            counts[where] += scale * dot_macs(eqn)
             continue
         if name == "conv_general_dilated":
-            counts[where] += scale * _conv_macs(eqn)
+            counts[where] += scale * conv_macs(eqn)
             continue
         if name == "while":
             inner: Counter = Counter()

@@ -86,7 +86,7 @@ def _contraction(eqn, weight: int) -> int:
 
 
 def _product_macs(eqn) -> int:
-    return macs_lib._dot_macs(eqn) if eqn.primitive.name == "dot_general" else macs_lib._conv_macs(eqn)
+    return macs_lib.dot_macs(eqn) if eqn.primitive.name == "dot_general" else macs_lib.conv_macs(eqn)
 
 
 class _Flow:
@@ -111,7 +111,7 @@ class _Flow:
                 mine.side += f.side
 
     def scope(self, eqn, inherited):
-        layer = macs_lib._layer_of(eqn, inherited)
+        layer = macs_lib.layer_of(eqn, inherited)
         return layer if layer in self.index else inherited
 
     def entering(self, deps: tuple, where) -> tuple:
