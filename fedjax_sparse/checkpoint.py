@@ -175,6 +175,15 @@ def has_checkpoint(out: str | Path) -> bool:
     return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
 
 
+def latest_checkpoint(out: str | Path) -> int | None:
+    """The round of the newest complete checkpoint generation in ``out`` (None: none). orbax writes a
+    generation under a temporary name and renames it to its round once complete."""
+    directory = Path(out) / CHECKPOINT_DIR
+    if not directory.is_dir():
+        return None
+    return max((int(p.name) for p in directory.iterdir() if p.name.isdigit()), default=None)
+
+
 def _manager(out: Path, asynchronous: bool = False):
     import orbax.checkpoint as ocp
     options = ocp.CheckpointManagerOptions(max_to_keep=KEEP_CHECKPOINTS, create=True,
