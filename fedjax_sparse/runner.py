@@ -35,8 +35,8 @@ import numpy as np
 
 from fedjax_sparse import distributed, memory
 from fedjax_sparse import population as host_population
-from fedjax_sparse.checkpoint import (Checkpointer, clear_outputs, latest_checkpoint, load_checkpoint,
-                                      locked_out_dir, prepare_out_dir, read_metrics, write_metrics)
+from fedjax_sparse.checkpoint import (Checkpointer, clear_outputs, latest_checkpoint, locked_out_dir,
+                                      prepare_out_dir, recover_metrics, restore_checkpoint, write_metrics)
 from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig, with_default_lr
 from fedjax_sparse.errors import RunError, RunInterrupted, RunStopped, in_callers_words
 from fedjax_sparse.data.federated import FederatedData
@@ -430,7 +430,7 @@ def open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bo
     if out is not None:
         if resume:
             try:
-                state, totals = load_checkpoint(out, state, population=population)
+                state, totals, saved_rows = restore_checkpoint(out, state, population=population)
             except RunError as e:
                 if not changed:
                     raise
@@ -439,7 +439,11 @@ def open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bo
             totals.setdefault("client_steps", None)
             totals.setdefault("client_steps_executed", None)
             totals = {k: exact_number(v) if k in COST_KEYS else v for k, v in totals.items()}
-            rows = [r for r in read_metrics(out, repair=writes) if r["round"] <= totals["round"]]  # drop rows past it
+            # The checkpoint's own rows (a damaged or cut metrics.jsonl is restored from them); rows past it
+            # are dropped: the resume recomputes them.
+            done = int(totals["round"])
+            rows = recover_metrics(out, done, saved_rows, repair=writes,
+                                   last_evaluation=done if done >= saved.rounds else done - done % saved.eval_every)
             # Every process has read the recorded run before process 0 rewrites any of it.
             distributed.barrier("fedjax_sparse:resume-read")
             if writes:
@@ -650,13 +654,13 @@ class OpenRun:
         return row
 
     def checkpoint(self) -> None:
-        """A checkpoint of the rounds booked so far, written while the next chunk runs; closing the run
-        waits for it."""
+        """A checkpoint of the rounds booked so far (with the metrics rows up to them), written while the
+        next chunk runs; closing the run waits for it."""
         if self.out is None:
             return
         if self.checkpointer is None:
             self.checkpointer = Checkpointer(self.out)
-        self.checkpointer.save(self.state, self.totals, population=self.population)
+        self.checkpointer.save(self.state, self.totals, population=self.population, rows=self.rows)
         self.last_checkpoint = time.perf_counter()
         self.saved_round = self.round
 
