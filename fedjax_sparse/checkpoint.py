@@ -477,6 +477,8 @@ def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise RunError(f"--out {out} exists and is not a directory; choose another --out")
     if resume:
+        if _finished_without_checkpoints(out):
+            raise RunError(f"nothing to resume in {out}: {FINISHED_WITHOUT_CHECKPOINTS}")
         if not has_checkpoint(out):
             raise RunError(f"nothing to resume in {out}: no checkpoint there; run without --resume")
         return
@@ -485,10 +487,22 @@ def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
             print(f"notice: {out} held only a failed start (config.json and metrics of a run stopped before its "
                   "first checkpoint: nothing to resume); this run replaces it", file=sys.stderr)
             _clear_failed_start(out)
+        elif _finished_without_checkpoints(out):
+            raise RunError(f"output directory {out} is not empty: {FINISHED_WITHOUT_CHECKPOINTS}")
         else:
             what, fix = _holds(out)
             raise RunError(f"output directory {out} is not empty (it holds {what}); {fix}")
     out.mkdir(parents=True, exist_ok=True)
+
+
+# A finished run whose checkpoints were deleted (the recorded results keep none, to save space): the
+# same one way forward whether the folder is run into again with --resume or without.
+FINISHED_WITHOUT_CHECKPOINTS = ("it holds a finished run whose checkpoints were deleted, which can be neither resumed "
+                                "nor extended; start the new run in another --out")
+
+
+def _finished_without_checkpoints(out: Path) -> bool:
+    return (out / "summary.json").is_file() and not has_checkpoint(out)
 
 
 def _holds(out: Path) -> tuple[str, str]:

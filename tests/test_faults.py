@@ -268,6 +268,26 @@ def test_a_checkpoint_without_rows_names_the_rows_it_cannot_restore(tmp_path, ca
     assert "has no rows after round 2" in err and "rows of rounds 3-4 stay missing" in err, err
 
 
+def test_a_finished_run_without_checkpoints_gives_one_way_forward(tmp_path, capsys):
+    """Its checkpoints deleted (as the recorded results do), a finished run can be neither resumed nor
+    extended. Before, a new run into it said "pass --resume ... to extend it" and --resume said "run
+    without --resume": each pointed at the other. Now every attempt gives the same one line."""
+    out = tmp_path / "run"
+    args = ["run", "--algorithm", "fedavg", *QUICK, "--rounds", "3", "--out", str(out)]
+    assert run_cli(args, capsys)[0] == 0
+    shutil.rmtree(out / CHECKPOINT_DIR)
+    kept = {p.name: p.read_bytes() for p in out.iterdir()}
+    fix = "it holds a finished run whose checkpoints were deleted, which can be neither resumed nor extended; " \
+          "start the new run in another --out"
+    for attempt in (args, args + ["--resume"], ["run", "--resume", "--out", str(out), "--rounds", "6", "--quiet"]):
+        code, _, err = run_cli(attempt, capsys)
+        one_line_error(code, err, fix)
+        assert "--resume" not in err.split(fix)[0] and "--resume" not in err.split(fix)[1], err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == kept   # untouched
+    code, _, err = run_cli(args[:-1] + [str(tmp_path / "another")], capsys)   # the way forward works
+    assert code == 0, err
+
+
 # ---------------------------------------------------------------- bad input
 @pytest.mark.parametrize("extra,needle", [
     (["--model-option", "bogus=1"], "unknown --model-option bogus for model cnn_small; accepted: init="),
