@@ -139,7 +139,8 @@ def _parse_metrics(path: Path) -> tuple[list[dict], str | None, int | None]:
     (then ``rows`` stops before that line, whose 1-based number is the third value)."""
     if not path.exists():
         return [], "is missing", None
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    # Bytes that are not UTF-8 (a disk's garbage) make their line unreadable, not the file.
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
     if not lines:
         return [], "is empty", None
     rows: list[dict] = []

@@ -228,8 +228,8 @@ def _cut(path: Path, how: str) -> None:
         path.write_text("".join(lines[:2]))
     elif how == "inside row 4":     # the last row torn
         path.write_text("".join(lines[:3]) + lines[3][:-30])
-    elif how == "damaged line 2":   # a line before the last overwritten
-        path.write_text(lines[0] + "\x00" * 40 + "\n" + "".join(lines[2:]))
+    elif how == "damaged line 2":   # a line before the last overwritten (bytes that are not even UTF-8)
+        path.write_bytes((lines[0]).encode() + b"\xff\x00" * 20 + b"\n" + "".join(lines[2:]).encode())
     elif how == "emptied":
         path.write_text("")
     else:
