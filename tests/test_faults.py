@@ -213,7 +213,7 @@ def _without_seconds(out: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def four_rounds(tmp_path_factory, reference):
+def four_rounds(tmp_path_factory):
     """A run stopped after round 4, its checkpoint of round 4 (every round evaluated)."""
     out = tmp_path_factory.mktemp("four") / "run"
     assert main(["run", "--algorithm", "fedavg", *QUICK, "--rounds", "4", "--out", str(out)]) == 0
