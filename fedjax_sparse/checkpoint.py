@@ -10,18 +10,24 @@ Crash safety, in the order a run touches its directory:
   kept, so a crash while saving (or a corrupt latest checkpoint) falls back to the one before.
   Arrays are restored by key (NamedTuple and dataclass field names, dict keys), not by position.
   The first format (``OUT/checkpoint.npz``, leaves by position) is refused in one line.
-* ``metrics.jsonl`` is appended one row per evaluation; a torn last line (a kill mid-write) is
-  dropped on resume, as are rows past the checkpoint's round.
+* ``metrics.jsonl`` is appended one row per evaluation. Each checkpoint also holds every row up to
+  its round (item ``rows``: the file's lines, compressed), so whatever happens to the file (a torn
+  last line from a kill mid-write, a cut, a damaged line, emptied, deleted), a resume restores the
+  rows up to the checkpoint, with a notice naming them; rows past the checkpoint are dropped (the
+  resume recomputes them). Checkpoints of earlier versions hold no rows: the file is all there is,
+  and a gap it cannot fill is named in a notice.
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
 import socket
 import sys
 import time
+import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -127,30 +133,119 @@ def locked_out_dir(out: Path) -> OutputLock:
 
 
 # ---------------------------------------------------------------- metrics
+def _parse_metrics(path: Path) -> tuple[list[dict], str | None, int | None]:
+    """The rows of a metrics file as far as they can be read: (rows, problem, damaged line).
+    ``problem``: None, "is missing", "is empty", "had a torn last line" or "has a damaged line N"
+    (then ``rows`` stops before that line, whose 1-based number is the third value)."""
+    if not path.exists():
+        return [], "is missing", None
+    # Bytes that are not UTF-8 (a disk's garbage) make their line unreadable, not the file.
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    if not lines:
+        return [], "is empty", None
+    rows: list[dict] = []
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or "round" not in row:
+                raise ValueError("not a metrics row")
+        except ValueError:
+            if i == len(lines) - 1:
+                return rows, "had a torn last line", None
+            return rows, f"has a damaged line {i + 1}", i + 1
+        rows.append(row)
+    return rows, None, None
+
+
 def read_metrics(out: str | Path, repair: bool = False) -> list[dict]:
     """The rows of ``OUT/metrics.jsonl`` (one per evaluated round); [] when there is none yet.
 
     A torn last line (the run was killed while writing it) is skipped, and with ``repair``
     removed from the file; a damaged line before the last is an error naming the line."""
     path = Path(out) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    rows = []
-    for i, line in enumerate(lines):
-        try:
-            row = json.loads(line)
-            if not isinstance(row, dict) or "round" not in row:
-                raise ValueError("not a metrics row")
-            rows.append(row)
-        except ValueError:
-            if i < len(lines) - 1:
-                raise RunError(f"{path} line {i + 1} is damaged (not a JSON metrics row); restore the file or "
-                               "start a fresh run in a new --out") from None
-            if repair:
-                print(f"notice: dropped the torn last line of {path}", file=sys.stderr)
-                write_metrics(out, rows)
+    rows, problem, damaged = _parse_metrics(path)
+    if damaged is not None:
+        raise RunError(f"{path} line {damaged} is damaged (not a JSON metrics row); restore the file or "
+                       "start a fresh run in a new --out")
+    if problem == "had a torn last line" and repair:
+        print(f"notice: dropped the torn last line of {path}", file=sys.stderr)
+        write_metrics(out, rows)
     return rows
+
+
+def _spans(rows: list[dict], picked: list[int]) -> str:
+    """The rounds of ``rows[i]`` for ``i`` in ``picked`` (ascending), runs of consecutive rows as spans:
+    "4-6 (3 rows)", "10, 30-50 (4 rows)"."""
+    spans: list[list[int]] = []
+    for i in picked:
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    text = ", ".join(str(rows[a]["round"]) if a == b else f"{rows[a]['round']}-{rows[b]['round']}" for a, b in spans)
+    return f"{text} ({len(picked)} row{'s' if len(picked) != 1 else ''})"
+
+
+def encode_rows(rows: list[dict]) -> dict:
+    """The checkpoint's copy of the metrics rows: the file's very lines, compressed (a JSON item)."""
+    text = "".join(json.dumps(r, allow_nan=False) + "\n" for r in rows).encode()
+    return {"format": "jsonl+zlib+base64", "rows": len(rows),
+            "last_round": int(rows[-1]["round"]) if rows else None,
+            "data": base64.b64encode(zlib.compress(text, 6)).decode("ascii")}
+
+
+def decode_rows(item: dict) -> list[dict]:
+    """The rows :func:`encode_rows` stored (ValueError when they are not what it wrote)."""
+    if not isinstance(item, dict) or item.get("format") != "jsonl+zlib+base64":
+        raise ValueError("not a metrics item of this version")
+    try:
+        text = zlib.decompress(base64.b64decode(item["data"])).decode()
+    except (KeyError, zlib.error, ValueError) as e:
+        raise ValueError(f"damaged metrics item ({type(e).__name__})") from None
+    rows = [json.loads(line) for line in text.splitlines()]
+    if len(rows) != item.get("rows"):
+        raise ValueError(f"damaged metrics item ({len(rows)} rows, {item.get('rows')} recorded)")
+    return rows
+
+
+def recover_metrics(out: str | Path, round_: int, saved: list[dict] | None, repair: bool = True,
+                    last_evaluation: int | None = None) -> list[dict]:
+    """The metrics rows a resume from the checkpoint of round ``round_`` continues: up to that round.
+
+    ``saved``: the rows the checkpoint holds (None: a checkpoint of an earlier version, without them).
+    With them, they are the rows (the file's rows past the checkpoint are dropped: the resume
+    recomputes them), and whatever the file lacked or had damaged (torn, cut, emptied, deleted) is
+    named in one notice. Without them, the file's rows up to ``round_`` (a torn last line dropped, a
+    damaged line before it an error); when they stop before ``last_evaluation`` (the last evaluated
+    round up to ``round_``, if known), a notice names the rounds lost. ``repair``: print the notices
+    (the process that writes the files)."""
+    path = Path(out) / "metrics.jsonl"
+    if saved is None:
+        rows = [r for r in read_metrics(out, repair=repair) if r["round"] <= round_]
+        last = int(rows[-1]["round"]) if rows else 0
+        if repair and last_evaluation is not None and last < last_evaluation:
+            print(f"notice: {path} has no rows after round {last}, and the checkpoint (round {round_}, written "
+                  f"by a version that did not keep them) cannot restore them: the rows of rounds {last + 1}-"
+                  f"{last_evaluation} stay missing", file=sys.stderr)
+        return rows
+    found, problem, _ = _parse_metrics(path)
+    kept = [r for r in found if r["round"] <= round_]
+    if not repair or (kept == saved and problem in (None, "is missing", "is empty")):
+        return saved
+    if kept == saved:   # the damage lies past the checkpoint: dropped with the rows the resume recomputes
+        print(f"notice: dropped the torn last line of {path}" if problem == "had a torn last line" else
+              f"notice: {path} {problem}, past the checkpoint of round {round_}: dropped it and the rows after "
+              "it (the resume recomputes them)", file=sys.stderr)
+        return saved
+    have = {int(r["round"]): r for r in kept}
+    lost = [i for i, r in enumerate(saved) if have.get(int(r["round"])) != r]
+    if problem is None:   # every line reads: the file was cut at a row's end, or its rows differ
+        ends = int(found[-1]["round"]) if found else 0
+        problem = (f"ended at round {ends}" if saved and ends < int(saved[-1]["round"]) else
+                   "differed from the checkpoint's rows")
+    what = f"the rows of rounds {_spans(saved, lost)}" if lost else f"its rows up to round {round_}"
+    print(f"notice: {path} {problem}; restored {what} from the checkpoint of round {round_}", file=sys.stderr)
+    return saved
 
 
 def write_metrics(out: str | Path, rows: list[dict]) -> None:
@@ -175,6 +270,15 @@ def has_checkpoint(out: str | Path) -> bool:
     return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
 
 
+def latest_checkpoint(out: str | Path) -> int | None:
+    """The round of the newest complete checkpoint generation in ``out`` (None: none). orbax writes a
+    generation under a temporary name and renames it to its round once complete."""
+    directory = Path(out) / CHECKPOINT_DIR
+    if not directory.is_dir():
+        return None
+    return max((int(p.name) for p in directory.iterdir() if p.name.isdigit()), default=None)
+
+
 def _manager(out: Path, asynchronous: bool = False):
     import orbax.checkpoint as ocp
     options = ocp.CheckpointManagerOptions(max_to_keep=KEEP_CHECKPOINTS, create=True,
@@ -195,8 +299,9 @@ class Checkpointer:
         self.asynchronous = asynchronous and jax.process_count() == 1
         self._manager: Any = None   # an orbax CheckpointManager, opened by the first save
 
-    def save(self, state: EngineState, totals: dict, population=None) -> None:
-        """A new generation for round ``totals["round"]`` (atomic; the previous one is kept)."""
+    def save(self, state: EngineState, totals: dict, population=None, rows: list[dict] | None = None) -> None:
+        """A new generation for round ``totals["round"]`` (atomic; the previous one is kept). ``rows``: the
+        metrics rows up to that round, kept with it (what a resume restores a damaged metrics.jsonl from)."""
         import orbax.checkpoint as ocp
         asynchronous = self.asynchronous and population is None
         if self._manager is None:
@@ -211,6 +316,10 @@ class Checkpointer:
         items = dict(state=ocp.args.StandardSave(saved), totals=ocp.args.JsonSave(dict(totals)))
         if population is not None:
             items["population"] = ocp.args.StandardSave(population.state_dict())
+        if rows is not None:
+            # Encoded now: the caller goes on appending rows while the write runs.
+            # Not "metrics": orbax's manager reads an item of that name as its own (best-checkpoint metrics).
+            items["rows"] = ocp.args.JsonSave(encode_rows(rows))
         manager.save(step, args=ocp.args.Composite(**items))
         if not asynchronous:
             manager.wait_until_finished()
@@ -228,19 +337,34 @@ class Checkpointer:
             self._manager = None
 
 
-def save_checkpoint(out: Path, state: EngineState, totals: dict, population=None) -> None:
+def save_checkpoint(out: Path, state: EngineState, totals: dict, population=None,
+                    rows: list[dict] | None = None) -> None:
     """A new checkpoint generation for round ``totals["round"]`` (atomic; the previous one is kept),
     written before it returns. ``population``: a host population
     (:class:`fedjax_sparse.population.HostPopulation`), saved in the same generation (its slot table
-    and the rows of the clients trained so far)."""
+    and the rows of the clients trained so far); ``rows``: the metrics rows up to that round."""
     checkpointer = Checkpointer(out, asynchronous=False)
     try:
-        checkpointer.save(state, totals, population)
+        checkpointer.save(state, totals, population, rows=rows)
     finally:
         checkpointer.close()
 
 
+class Restored(NamedTuple):
+    """What :func:`restore_checkpoint` reads: the state, the totals (``totals["round"]``: its round) and
+    the metrics rows up to that round (None: a checkpoint of a version that did not keep them)."""
+    state: EngineState
+    totals: dict
+    rows: list[dict] | None
+
+
 def load_checkpoint(out: Path, template: EngineState, population=None) -> tuple[EngineState, dict]:
+    """The state and totals of the newest readable checkpoint of ``out`` (see :func:`restore_checkpoint`)."""
+    state, totals, _ = restore_checkpoint(out, template, population)
+    return state, totals
+
+
+def restore_checkpoint(out: Path, template: EngineState, population=None) -> Restored:
     """The newest readable checkpoint of ``out`` (falling back to the previous generation, with
     a notice, when the newest is damaged), matched to ``template`` by key (field names), so a state's
     fields may be reordered between versions. ``population``: the
@@ -271,6 +395,10 @@ def load_checkpoint(out: Path, template: EngineState, population=None) -> tuple[
             items = dict(state=ocp.args.StandardRestore(abstract), totals=ocp.args.JsonRestore())
             if population is not None:
                 items["population"] = ocp.args.StandardRestore()
+            # Checkpoints of earlier versions have no metrics item (orbax refuses an item it cannot find).
+            with_rows = (out / CHECKPOINT_DIR / str(step) / "rows").is_dir()
+            if with_rows:
+                items["rows"] = ocp.args.JsonRestore()
             try:
                 restored = manager.restore(step, args=ocp.args.Composite(**items))
             except Exception as e:  # orbax raises many types for damaged or foreign files
@@ -282,12 +410,19 @@ def load_checkpoint(out: Path, template: EngineState, population=None) -> tuple[
                     population.load_state_dict(restored.population)
                 except (ValueError, KeyError, TypeError) as e:
                     raise RunError(f"the checkpoint in {out}: {e}; use a new --out directory") from None
+            rows = None
+            if with_rows:
+                try:
+                    rows = decode_rows(restored.rows)
+                except ValueError as e:
+                    problems.append(f"round {step}: {e}")
+                    continue
             if problems:
                 print(f"notice: checkpoint(s) {', '.join(problems)} unreadable; resuming from round {step}",
                       file=sys.stderr)
             # orbax matched the saved arrays to the template by their keys (NamedTuple and dataclass
             # field names, dict keys), so a state's fields may be reordered between versions.
-            return jax.tree_util.tree_map(jnp.asarray, restored.state), dict(restored.totals)
+            return Restored(jax.tree_util.tree_map(jnp.asarray, restored.state), dict(restored.totals), rows)
     finally:
         manager.close()
     raise RunError(f"no readable checkpoint in {out / CHECKPOINT_DIR} ({'; '.join(problems) or 'none found'}); "
@@ -343,6 +478,8 @@ def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise RunError(f"--out {out} exists and is not a directory; choose another --out")
     if resume:
+        if _finished_without_checkpoints(out):
+            raise RunError(f"nothing to resume in {out}: {FINISHED_WITHOUT_CHECKPOINTS}")
         if not has_checkpoint(out):
             raise RunError(f"nothing to resume in {out}: no checkpoint there; run without --resume")
         return
@@ -351,10 +488,22 @@ def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
             print(f"notice: {out} held only a failed start (config.json and metrics of a run stopped before its "
                   "first checkpoint: nothing to resume); this run replaces it", file=sys.stderr)
             _clear_failed_start(out)
+        elif _finished_without_checkpoints(out):
+            raise RunError(f"output directory {out} is not empty: {FINISHED_WITHOUT_CHECKPOINTS}")
         else:
             what, fix = _holds(out)
             raise RunError(f"output directory {out} is not empty (it holds {what}); {fix}")
     out.mkdir(parents=True, exist_ok=True)
+
+
+# A finished run whose checkpoints were deleted (the recorded results keep none, to save space): the
+# same one way forward whether the folder is run into again with --resume or without.
+FINISHED_WITHOUT_CHECKPOINTS = ("it holds a finished run whose checkpoints were deleted, which can be neither resumed "
+                                "nor extended; start the new run in another --out")
+
+
+def _finished_without_checkpoints(out: Path) -> bool:
+    return (out / "summary.json").is_file() and not has_checkpoint(out)
 
 
 def _holds(out: Path) -> tuple[str, str]:

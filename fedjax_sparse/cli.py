@@ -516,7 +516,7 @@ def main(argv=None) -> int:
         return 2
     args = _parser().parse_args(argv)
     args.argv = argv   # bench records its command line
-    from fedjax_sparse.errors import DataError, RunStopped, cli_caller
+    from fedjax_sparse.errors import DataError, RunInterrupted, RunStopped, cli_caller
     try:
         commands = {"run": cmd_run, "partition": cmd_partition, "list": cmd_list, "plot": cmd_plot,
                     "report": cmd_report, "bench": cmd_bench}
@@ -533,9 +533,12 @@ def main(argv=None) -> int:
         print(f"error: {e.strerror or e}{where}; check that --out is writable and the disk has space, then "
               "rerun (with --resume if a checkpoint was written)", file=sys.stderr)
         return 2
+    except RunInterrupted as e:   # a run's second Ctrl-C: what its folder holds now
+        print(f"\n{e}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
-        print("\ninterrupted: rerun the same command with --resume to continue from the last checkpoint",
-              file=sys.stderr)
+        print("\ninterrupted: rerun the same command (with --resume to continue from a checkpoint, where one "
+              "was written)", file=sys.stderr)
         return 130
 
 

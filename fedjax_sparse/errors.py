@@ -20,7 +20,8 @@ import signal
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
-__all__ = ["DataError", "DataWarning", "PinningError", "RunError", "RunStopped", "callers_words", "cli_caller",
+__all__ = ["DataError", "DataWarning", "PinningError", "RunError", "RunInterrupted", "RunStopped", "callers_words",
+           "cli_caller",
            "in_callers_words", "python_words"]
 
 
@@ -61,6 +62,25 @@ class RunStopped(Exception):
         else:
             what = f"continue with: python -m fedjax_sparse run --out {out} --resume"
         super().__init__(f"{name}: stopped at round {round_}; {what}")
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A run interrupted at once (a second Ctrl-C), without a stop's checkpoint: still a
+    ``KeyboardInterrupt``, whose message says what can be resumed (``checkpoint``: the round of the
+    newest checkpoint in ``out``, None: none). The CLI prints it and exits with 130."""
+
+    def __init__(self, round_: int | None, out: Path | None, checkpoint: int | None):
+        self.round, self.checkpoint = round_, checkpoint
+        self.exit_code = 128 + signal.SIGINT
+        at = "" if round_ is None else f" at round {round_}"
+        if out is None:
+            what = "nothing was saved (no --out)"
+        elif checkpoint is None:
+            what = "no checkpoint was written, nothing to resume: run the same command again"
+        else:
+            what = f"the newest checkpoint is of round {checkpoint}; continue with: python -m fedjax_sparse run " \
+                   f"--out {out} --resume"
+        super().__init__(f"interrupted{at} at once, without a checkpoint of its own; {what}")
 
 
 # ------------------------------------------------------------------ the caller's words
@@ -193,7 +213,7 @@ def in_callers_words(function: F | None = None, *, arguments: dict[str, str] | N
         def wrapper(*args, **kwargs):
             try:
                 return function(*args, **kwargs)
-            except (ValueError, FileExistsError, FileNotFoundError, RunStopped) as e:
+            except (ValueError, FileExistsError, FileNotFoundError, RunStopped, RunInterrupted) as e:
                 if _CALLER.get() != "cli" and len(e.args) == 1 and isinstance(e.args[0], str):
                     e.args = (python_words(e.args[0], arguments),)
                 raise

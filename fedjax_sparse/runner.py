@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import platform
 import signal
 import sys
@@ -34,11 +35,11 @@ import numpy as np
 
 from fedjax_sparse import distributed, memory
 from fedjax_sparse import population as host_population
-from fedjax_sparse.checkpoint import (Checkpointer, clear_outputs,
-                                      load_checkpoint, locked_out_dir, prepare_out_dir, read_metrics,
+from fedjax_sparse.checkpoint import (Checkpointer, clear_outputs, latest_checkpoint, locked_out_dir,
+                                      prepare_out_dir, recover_metrics, restore_checkpoint,
                                       write_metrics)
 from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig, resolved_dp_accountant, with_default_lr
-from fedjax_sparse.errors import RunError, RunStopped, in_callers_words
+from fedjax_sparse.errors import RunError, RunInterrupted, RunStopped, in_callers_words
 from fedjax_sparse.data.federated import FederatedData
 from fedjax_sparse.engine import COHORT_METRICS, STEP_METRICS, Engine, EngineState
 from fedjax_sparse.sinks import MetricSinks
@@ -232,8 +233,9 @@ class StopSignals:
     SIGINT interrupts at once. Only in the main thread (where Python delivers signals), and not in
     multi-process runs (the processes would stop at different chunks)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.received: int | None = None
+        self.unsaid: str | None = None
         self._previous: dict = {}
 
     def __enter__(self) -> "StopSignals":
@@ -246,8 +248,21 @@ class StopSignals:
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # the second Ctrl-C: stop now, without a checkpoint
         self.received = signum
-        print(f"\n{signal.Signals(signum).name} received: stopping after the current chunk of rounds, with a "
-              "checkpoint (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+        message = (f"\n{signal.Signals(signum).name} received: stopping after the current chunk of rounds, with a "
+                   "checkpoint (Ctrl-C again to stop at once)\n")
+        # Not print(): the signal may land while the main thread is inside sys.stderr's write (the progress
+        # bar), and a buffered stream re-entered from a handler raises RuntimeError where the run was.
+        # Straight to the file descriptor; a stream without one (a notebook) gets it from say_unsaid().
+        try:
+            os.write(sys.stderr.fileno(), message.encode())
+        except (AttributeError, OSError, ValueError):   # io.UnsupportedOperation is both of the last two
+            self.unsaid = message.strip("\n")
+
+    def say_unsaid(self) -> None:
+        """Prints the stop's notice the handler could not write itself (called outside the handler)."""
+        if self.unsaid is not None:
+            print(self.unsaid, file=sys.stderr, flush=True)
+            self.unsaid = None
 
     def __exit__(self, *exc) -> None:
         for signum, handler in self._previous.items():
@@ -290,43 +305,62 @@ class ChunkClock:
 
 def _run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool, progress: bool, on_eval,
          experiment: Experiment | None, given: set[str] | None, change: dict | None = None) -> RunResult:
-    with StopSignals() as signals:
-        opened = open_run(config, out, resume=resume, overwrite=overwrite, experiment=experiment, given=given,
-                           quiet=not progress, change=change)
-        if isinstance(opened, RunResult):
-            return opened
-        bar = Progress(opened.config.rounds, opened.round, progress)
-        opened.start(bar, on_eval)
-        # Several processes must run chunks of the same length: no clock there.
-        clock = ChunkClock.for_experiment(0.0 if distributed.multi_process() else opened.execution.max_chunk_seconds,
-                                          opened.exp)
-        try:
-            state = opened.state
-            first_chunk = True
-            while (n := opened.next_chunk(cap=clock.cap)) > 0:
-                if signals.received is not None:
-                    break
-                t_chunk = time.perf_counter()
-                if first_chunk:
-                    bar.note(f"compiling and running rounds {opened.round + 1}-{opened.round + n} ...")
-                if opened.population is not None:
-                    state, metrics = host_population.advance(opened.exp.engine, state, opened.population,
-                                                             opened.exp.data, n, opened.execution.host_chunk_rounds)
-                else:
-                    state, metrics = opened.exp.engine.advance(state, opened.exp.data, n)
-                t_rounds = time.perf_counter() - t_chunk
-                opened.record(state, metrics, n, chunk_started=t_chunk if first_chunk else None,
-                              stopping=signals.received is not None)
-                if not first_chunk:  # the first chunk's time includes compiling
-                    clock.measured(n, t_rounds)
-                first_chunk = False
-            bar.close()
+    opened: OpenRun | RunResult | None = None
+    try:
+        with StopSignals() as signals:
+            opened = open_run(config, out, resume=resume, overwrite=overwrite, experiment=experiment, given=given,
+                              quiet=not progress, change=change)
+            if isinstance(opened, RunResult):
+                return opened
+            return _run_to_end(opened, signals, out, progress, on_eval)
+    except KeyboardInterrupt:
+        # At once (a second Ctrl-C): the run has closed (its checkpoint writes finished), and the message
+        # says what the folder holds now.
+        done = opened.round if isinstance(opened, OpenRun) else None
+        raise RunInterrupted(done, out, latest_checkpoint(out) if out is not None else None) from None
+
+
+def _run_to_end(opened: "OpenRun", signals: StopSignals, out: Path | None, progress: bool, on_eval) -> RunResult:
+    """Runs the chunks of ``opened`` to its last round, or to a stop ``signals`` received."""
+    bar = Progress(opened.config.rounds, opened.round, progress)
+    opened.start(bar, on_eval)
+    # Several processes must run chunks of the same length: no clock there.
+    clock = ChunkClock.for_experiment(0.0 if distributed.multi_process() else opened.execution.max_chunk_seconds,
+                                      opened.exp)
+    try:
+        state = opened.state
+        first_chunk = True
+        while (n := opened.next_chunk(cap=clock.cap)) > 0:
             if signals.received is not None:
-                raise RunStopped(signals.received, opened.round, out)
-            return RunResult(opened.finish(), state, opened.population, opened.rows, opened.config)
-        finally:
-            bar.close()
-            opened.close()
+                break
+            t_chunk = time.perf_counter()
+            if first_chunk:
+                bar.note(f"compiling and running rounds {opened.round + 1}-{opened.round + n} ...")
+            if opened.population is not None:
+                state, metrics = host_population.advance(opened.exp.engine, state, opened.population,
+                                                         opened.exp.data, n, opened.execution.host_chunk_rounds)
+            else:
+                state, metrics = opened.exp.engine.advance(state, opened.exp.data, n)
+            t_rounds = time.perf_counter() - t_chunk
+            opened.record(state, metrics, n, chunk_started=t_chunk if first_chunk else None)
+            signals.say_unsaid()
+            if not first_chunk:  # the first chunk's time includes compiling
+                clock.measured(n, t_rounds)
+            first_chunk = False
+        bar.close()
+        signals.say_unsaid()
+        if signals.received is not None and opened.round < opened.config.rounds:
+            # Decided after the loop, never from a flag read before a chunk's bookkeeping: the signal may
+            # land at any moment of it (evaluation, logging, a checkpoint's write), and the stop checkpoints
+            # the rounds booked by now unless a checkpoint of them was already written.
+            if out is not None and opened.saved_round != opened.round:
+                opened.checkpoint()
+            raise RunStopped(signals.received, opened.round, out)
+        # A signal after the last round stops nothing: the run finishes (its summary is all that is left).
+        return RunResult(opened.finish(), state, opened.population, opened.rows, opened.config)
+    finally:
+        bar.close()
+        opened.close()
 
 
 def open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool,
@@ -401,7 +435,7 @@ def open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bo
     if out is not None:
         if resume:
             try:
-                state, totals = load_checkpoint(out, state, population=population)
+                state, totals, saved_rows = restore_checkpoint(out, state, population=population)
             except RunError as e:
                 if not changed:
                     raise
@@ -410,7 +444,11 @@ def open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bo
             totals.setdefault("client_steps", None)
             totals.setdefault("client_steps_executed", None)
             totals = {k: exact_number(v) if k in COST_KEYS else v for k, v in totals.items()}
-            rows = [r for r in read_metrics(out, repair=writes) if r["round"] <= totals["round"]]  # drop rows past it
+            # The checkpoint's own rows (a damaged or cut metrics.jsonl is restored from them); rows past it
+            # are dropped: the resume recomputes them.
+            done = int(totals["round"])
+            rows = recover_metrics(out, done, saved_rows, repair=writes,
+                                   last_evaluation=done if done >= saved.rounds else done - done % saved.eval_every)
             # Every process has read the recorded run before process 0 rewrites any of it.
             distributed.barrier("fedjax_sparse:resume-read")
             if writes:
@@ -528,6 +566,8 @@ class OpenRun:
         self.t0 = 0.0
         self.last_checkpoint = time.perf_counter()
         self.checkpointer: Checkpointer | None = None
+        # The round of the newest checkpoint in ``out`` (a resume's: the one it restored; 0: none yet).
+        self.saved_round = self.round
         # --dp-clip: round r -> epsilon after it at --dp-delta, for the run's sampling and accountant.
         self.dp_epsilon: Callable[[int], float] | None = None
         if config.dp_clip is not None:
@@ -613,16 +653,23 @@ class OpenRun:
         # Checkpoints keep their own cadence (not every evaluation): the clock and --checkpoint-every,
         # the end, and a stop; rows written after the last checkpoint are recomputed by a resume.
         if out is not None and (stopping or self.round >= config.rounds or self._checkpoint_due()):
-            if self.checkpointer is None:
-                self.checkpointer = Checkpointer(out)
-            # Written while the next chunk runs; closing the run waits for it.
-            self.checkpointer.save(state, totals, population=self.population)
-            self.last_checkpoint = time.perf_counter()
+            self.checkpoint()
         if row is not None and self.on_eval is not None:
             self.on_eval(row, state, self.exp)
         if self.bar is not None:
             self.bar.update(self.round, self.rows[-1]["accuracy"] if self.rows else None)
         return row
+
+    def checkpoint(self) -> None:
+        """A checkpoint of the rounds booked so far (with the metrics rows up to them), written while the
+        next chunk runs; closing the run waits for it."""
+        if self.out is None:
+            return
+        if self.checkpointer is None:
+            self.checkpointer = Checkpointer(self.out)
+        self.checkpointer.save(self.state, self.totals, population=self.population, rows=self.rows)
+        self.last_checkpoint = time.perf_counter()
+        self.saved_round = self.round
 
     def _first_chunk_done(self, chunk_started: float, n: int) -> None:
         # This process's first chunk includes compiling the round (and the evaluation, when it ends at

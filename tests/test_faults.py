@@ -205,6 +205,89 @@ def test_torn_metrics_tail_and_damaged_checkpoint_are_repaired_on_resume(tmp_pat
     assert_same_rows(rows_of(out), reference)
 
 
+# ---------------------------------------------------------------- metrics.jsonl damaged (issue 50 item 2)
+def _without_seconds(out: Path) -> list[str]:
+    """The file's rows as written, less the wall clock (the only value a resumed run may change)."""
+    return [json.dumps({k: v for k, v in json.loads(line).items() if k != "seconds"})
+            for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def four_rounds(tmp_path_factory):
+    """A run stopped after round 4, its checkpoint of round 4 (every round evaluated)."""
+    out = tmp_path_factory.mktemp("four") / "run"
+    assert main(["run", "--algorithm", "fedavg", *QUICK, "--rounds", "4", "--out", str(out)]) == 0
+    return out
+
+
+def _cut(path: Path, how: str) -> None:
+    lines = path.read_text().splitlines(keepends=True)
+    if how == "inside row 2":       # a kill while row 2 was written (the rows after it never were)
+        path.write_text(lines[0] + lines[1][:40])
+    elif how == "after row 2":      # cut at a row's end: every line reads, rows 3-4 are gone
+        path.write_text("".join(lines[:2]))
+    elif how == "inside row 4":     # the last row torn
+        path.write_text("".join(lines[:3]) + lines[3][:-30])
+    elif how == "damaged line 2":   # a line before the last overwritten (bytes that are not even UTF-8)
+        path.write_bytes((lines[0]).encode() + b"\xff\x00" * 20 + b"\n" + "".join(lines[2:]).encode())
+    elif how == "emptied":
+        path.write_text("")
+    else:
+        path.unlink()
+
+
+@pytest.mark.parametrize("how,lost", [("inside row 2", "2-4 (3 rows)"), ("after row 2", "3-4 (2 rows)"),
+                                      ("inside row 4", "4 (1 row)"), ("damaged line 2", "2-4 (3 rows)"),
+                                      ("emptied", "1-4 (4 rows)"), ("missing", "1-4 (4 rows)")])
+def test_a_damaged_metrics_file_is_restored_from_the_checkpoint(tmp_path, capsys, reference, four_rounds, how,
+                                                                 lost):
+    """The issue's case: rows cut before the checkpoint's round were lost for good (rows 1-3, 7, 8 after
+    a cut inside row 4 and a checkpoint at 6, with only "dropped the torn last line"; an emptied
+    file: no notice at all). The checkpoint holds the rows: the resumed file is the uninterrupted run's."""
+    out = tmp_path / "run"
+    shutil.copytree(four_rounds, out)
+    _cut(out / "metrics.jsonl", how)
+    code, _, err = run_cli(["run", "--resume", "--out", str(out), "--rounds", "6", "--quiet"], capsys)
+    assert code == 0, err
+    straight = _without_seconds(out)
+    assert [json.loads(r)["round"] for r in straight] == [1, 2, 3, 4, 5, 6]
+    assert straight == [json.dumps({k: v for k, v in r.items() if k != "seconds"}) for r in reference]
+    assert f"restored the rows of rounds {lost} from the checkpoint of round 4" in err, err
+
+
+def test_a_checkpoint_without_rows_names_the_rows_it_cannot_restore(tmp_path, capsys, four_rounds):
+    """Checkpoints of earlier versions hold no rows: a cut file stays cut, and the resume says which rows."""
+    out = tmp_path / "run"
+    shutil.copytree(four_rounds, out)
+    for generation in (out / CHECKPOINT_DIR).iterdir():
+        shutil.rmtree(generation / "rows", ignore_errors=True)
+    _cut(out / "metrics.jsonl", "after row 2")
+    code, _, err = run_cli(["run", "--resume", "--out", str(out), "--rounds", "6", "--quiet"], capsys)
+    assert code == 0, err
+    assert [r["round"] for r in rows_of(out)] == [1, 2, 5, 6]
+    assert "has no rows after round 2" in err and "rows of rounds 3-4 stay missing" in err, err
+
+
+def test_a_finished_run_without_checkpoints_gives_one_way_forward(tmp_path, capsys):
+    """Its checkpoints deleted (as the recorded results do), a finished run can be neither resumed nor
+    extended. Before, a new run into it said "pass --resume ... to extend it" and --resume said "run
+    without --resume": each pointed at the other. Now every attempt gives the same one line."""
+    out = tmp_path / "run"
+    args = ["run", "--algorithm", "fedavg", *QUICK, "--rounds", "3", "--out", str(out)]
+    assert run_cli(args, capsys)[0] == 0
+    shutil.rmtree(out / CHECKPOINT_DIR)
+    kept = {p.name: p.read_bytes() for p in out.iterdir()}
+    fix = "it holds a finished run whose checkpoints were deleted, which can be neither resumed nor extended; " \
+          "start the new run in another --out"
+    for attempt in (args, args + ["--resume"], ["run", "--resume", "--out", str(out), "--rounds", "6", "--quiet"]):
+        code, _, err = run_cli(attempt, capsys)
+        one_line_error(code, err, fix)
+        assert "--resume" not in err.split(fix)[0] and "--resume" not in err.split(fix)[1], err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == kept   # untouched
+    code, _, err = run_cli(args[:-1] + [str(tmp_path / "another")], capsys)   # the way forward works
+    assert code == 0, err
+
+
 # ---------------------------------------------------------------- bad input
 @pytest.mark.parametrize("extra,needle", [
     (["--model-option", "bogus=1"], "unknown --model-option bogus for model cnn_small; accepted: init="),
