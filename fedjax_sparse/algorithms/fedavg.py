@@ -68,7 +68,8 @@ def global_model_predict(model):
 FEDAVG_OPTIONS = dict(momentum=0.0, weight_decay=0.0, server_lr=1.0, weighted=True, clip_norm=0.0)
 
 
-@register_algorithm("fedavg", FEDAVG_OPTIONS)
+@register_algorithm("fedavg", FEDAVG_OPTIONS, description="federated averaging of local SGD",
+                    paper="McMahan et al., AISTATS 2017")
 def fedavg(task: Task, *, momentum, weight_decay, server_lr, weighted, clip_norm) -> Algorithm:
     model = task.model
     optimizer = sgd(task.lr, momentum, weight_decay, clip_norm or None)
@@ -97,7 +98,8 @@ def fedavg(task: Task, *, momentum, weight_decay, server_lr, weighted, clip_norm
 LOCAL_OPTIONS = dict(momentum=0.0, weight_decay=0.0, clip_norm=0.0)
 
 
-@register_algorithm("local", LOCAL_OPTIONS, unwrappable="its clients send nothing (each trains alone)")
+@register_algorithm("local", LOCAL_OPTIONS, unwrappable="its clients send nothing (each trains alone)",
+                    description="local training only, nothing communicated (the personalisation baseline)")
 def local(task: Task, *, momentum, weight_decay, clip_norm) -> Algorithm:
     model = task.model
     optimizer = sgd(task.lr, momentum, weight_decay, clip_norm or None)

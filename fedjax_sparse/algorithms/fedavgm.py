@@ -46,7 +46,8 @@ def server_momentum_step(server: FedAvgMServerState, mean_variables: dict, *, be
     return FedAvgMServerState({**mean_variables, "params": params}, velocity)
 
 
-@register_algorithm("fedavgm", FedAvgMOptions)
+@register_algorithm("fedavgm", FedAvgMOptions, description="FedAvg with server momentum",
+                    paper="Hsu et al. 2019")
 def fedavgm(task: Task, *, server_momentum: float, server_lr: float, momentum: float,
             weighted: bool) -> Algorithm:
     model = task.model
