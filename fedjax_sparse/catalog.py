@@ -1,37 +1,12 @@
-"""What ``python -m fedjax_sparse list`` says about each algorithm (what it is, its paper) and each
-model (the data sets it suits). Plain data; ``tests/test_discovery.py`` checks that every registered
-algorithm and model has its line, so a new one is listed with a description."""
-from __future__ import annotations
+"""What ``python -m fedjax_sparse list`` says about each algorithm (what it is, its paper, its default
+learning rate) and each model (the data sets it suits).
 
-ALGORITHMS = {
-    "caldas": "federated dropout: each client trains a random sub-model (Caldas et al. 2018, "
-              "\"Expanding the reach of federated learning\")",
-    "fedavg": "federated averaging of local SGD (McMahan et al., AISTATS 2017)",
-    "fedavg_robust": "FedAvg with a robust aggregator under a model-poisoning attack "
-                     "(Shejwalkar & Houmansadr, NDSS 2021)",
-    "fedavgm": "FedAvg with server momentum (Hsu et al. 2019)",
-    "feddrop": "FedDrop: synchronised channel dropout with per-client keep rates optimised by the server "
-               "(docs/feddrop.md)",
-    "fedpm": "FedPM: Bayesian supermasks of a frozen random network (Isik et al., ICLR 2023; SpaFL's Table 2)",
-    "fedprox": "FedAvg with a proximal term mu/2 |w - w_server|^2 (Li et al., MLSys 2020)",
-    "fjord": "FjORD: ordered dropout, clients train nested width sub-models (Horvath et al., NeurIPS 2021)",
-    "fsl": "FSL: federated supermask learning, clients exchange edge rankings of a frozen network "
-           "(ICLR 2022 submission; docs/fsl.md)",
-    "heterofl": "HeteroFL: clients train width-scaled sub-models (Diao et al., ICLR 2021)",
-    "local": "local training only, nothing communicated (the personalisation baseline)",
-    "multi_krum": "FedAvg with Multi-Krum aggregation (Blanchard et al., NeurIPS 2017), under attack",
-    "scaffold": "SCAFFOLD: control variates against client drift (Karimireddy et al., ICML 2020)",
-    "sfsl": "Sparse-FSL: FSL whose clients upload only their top ranks (FSL paper; docs/fsl.md)",
-    "signsgd": "SignSGD with majority vote (Bernstein et al., ICLR 2019)",
-    "spafl": "SpaFL: trainable per-neuron thresholds, only thresholds communicated, personal sparse weights "
-             "(Kim et al., NeurIPS 2024; docs/spafl.md)",
-    "spafl_local": "SpaFL's local training alone, nothing communicated (SpaFL's ablation)",
-    "spafl_no_eq13": "SpaFL without the global-threshold weight update of eq. 13 (SpaFL's ablation)",
-    "spafl_thresholds_only": "SpaFL training only the thresholds, weights frozen (SpaFL's ablation)",
-    "topk": "top-k sparsified updates, optional error feedback (Aji & Heafield 2017; Alistarh et al. 2018)",
-    "trimmed_mean": "FedAvg with coordinate-wise trimmed mean (Yin et al., ICML 2018), under attack",
-    "unidrop": "uniform channel dropout at one rate for every client (FedDrop's baseline)",
-}
+An algorithm's lines are read from its registration (``register_algorithm(name, options,
+description=, paper=, lr=)``), so a new algorithm is one file: ``ALGORITHMS`` and ``ALGORITHM_LR``
+are built from the registry when read (algorithms registered later, in a notebook or a test,
+included). ``tests/test_discovery.py`` checks that every algorithm of the package and every model has
+its line."""
+from __future__ import annotations
 
 # model -> the data sets it suits (by input shape; the first is the one its paper used).
 MODELS = {
@@ -51,16 +26,42 @@ MODELS = {
 
 # The client learning rate a run uses when none is given (``RunConfig(lr=None)``, no ``--lr``): one that
 # trains every built-in image data set with the default preprocessing (unit-scaled pixels) and the
-# algorithm's default options (tests/test_default_lr.py). Clients that train with momentum 0.9 by
-# default (SpaFL's, SignSGD's) take a tenth of plain SGD's: at 0.1 SpaFL diverged on Fashion-MNIST
-# (round 21). Algorithms not listed (and algorithms given as objects) take DEFAULT_LR.
+# algorithm's default options (tests/test_default_lr.py). An algorithm registers another one with
+# ``register_algorithm(..., lr=)``: those whose clients train with momentum 0.9 by default (SpaFL's,
+# SignSGD's) take a tenth of plain SGD's (at 0.1 SpaFL diverged on Fashion-MNIST, round 21).
+# Algorithms registering none (and algorithms given as objects) take DEFAULT_LR.
 DEFAULT_LR = 0.1
-ALGORITHM_LR = {
-    "spafl": 0.01, "spafl_no_eq13": 0.01, "spafl_thresholds_only": 0.01, "spafl_local": 0.01,
-    "signsgd": 0.01,
-}
+
+
+def _entries():
+    from fedjax_sparse.algorithms import registry   # importing the package registers its algorithms
+    return [registry.algorithm_entry(name) for name in registry.algorithm_names()]
+
+
+def algorithm_line(entry) -> str | None:
+    """An algorithm's line in ``list``: its description and, in parentheses, its paper."""
+    if entry.description is None:
+        return None
+    return entry.description + (f" ({entry.paper})" if entry.paper else "")
+
+
+def __getattr__(name: str):
+    # ALGORITHMS: name -> "description (paper)"; ALGORITHM_LR: name -> its registered default lr.
+    # Read from the registry on each access, so they can never disagree with the registrations.
+    if name == "ALGORITHMS":
+        return {e.name: algorithm_line(e) for e in _entries() if e.description is not None}
+    if name == "ALGORITHM_LR":
+        return {e.name: e.lr for e in _entries() if e.lr is not None}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def default_lr(algorithm) -> float:
-    """The learning rate of ``algorithm`` (a name; anything else: DEFAULT_LR) when none is given."""
-    return ALGORITHM_LR.get(algorithm, DEFAULT_LR) if isinstance(algorithm, str) else DEFAULT_LR
+    """The learning rate of ``algorithm`` (a name; anything else: DEFAULT_LR) when none is given: the
+    one its registration declares (``register_algorithm(..., lr=)``), else DEFAULT_LR."""
+    if not isinstance(algorithm, str):
+        return DEFAULT_LR
+    from fedjax_sparse.algorithms import algorithm_names, registry
+    if algorithm not in algorithm_names():
+        return DEFAULT_LR   # an unknown name: config.validate refuses it, naming the valid ones
+    lr = registry.algorithm_entry(algorithm).lr
+    return DEFAULT_LR if lr is None else lr

@@ -430,13 +430,14 @@ def cmd_list(args) -> int:
     from fedjax_sparse.config import DEFAULT_MODELS
     from fedjax_sparse.data import datasets
     from fedjax_sparse.data.partition import PARTITION_SCHEMES
-    from fedjax_sparse.catalog import ALGORITHMS, MODELS, default_lr
+    from fedjax_sparse.algorithms.registry import algorithm_entry
+    from fedjax_sparse.catalog import MODELS, algorithm_line, default_lr
     from fedjax_sparse.models import model_names
     print("algorithms: (--algorithm NAME: what it is, its paper; then --option KEY=VALUE: type = default)")
     for name in algorithm_names():
         fields = dataclasses.fields(algorithm_options(name))
         options = ", ".join(f"{f.name}: {type(f.default).__name__} = {f.default!r}" for f in fields)
-        print(f"  {name:<24} {ALGORITHMS.get(name, '(your algorithm)')}")
+        print(f"  {name:<24} {algorithm_line(algorithm_entry(name)) or '(your algorithm)'}")
         print(f"  {'':<24}   default --lr {default_lr(name)}; options: {options or '(none)'}")
     from fedjax_sparse.config import wrappable_algorithms
     print("--aggregator / --attack wrap: " + ", ".join(wrappable_algorithms()) + " (their clients send float updates)")

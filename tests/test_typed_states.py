@@ -10,10 +10,11 @@ from fedjax_sparse.engine import EngineState
 
 from helpers import make_task, tiny_federated
 
-# Options that switch on the states' optional fields.
+# Options that switch on the states' optional fields (FedAvg's server_optimizer: the state's class).
 VARIANTS = [(name, {}) for name in algorithm_names()] + [
     ("spafl", {"eq13_apply": "all_after"}), ("spafl", {"keep_optimizer_state": False}),
-    ("topk", {"error_feedback": True})]
+    ("topk", {"error_feedback": True}), ("fedavg", {"server_optimizer": "momentum"}),
+    ("fedavg", {"server_optimizer": "yogi"})]
 MODELS = ("cnn_small", "mlp", "conv8", "fsl_lenet")
 
 

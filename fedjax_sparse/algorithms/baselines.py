@@ -76,7 +76,8 @@ def tree_sq_distance(a, b) -> jax.Array:
 FEDPROX_OPTIONS = dict(mu=0.01, weighted=True)
 
 
-@register_algorithm("fedprox", FEDPROX_OPTIONS)
+@register_algorithm("fedprox", FEDPROX_OPTIONS, description="FedAvg with a proximal term mu/2 |w - w_server|^2",
+                    paper="Li et al., MLSys 2020")
 def fedprox(task: Task, *, mu, weighted) -> Algorithm:
     model = task.model
     optimizer = sgd(task.lr)
@@ -126,7 +127,8 @@ def full_local_gradient(model: Model, params: dict, stats: dict, data, *, batch_
     return jax.tree_util.tree_map(lambda s: s / count, grad_sum), local
 
 
-@register_algorithm("scaffold", SCAFFOLD_OPTIONS)
+@register_algorithm("scaffold", SCAFFOLD_OPTIONS, description="SCAFFOLD: control variates against client drift",
+                    paper="Karimireddy et al., ICML 2020")
 def scaffold(task: Task, *, variant, server_lr, weighted) -> Algorithm:
     if variant not in ("I", "II"):
         raise ValueError(f"scaffold: variant must be 'I' or 'II', got {variant!r}")
@@ -240,7 +242,8 @@ def _inclusion_like(params: dict, inclusion: dict, channel_entries=()) -> dict:
     return out
 
 
-@register_algorithm("caldas", CALDAS_OPTIONS)
+@register_algorithm("caldas", CALDAS_OPTIONS, description="federated dropout: each client trains a random sub-model",
+                    paper="Caldas et al. 2018, \"Expanding the reach of federated learning\"")
 def caldas(task: Task, *, keep, drop_dense, per_client, rescale, weighted) -> Algorithm:
     if not 0.0 < keep <= 1.0:
         raise ValueError(f"caldas: keep must be in (0, 1], got {keep}")

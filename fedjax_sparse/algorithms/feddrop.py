@@ -372,12 +372,14 @@ def _dropout_fedavg(task: Task, name: str, *, budget, mu, synchronized, rescale,
                      personal_predict=None, global_predict=global_predict, hparams=hparams)
 
 
-@register_algorithm("feddrop", FEDDROP_OPTIONS)
+@register_algorithm("feddrop", FEDDROP_OPTIONS, description="FedDrop: synchronised channel dropout with per-client "
+                    "keep rates optimised by the server", paper="docs/feddrop.md")
 def feddrop(task: Task, **options) -> Algorithm:
     return _dropout_fedavg(task, "feddrop", **options)
 
 
-@register_algorithm("unidrop", UNIDROP_OPTIONS)
+@register_algorithm("unidrop", UNIDROP_OPTIONS,
+                    description="uniform channel dropout at one rate for every client (FedDrop's baseline)")
 def unidrop(task: Task, **options) -> Algorithm:
     fixed = {k: v for k, v in FEDDROP_OPTIONS.items() if k not in UNIDROP_OPTIONS}
     return _dropout_fedavg(task, "unidrop", **{**fixed, **options, "optimize": False})

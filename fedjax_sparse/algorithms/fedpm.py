@@ -117,7 +117,9 @@ class FedPMMessage(NamedTuple):
 
 
 @register_algorithm("fedpm", FedPMOptions, unwrappable="its clients send binary masks (booleans), not float "
-                    "updates, which the server counts into a Beta posterior")
+                    "updates, which the server counts into a Beta posterior",
+                    description="FedPM: Bayesian supermasks of a frozen random network",
+                    paper="Isik et al., ICLR 2023; SpaFL's Table 2")
 def fedpm(task: Task, *, weight_scale: float, estimator: str, epsilon: float, eval_mask: str) -> Algorithm:
     if estimator not in ESTIMATORS:
         raise ValueError(f"fedpm: unknown estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")

@@ -96,7 +96,9 @@ class FjORDServerState(NamedTuple):
     variables: dict   # the global (full-width) model
 
 
-@register_algorithm("fjord", FjORDOptions, unwrappable=WIDTH_UNWRAPPABLE)
+@register_algorithm("fjord", FjORDOptions, unwrappable=WIDTH_UNWRAPPABLE,
+                    description="FjORD: ordered dropout, clients train nested width sub-models",
+                    paper="Horvath et al., NeurIPS 2021")
 def fjord(task: Task, *, p_min: float, p_max: float, eval_rate: float, momentum: float,
           weighted: bool, sliced: bool) -> Algorithm:
     if not 0.0 < p_min <= p_max <= 1.0:

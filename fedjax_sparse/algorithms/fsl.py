@@ -134,7 +134,9 @@ FSL_UNWRAPPABLE = ("its clients send rankings (integers), not float updates, and
                    "(FSL has its own attack: --option malicious_fraction=F)")
 
 
-@register_algorithm("fsl", FSL_OPTIONS, unwrappable=FSL_UNWRAPPABLE)
+@register_algorithm("fsl", FSL_OPTIONS, unwrappable=FSL_UNWRAPPABLE,
+                    description="FSL: federated supermask learning, clients exchange edge rankings of a frozen "
+                    "network", paper="ICLR 2022 submission; docs/fsl.md")
 def fsl(task: Task, *, subnet_fraction, upload_fraction, weight_init, mask_by, momentum, weight_decay,
         lr_decay, lr_schedule, malicious_fraction, attack, attacker_knowledge, attacker_clients, malicious_seed,
         name="fsl") -> Algorithm:
@@ -232,7 +234,9 @@ def fsl(task: Task, *, subnet_fraction, upload_fraction, weight_init, mask_by, m
                      extra_clients=attacker_training if attacking and population else None)
 
 
-@register_algorithm("sfsl", dict(FSL_OPTIONS, upload_fraction=0.5), unwrappable=FSL_UNWRAPPABLE)
+@register_algorithm("sfsl", dict(FSL_OPTIONS, upload_fraction=0.5), unwrappable=FSL_UNWRAPPABLE,
+                    description="Sparse-FSL: FSL whose clients upload only their top ranks",
+                    paper="FSL paper; docs/fsl.md")
 def sfsl(task: Task, **options) -> Algorithm:
     """Sparse-FSL: FSL whose clients upload only their top ``upload_fraction`` ranks."""
     return fsl(task, name="sfsl", **options)

@@ -101,7 +101,8 @@ WIDTH_UNWRAPPABLE = ("its clients send sub-models of different widths with their
                      "server averages entry by entry over the clients holding each entry")
 
 
-@register_algorithm("heterofl", HeteroFLOptions, unwrappable=WIDTH_UNWRAPPABLE)
+@register_algorithm("heterofl", HeteroFLOptions, unwrappable=WIDTH_UNWRAPPABLE,
+                    description="HeteroFL: clients train width-scaled sub-models", paper="Diao et al., ICLR 2021")
 def heterofl(task: Task, *, rates: str, eval_rate: float, momentum: float, weighted: bool,
              sliced: bool) -> Algorithm:
     model = task.model

@@ -14,6 +14,10 @@ client messages that are non-empty float pytrees the server averages; an
 algorithm whose clients send something else (integer rankings, signs, masks,
 nothing at all) registers ``unwrappable=`` with the reason, so ``config.validate``
 refuses the combination in one line before anything is built.
+
+What ``python -m fedjax_sparse list`` says about it is in its registration too: a one-line
+``description``, its ``paper``, and the client learning rate ``lr`` a run takes when none is given
+(:mod:`fedjax_sparse.catalog` reads them from here), so a new algorithm is one file.
 """
 from __future__ import annotations
 
@@ -31,6 +35,9 @@ class AlgorithmEntry:
     # Why --aggregator / --attack cannot wrap it ("its clients send ..."), as a function of its
     # options instance (None: they can); None: its clients always send float updates.
     unwrappable: Callable[[Any], str | None] | None = None
+    description: str | None = None   # what it is, one line (``list``); None: "(your algorithm)"
+    paper: str | None = None         # where it comes from ("McMahan et al., AISTATS 2017"), or None
+    lr: float | None = None          # the client lr when none is given; None: catalog.DEFAULT_LR
 
     @property
     def defaults(self) -> dict:
@@ -50,9 +57,14 @@ def options_class(name: str, defaults: dict) -> type:
 
 
 def register_algorithm(name: str, options: type | dict | None = None, *,
-                       unwrappable: str | Callable[[Any], str | None] | None = None):
+                       unwrappable: str | Callable[[Any], str | None] | None = None,
+                       description: str | None = None, paper: str | None = None, lr: float | None = None):
     """Registers ``builder(task, **options)`` under ``name``. ``options``: a frozen
     dataclass type, or a dict of defaults (a dataclass is made from it).
+
+    ``description`` (one line: what it is), ``paper`` (its reference) and ``lr`` (the client
+    learning rate a run takes when none is given; None: ``catalog.DEFAULT_LR``) are what ``list``
+    shows and ``--lr`` defaults to: nothing else needs editing for a new algorithm.
 
     ``unwrappable``: leave it None when the clients send float pytrees that the server
     averages (the robust aggregators and attacks of ``compose`` then apply); otherwise the
@@ -63,6 +75,8 @@ def register_algorithm(name: str, options: type | dict | None = None, *,
         options = options_class(name, dict(options or {}))
     if not dataclasses.is_dataclass(options):
         raise TypeError(f"options of {name!r} must be a dataclass type or a dict of defaults")
+    if lr is not None and not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0):
+        raise ValueError(f"lr={lr!r} of algorithm {name!r} must be a positive number (or None: the default)")
 
     def wrap(builder):
         old = _REGISTRY.get(name)
@@ -72,7 +86,8 @@ def register_algorithm(name: str, options: type | dict | None = None, *,
             raise ValueError(f"algorithm {name!r} is already registered by {old.builder.__module__}."
                              f"{old.builder.__qualname__}; choose another name")
         refusal = (lambda _options: unwrappable) if isinstance(unwrappable, str) else unwrappable
-        _REGISTRY[name] = AlgorithmEntry(name, builder, options, refusal)
+        _REGISTRY[name] = AlgorithmEntry(name, builder, options, refusal, description, paper,
+                                         None if lr is None else float(lr))
         return builder
     return wrap
 

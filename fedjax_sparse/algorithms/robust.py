@@ -206,7 +206,9 @@ ROBUST_OPTIONS = dict(aggregator="mean", attack="min_max", deviation="std", gamm
                       weighted=False, **TRAIN_OPTIONS, **THREAT_OPTIONS)
 
 
-@register_algorithm("fedavg_robust", ROBUST_OPTIONS)
+@register_algorithm("fedavg_robust", ROBUST_OPTIONS,
+                    description="FedAvg with a robust aggregator under a model-poisoning attack",
+                    paper="Shejwalkar & Houmansadr, NDSS 2021")
 def fedavg_robust(task: Task, *, aggregator, attack, deviation, gamma_init, attack_scale, search_steps, trim_fraction,
                   krum_select, server_lr, weighted, momentum, weight_decay, lr_decay, lr_schedule,
                   malicious_fraction, attacker_knowledge, malicious_seed, name="fedavg_robust") -> Algorithm:
@@ -228,13 +230,16 @@ def fedavg_robust(task: Task, *, aggregator, attack, deviation, gamma_init, atta
 _ALIAS_OPTIONS = {k: v for k, v in ROBUST_OPTIONS.items() if k != "aggregator"}
 
 
-@register_algorithm("trimmed_mean", dict(_ALIAS_OPTIONS, attack="tailored"))
+@register_algorithm("trimmed_mean", dict(_ALIAS_OPTIONS, attack="tailored"),
+                    description="FedAvg with coordinate-wise trimmed mean, under attack", paper="Yin et al., ICML 2018")
 def trimmed_mean_algorithm(task: Task, **options) -> Algorithm:
     """FedAvg with coordinate-wise Trimmed-mean (Yin et al. 2018); DYN-OPT attack by default."""
     return fedavg_robust(task, aggregator="trimmed_mean", name="trimmed_mean", **options)
 
 
-@register_algorithm("multi_krum", dict(_ALIAS_OPTIONS, attack="tailored"))
+@register_algorithm("multi_krum", dict(_ALIAS_OPTIONS, attack="tailored"),
+                    description="FedAvg with Multi-Krum aggregation, under attack",
+                    paper="Blanchard et al., NeurIPS 2017")
 def multi_krum_algorithm(task: Task, **options) -> Algorithm:
     """FedAvg with Multi-Krum (Blanchard et al. 2017); DYN-OPT attack by default."""
     return fedavg_robust(task, aggregator="multi_krum", name="multi_krum", **options)
@@ -246,7 +251,9 @@ SIGNSGD_OPTIONS = dict(server_lr=1e-3, attack="reverse", **TRAIN_OPTIONS, **THRE
 
 @register_algorithm("signsgd", SIGNSGD_OPTIONS, unwrappable="its clients send signs (int8), not float updates, "
                     "and the server takes their majority vote (SignSGD has its own attack: --option "
-                    "malicious_fraction=F)")
+                    "malicious_fraction=F)",
+                    description="SignSGD with majority vote", paper="Bernstein et al., ICLR 2019",
+                    lr=0.01)   # its clients' momentum is 0.9 by default (see catalog.DEFAULT_LR)
 def signsgd(task: Task, *, server_lr, attack, momentum, weight_decay, lr_decay, lr_schedule,
             malicious_fraction, attacker_knowledge, malicious_seed) -> Algorithm:
     """SignSGD with majority vote (Bernstein et al. 2019) over local-training updates."""
@@ -290,7 +297,8 @@ def topk_uplink_bits(num_params: int, kept: int, index_coding: str) -> int:
     raise ValueError(f"unknown index_coding {index_coding!r}; valid: bitmap, indices")
 
 
-@register_algorithm("topk", TOPK_OPTIONS)
+@register_algorithm("topk", TOPK_OPTIONS, description="top-k sparsified updates, optional error feedback",
+                    paper="Aji & Heafield 2017; Alistarh et al. 2018")
 def topk(task: Task, *, fraction, error_feedback, index_coding, server_lr, momentum, weight_decay,
          lr_decay, lr_schedule) -> Algorithm:
     """TopK sparsification (Aji & Heafield 2017; Alistarh et al. 2018) of local updates."""
