@@ -225,7 +225,8 @@ def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experi
     if config.client_sampling == "poisson" and not algorithm.varying_cohort:
         raise RunError(f"--client-sampling poisson: {algorithm.name}'s server assumes a fixed cohort of K clients "
                        f"(its aggregation, vote or per-client optimisation is not written for a varying, possibly "
-                       f"empty cohort); use --client-sampling fixed, or fedavg, fedprox, fedavgm or spafl")
+                       "empty cohort); use --client-sampling fixed, or fedavg (and fedavgm, fedadam, fedyogi, "
+                       "fedadagrad), fedprox or spafl")
     lag = batch_norm_lag(model, algorithm, data, config)
     if lag is not None:
         warnings.warn(ModelWarning(lag), stacklevel=2)
