@@ -7,6 +7,7 @@ without a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
@@ -15,13 +16,15 @@ from pathlib import Path
 from fedjax_sparse.flags import RUN_FLAGS  # the table lives in a leaf module that errors reads too
 
 
-KEY_VALUE_FLAGS = ("--option", "--model-option", "--compare", "--change")
+KEY_VALUE_FLAGS = ("--option", "--model-option", "--dataset-option", "--compare", "--change")
+# The flags setting one option dict each, and the key prefix of their KEY=VALUE (config.OPTION_PREFIXES).
+OPTION_FLAGS = {"--option": "option", "--model-option": "model_option", "--dataset-option": "dataset_option"}
 
 # `run --help` in argument groups (and `bench --help` for the flags it shares): each flag's group, in one place.
 HELP_GROUPS = {
     "configuration": ("--config", "--setting"),
-    "data": ("--dataset", "--data-dir", "--download", "--num-clients", "--partition", "--min-client-samples",
-             "--preprocess", "--partition-file"),
+    "data": ("--dataset", "--dataset-option", "--data-dir", "--download", "--num-clients", "--partition",
+             "--min-client-samples", "--preprocess", "--partition-file"),
     "model": ("--model", "--model-option", "--init-params"),
     "algorithm": ("--algorithm", "--option", "--rounds", "--clients-per-round", "--client-sampling",
                   "--resample-every", "--local-epochs", "--batch-size", "--lr", "--seed", "--cohort-schedule"),
@@ -53,16 +56,6 @@ def _group(parser: argparse.ArgumentParser, flag: str):
     if name not in groups:
         groups[name] = parser.add_argument_group(name)
     return groups[name]
-
-
-def _key_values(pairs, flag):
-    out = {}
-    for pair in pairs or []:
-        if "=" not in pair:
-            raise ValueError(f"{flag} takes KEY=VALUE, got {pair!r}: write {flag} {pair}=VALUE")
-        key, value = pair.split("=", 1)
-        out[key.strip()] = value.strip()
-    return out
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -161,7 +154,10 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     _group(parser, "--option").add_argument("--option", action="append", metavar="KEY=VALUE",
                                             help="algorithm option (repeatable; `list` shows each algorithm's)")
     _group(parser, "--model-option").add_argument("--model-option", action="append", metavar="KEY=VALUE",
-                                                  help="model option (repeatable)")
+                                                  help="model option (repeatable; `list` shows each model's)")
+    _group(parser, "--dataset-option").add_argument("--dataset-option", action="append", metavar="KEY=VALUE",
+                                                    help="data set option, e.g. verify_checksums=false (repeatable; "
+                                                         "`list` shows each data set's)")
     _group(parser, "--download").add_argument("--download", action="store_true", default=None,
                                               help="fetch the dataset with TFDS")
 
@@ -205,15 +201,6 @@ def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         bench.add_argument(flag, default=None, help=argparse.SUPPRESS, **kwargs)
 
 
-def _model_option(value: str):
-    for cast in (int, float):
-        try:
-            return cast(value)
-        except ValueError:
-            pass
-    return value
-
-
 def compile_cache_dir(flag: str | None) -> Path | None:
     """The persistent compilation cache folder for a CLI run (None: off). JAX's own
     ``JAX_COMPILATION_CACHE_DIR`` wins when set (JAX reads it itself)."""
@@ -249,7 +236,7 @@ def config_from_args(args):
     given, ``--option``, ``--model-option``), and the fields the user set (the setting's and the config
     file's keys and the flags given).
     Returns (config, given). Raises ValueError (one line) on a bad file or a removed flag."""
-    from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig
+    from fedjax_sparse.config import OPTION_PREFIXES, RunConfig, parse_overrides, typed_value, with_overrides
     base = {}
     if args.setting:
         from fedjax_sparse.papers import setting
@@ -265,30 +252,29 @@ def config_from_args(args):
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {args.config} must hold a JSON object of RunConfig fields "
                              f"(e.g. {{\"algorithm\": \"fedavg\", \"rounds\": 10}}), not a {type(loaded).__name__}")
-        # Over --setting's keys (its options and model options merged with the file's).
-        merged = {k: {**base[k], **loaded[k]} for k in ("options", "model_options")
+        # Over --setting's keys (its option dicts merged with the file's).
+        merged = {k: {**base[k], **loaded[k]} for k in OPTION_PREFIXES.values()
                   if isinstance(base.get(k), dict) and isinstance(loaded.get(k), dict)}
         base = {**base, **loaded, **merged}
     config = RunConfig.from_json(base)
     # What the user set: the config file's keys (execution's by their own names) and the flags below.
     given = set(base) - {"execution"} | set(base.get("execution") or {})
-    for _, dest, _, _ in RUN_FLAGS:
-        value = getattr(args, dest)
-        if value is not None:
-            setattr(config.execution if dest in EXECUTION_FIELDS else config, dest, value)
-            given.add(dest)
+    flags = {dest: getattr(args, dest) for _, dest, _, _ in RUN_FLAGS if getattr(args, dest) is not None}
     if args.download:
-        config.download = True
-        given.add("download")
-    if args.option:
-        given.add("options")
-    if args.model_option:
-        given.add("model_options")
-    config.options = {**config.options, **_key_values(args.option, "--option")}
-    config.model_options = {**config.model_options,
-                            **{k: _model_option(v)
-                               for k, v in _key_values(args.model_option, "--model-option").items()}}
-    return config, given
+        flags["download"] = True
+    overrides = {}
+    for flag, prefix in OPTION_FLAGS.items():
+        specs = getattr(args, flag[2:].replace("-", "_")) or []
+        overrides.update({f"{prefix}.{key}": text for key, text in parse_overrides(specs, flag).items()})
+        given |= {OPTION_PREFIXES[prefix]} if specs else set()
+    config = with_overrides(config, flags)
+    if not getattr(args, "resume", False):
+        # Typed for the configuration they set; a resumed run's stay text, typed against the recorded
+        # configuration they are compared with (runner.resumed_config: its algorithm's options).
+        flag_for = {prefix: flag for flag, prefix in OPTION_FLAGS.items()}
+        overrides = {key: typed_value(config, key, text, flag_for[key.partition(".")[0]])
+                     for key, text in overrides.items()}
+    return with_overrides(config, overrides), given | set(flags)
 
 
 def cmd_run(args) -> int:
@@ -299,7 +285,8 @@ def cmd_run(args) -> int:
     config, given = config_from_args(args)
     if args.resume and not config.out:
         raise ValueError("--resume needs --out pointing at the interrupted run's directory")
-    change = _key_values(args.change, "--change")
+    from fedjax_sparse.config import parse_overrides
+    change = parse_overrides(args.change or [], "--change")
     if change and (args.sweep is not None or args.seeds is not None):
         raise ValueError("--change continues one run from its checkpoint; resume a sweep's or replicas' member "
                          "alone with --out MEMBER_FOLDER --resume --change ...")
@@ -348,7 +335,7 @@ def cmd_bench(args) -> int:
     if config.out:
         print(f"notice: bench writes no run folder; --out {config.out} ignored (--json FILE writes the result)",
               file=sys.stderr)
-        config.out = None
+        config = dataclasses.replace(config, out=None)
     if args.json:   # before the benchmark runs, not after it
         bench.check_json_writable(args.json, overwrite=args.overwrite)
     axes = bench.parse_compare(args.compare or [])
@@ -424,14 +411,13 @@ def cmd_partition(args) -> int:
 
 
 def cmd_list(args) -> int:
-    import dataclasses
-
     from fedjax_sparse.algorithms import algorithm_names, algorithm_options
     from fedjax_sparse.config import DEFAULT_MODELS
     from fedjax_sparse.data import datasets
     from fedjax_sparse.data.partition import PARTITION_SCHEMES
     from fedjax_sparse.catalog import ALGORITHMS, MODELS, default_lr
     from fedjax_sparse.models import model_names
+    from fedjax_sparse.models.registry import model_options
     print("algorithms: (--algorithm NAME: what it is, its paper; then --option KEY=VALUE: type = default)")
     for name in algorithm_names():
         fields = dataclasses.fields(algorithm_options(name))
@@ -440,11 +426,20 @@ def cmd_list(args) -> int:
         print(f"  {'':<24}   default --lr {default_lr(name)}; options: {options or '(none)'}")
     from fedjax_sparse.config import wrappable_algorithms
     print("--aggregator / --attack wrap: " + ", ".join(wrappable_algorithms()) + " (their clients send float updates)")
-    print("datasets:   " + ", ".join(datasets.DATASETS))
+    print("datasets: (--dataset NAME, then --dataset-option KEY=VALUE: type = default, what)")
+    alike: dict[int, list[str]] = {}   # the data sets sharing one schema (the file-based ones), on one line
+    for name in datasets.DATASETS:
+        alike.setdefault(id(datasets.DATASET_OPTIONS[name]), []).append(name)
+    for names in alike.values():
+        schema = datasets.DATASET_OPTIONS[names[0]]
+        print(f"  {', '.join(names)}: " + "; ".join(f"{key}: {o.kind.__name__ if o.kind else 'any'} = {o.default!r} "
+                                                  f"({o.help})" for key, o in schema.items()))
     print("models: (--model NAME: the data sets it suits; default per data set: "
-          + ", ".join(f"{d} {m}" for d, m in DEFAULT_MODELS.items()) + ")")
+          + ", ".join(f"{d} {m}" for d, m in DEFAULT_MODELS.items()) + "; then --model-option KEY=VALUE)")
     for name in model_names():
         print(f"  {name:<24} {MODELS.get(name, '(your model)')}")
+        print(f"  {'':<24}   options: " + ", ".join(f"{k}: {type(v).__name__} = {v!r}"
+                                                    for k, v in model_options(name).items()))
     print("partitions: " + ", ".join(PARTITION_SCHEMES))
     from fedjax_sparse.papers import SETTINGS
     print("settings:   (--setting NAME: a paper's experiment or the quickstart's, fedjax_sparse/papers.py) "

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 import typing
+from typing import Any, Iterable, Sequence
 
 from fedjax_sparse.algorithms.registry import algorithm_names, resolve_options, wrapper_refusal
 from fedjax_sparse.data.federated import PREPROCESSING
 from fedjax_sparse.models import model_names
-from fedjax_sparse.models.registry import is_model_reference
+from fedjax_sparse.models.registry import is_model_reference, resolve_model_options
 from fedjax_sparse.errors import RunError, in_callers_words
 from fedjax_sparse.execution import EXECUTION_FIELDS, Execution
 from fedjax_sparse.flags import flag_of
+from fedjax_sparse.schema import describe, fits, from_text
 
 # The execution modes a run offers: those with a recorded win (docs/design.md, "Execution modes").
 CLIENT_PARALLELISM = ("auto", "vmap", "map", "packed", "measure")
@@ -31,8 +32,6 @@ DEFAULT_MODELS = {
     "digits": "cnn_small", "synthetic": "logreg", "cifar10": "cnn7", "cifar10_sample": "cnn7",
     "cifar100": "resnet18_narrow", "svhn": "lenet5_caffe",
 }
-
-
 
 
 @dataclasses.dataclass
@@ -94,11 +93,11 @@ class RunConfig:
     @in_callers_words
     def from_setting(cls, name: str, **overrides) -> "RunConfig":
         """A paper's experiment by name (``fedjax_sparse.papers.SETTINGS``; ``run --setting NAME``), with
-        ``overrides`` (flat keys, execution's among them; ``options`` / ``model_options`` are merged into the
+        ``overrides`` (flat keys, execution's among them; the option dicts are merged into the
         setting's): ``RunConfig.from_setting("spafl_fmnist", data_dir="../shared/data", rounds=100)``."""
         from fedjax_sparse.papers import setting
         data = setting(name)
-        for key in ("options", "model_options"):
+        for key in OPTION_PREFIXES.values():
             if key in overrides:
                 overrides = {**overrides, key: {**data.get(key, {}), **overrides[key]}}
         return cls.from_json({**data, **overrides})
@@ -136,10 +135,123 @@ class RunConfig:
             raise RunError(f"unknown config key(s) {unknown}; valid keys: {sorted(names | set(EXECUTION_FIELDS))}")
         for key, value in [*data.items(), *execution.items()]:
             hint = typing.get_type_hints(Execution if key in EXECUTION_FIELDS else cls)[key]
-            if not _matches(value, hint):
+            if not fits(value, hint):
                 raise RunError(f"config key {key!r} (flag {flag_of(key)}) expects "
-                               f"{_describe(hint)}, got {value!r}")
+                               f"{describe(hint)}, got {value!r}")
         return cls(**data, execution=Execution(**execution))
+
+
+def model_name(config: RunConfig) -> str:
+    """The model a run builds: ``--model``, else its data set's default (``DEFAULT_MODELS``; ``mlp``)."""
+    return config.model or DEFAULT_MODELS.get(config.dataset, "mlp")
+
+
+# ------------------------------------------------------------------ KEY=VALUE overrides
+# ``option.NAME=V`` sets RunConfig.options[NAME] (``model_option.``, ``dataset_option.`` likewise); the
+# fields' own plural names (``options.NAME``) are read too.
+OPTION_PREFIXES = {"option": "options", "model_option": "model_options", "dataset_option": "dataset_options"}
+LIST_SEPARATORS = {"xla_flags": ";"}   # bench --compare: XLA flags hold ',' (and '=')
+
+
+def override_key(key: str) -> str:
+    """``options.alpha`` -> ``option.alpha``; any other key as it is (stripped)."""
+    prefix, dot, name = key.strip().partition(".")
+    plural = {field: prefix for prefix, field in OPTION_PREFIXES.items()}
+    return f"{plural.get(prefix, prefix)}{dot}{name}"
+
+
+def parse_overrides(specs: Sequence[str], flag: str, lists: bool = False) -> dict[str, Any]:
+    """The one KEY=VALUE grammar (``--option``, ``--model-option``, ``--dataset-option``, ``--change``,
+    ``--sweep``, ``--compare``): ``["lr=0.1", "option.alpha=0.01"]`` -> ``{"lr": "0.1", "option.alpha":
+    "0.01"}`` (the last of a key given twice wins), values as text: :func:`typed_value` types them for the
+    configuration they apply to. ``lists``: ``KEY=V1,V2`` -> ``{KEY: ["V1", "V2"]}`` (``xla_flags``'
+    values separated by ``;``), a key or a value given twice refused. One-line RunError naming ``flag``."""
+    out: dict[str, Any] = {}
+    for spec in specs:
+        key, sep, text = spec.partition("=")
+        key = override_key(key)
+        separator = LIST_SEPARATORS.get(key, ",")
+        form = f"V1{separator}V2" if lists else "VALUE"
+        if not sep or not key:
+            raise RunError(f"{flag} takes KEY={form}, got {spec!r}: write {flag} {key or 'KEY'}={form}")
+        if not lists:
+            out[key] = text.strip()
+            continue
+        values = [value.strip() for value in text.split(separator)]
+        if not all(values):
+            raise RunError(f"{flag} {spec!r} has an empty value: write {flag} {key}={form} (values separated by "
+                           f"'{separator}')")
+        if key in out:
+            raise RunError(f"{flag} names {key!r} twice; give all its values once: {flag} {key}={form}")
+        out[key] = values
+    return out
+
+
+def typed_value(config: RunConfig, key: str, value: Any, flag: str) -> Any:
+    """The value override ``key`` takes in ``config``: text read as the type the key declares (a RunConfig
+    or Execution field's annotation; ``option.NAME``: the algorithm's typed options, by its registry's
+    ``coerce_option``; ``model_option.NAME`` / ``dataset_option.NAME``: the model's / data set's schema;
+    a model of your own declares none: read as JSON spells it); any other value as it is (checked with
+    the whole configuration). One-line RunError naming ``flag``, the key and the expected type."""
+    if not isinstance(value, str):
+        return value
+    prefix, dot, name = key.partition(".")
+    try:
+        if dot and prefix == "option":
+            typed = getattr(resolve_options(config.algorithm, {name: value}), name)
+            # A whole number stays an integer where a number is expected, as everywhere (from_text).
+            return from_text(value, float) if type(typed) is float else typed
+        if dot and prefix == "model_option":
+            model = model_name(config)
+            return from_text(value) if is_model_reference(model) else resolve_model_options(model, {name: value})[name]
+        if dot and prefix == "dataset_option":
+            from fedjax_sparse.data.datasets import dataset_options
+            return dataset_options(config.dataset, {name: value})[name]
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    hints = {**typing.get_type_hints(RunConfig), **typing.get_type_hints(Execution)}
+    if key in (*OPTION_PREFIXES.values(), "execution") or key not in hints:
+        raise RunError(f"{flag} {key}: not a setting; set a RunConfig or execution field (lr, client_parallelism, "
+                       "...), option.NAME, model_option.NAME or dataset_option.NAME")
+    try:
+        return from_text(value, hints[key])
+    except ValueError as e:
+        raise RunError(f"{flag} {key}={value!r}: {e}") from None
+
+
+def typed_axes(config: RunConfig, axes: dict[str, list], flag: str) -> dict[str, list]:
+    """``{key: [values]}`` (``--sweep``, ``--compare``) typed for ``config`` (:func:`typed_value`); a key
+    listing one value twice (``0.1,0.10``) is refused in one line."""
+    typed = {}
+    for key, values in axes.items():
+        typed[key] = [typed_value(config, key, value, flag) for value in values]
+        if len(set(map(repr, typed[key]))) != len(values):
+            raise RunError(f"{flag} {key} lists a value twice: {', '.join(map(str, values))}")
+    return typed
+
+
+def with_overrides(config: RunConfig, values: dict[str, Any] | Iterable[tuple[str, Any]]) -> RunConfig:
+    """A new ``config`` with ``values`` set (``{key: value}`` or ``((key, value), ...)``: RunConfig and
+    Execution fields, ``option.NAME``, ``model_option.NAME``, ``dataset_option.NAME``), unchecked."""
+    dicts: dict[str, Any] = {field: dict(getattr(config, field)) for field in OPTION_PREFIXES.values()}
+    fields: dict[str, Any] = {}
+    execution: dict[str, Any] = {}
+    for key, value in dict(values).items():
+        prefix, dot, name = key.partition(".")
+        if dot and prefix in OPTION_PREFIXES:
+            dicts[OPTION_PREFIXES[prefix]][name] = value
+        else:
+            (execution if key in EXECUTION_FIELDS else fields)[key] = value
+    return dataclasses.replace(config, **dicts, **fields, execution=dataclasses.replace(config.execution, **execution))
+
+
+def same_setting(config: RunConfig, key: str, a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` set override ``key`` of ``config`` alike: a flag's text and a recorded value
+    (``"true"`` and ``True``; an earlier version's recorded text ``"0.01"`` and ``0.01``)."""
+    try:
+        return typed_value(config, key, a, "") == typed_value(config, key, b, "")
+    except RunError:   # a key or value ``config`` cannot take: the same only as the same text
+        return str(a) == str(b)
 
 
 def with_default_lr(config: RunConfig) -> RunConfig:
@@ -149,32 +261,6 @@ def with_default_lr(config: RunConfig) -> RunConfig:
         return config
     from fedjax_sparse.catalog import default_lr
     return dataclasses.replace(config, lr=default_lr(config.algorithm))
-
-
-def _matches(value, hint) -> bool:
-    """Whether a JSON value fits a RunConfig field's type (ints are accepted for floats)."""
-    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    for option in options:
-        if option is type(None) and value is None:
-            return True
-        if option is bool and isinstance(value, bool):
-            return True
-        if option is int and isinstance(value, int) and not isinstance(value, bool):
-            return True
-        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return True
-        if option in (str, dict) and isinstance(value, option):
-            return True
-        if typing.get_origin(option) is dict and isinstance(value, dict):
-            return True
-    return False
-
-
-def _describe(hint) -> str:
-    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    names = {type(None): "null", int: "an integer", float: "a number", str: "a string", bool: "true/false",
-             dict: "an object"}
-    return " or ".join(names.get(o, "an object" if typing.get_origin(o) is dict else str(o)) for o in options)
 
 
 def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()):

@@ -110,6 +110,7 @@ _NOT_VALUES = frozenset(
     "stacks such takes that the times to was which with accounts ones".split())
 _FLAG = re.compile(r"--[a-z][a-z0-9-]*")
 _VALUE = re.compile(r" ('[^']*'|\"[^\"]*\"|\{[^}]*\}|\[[^\]]*\]|[^\s;,)(]*[^\s;,)(.:])")
+_KEY_VALUE_FLAGS = ("--option", "--model-option", "--dataset-option", "--sweep", "--change")
 _KEY_VALUES = re.compile(r" ([A-Za-z_.][A-Za-z0-9_.]*=[^\s;)(]*[^\s;)(.:,])")   # --option k=v1,v2
 
 
@@ -144,7 +145,7 @@ def python_words(message: str, arguments: dict[str, str] | None = None) -> str:
     message = re.sub(r" \(flag --[a-z0-9-]+\)", "", message)
 
     def value_after(end: int, flag: str) -> tuple[str | None, int]:
-        match = (flag in ("--option", "--model-option", "--sweep", "--change") and _KEY_VALUES.match(message, end)) \
+        match = (flag in _KEY_VALUE_FLAGS and _KEY_VALUES.match(message, end)) \
             or _VALUE.match(message, end)
         if match is None or match.group(1) in _NOT_VALUES or match.group(1).startswith("--"):
             return None, end
@@ -155,11 +156,12 @@ def python_words(message: str, arguments: dict[str, str] | None = None) -> str:
         if match.start() < position:
             continue
         flag = match.group(0)
-        if flag not in fields and flag not in own and flag not in ("--option", "--model-option", "--sweep", "--change"):
+        if flag not in fields and flag not in own and flag not in _KEY_VALUE_FLAGS:
             continue
         value, end = value_after(match.end(), flag)
-        if flag in ("--option", "--model-option", "--change"):
-            name = {"--option": "options", "--model-option": "model_options"}.get(flag)
+        if flag in ("--option", "--model-option", "--dataset-option", "--change"):
+            name = {"--option": "options", "--model-option": "model_options",
+                    "--dataset-option": "dataset_options"}.get(flag)
             entry = _key_value(value) if value and "=" in value else None
             if name is None:   # --change: run(..., change={...})
                 text = f"change={{{entry}}}" if entry else "change"

@@ -17,7 +17,7 @@ import numpy as np
 
 from fedjax_sparse import pinning
 from fedjax_sparse.algorithms import Algorithm, Task, compose, make_algorithm
-from fedjax_sparse.config import DEFAULT_MODELS, RunConfig, resolved_dp_accountant, validate
+from fedjax_sparse.config import RunConfig, model_name, resolved_dp_accountant, validate
 from fedjax_sparse.errors import DataError, DataWarning, ModelWarning, RunError, callers_words, in_callers_words
 from fedjax_sparse.data.federated import FederatedData, build_federated_data
 from fedjax_sparse.engine import Engine, choose_pack_width, poisson_capacity
@@ -163,9 +163,8 @@ def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experi
             f"{largest} examples): each local epoch is one full-batch step, padded to {config.batch_size} rows; "
             f"--batch-size {largest} takes the same steps without the padding")), stacklevel=1)
     if parts.model is None:
-        model_name = config.model or DEFAULT_MODELS.get(config.dataset, "mlp")
         try:
-            model = make_model(model_name, data.input_shape, data.num_classes, **config.model_options)
+            model = make_model(model_name(config), data.input_shape, data.num_classes, **config.model_options)
         except (ValueError, TypeError, ImportError, AttributeError) as e:
             raise RunError(str(e)) from None
     elif isinstance(parts.model, Model):

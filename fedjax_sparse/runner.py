@@ -38,7 +38,8 @@ from fedjax_sparse import population as host_population
 from fedjax_sparse.checkpoint import (Checkpointer, clear_outputs, latest_checkpoint, locked_out_dir,
                                       prepare_out_dir, recover_metrics, restore_checkpoint,
                                       write_metrics)
-from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig, resolved_dp_accountant, with_default_lr
+from fedjax_sparse.config import (EXECUTION_FIELDS, OPTION_PREFIXES, RunConfig, resolved_dp_accountant, same_setting,
+                                  typed_value, with_default_lr, with_overrides)
 from fedjax_sparse.errors import RunError, RunInterrupted, RunStopped, in_callers_words
 from fedjax_sparse.data.federated import FederatedData
 from fedjax_sparse.engine import COHORT_METRICS, STEP_METRICS, Engine, EngineState
@@ -121,12 +122,20 @@ def resumed_config(config: RunConfig, saved: RunConfig, given: set[str] | None) 
             mine = resolved_dp_accountant(mine, config.client_sampling)
             recorded = resolved_dp_accountant(recorded, saved.client_sampling)
         if isinstance(mine, dict) and isinstance(recorded, dict):
-            # --option / --model-option: only the keys given, compared as the strings a CLI passes.
-            return any(str(v) != str(recorded.get(k)) for k, v in mine.items())
+            # --option / --model-option / --dataset-option: only the keys given, typed as the recorded run's
+            # (a resumed run's flags are text: "true" is the recorded True).
+            return any(not same_setting(saved, f"{prefix[name]}.{k}", v, recorded.get(k)) for k, v in mine.items())
         return mine != recorded
 
-    refused = [f"{_flag(f)} {getattr(config, f)!r} (recorded: {getattr(saved, f)!r})" for f in asked
-               if f not in RESUMABLE_CHANGES and differs(f)]
+    prefix = {field: key for key, field in OPTION_PREFIXES.items()}
+
+    def shown(name: str) -> str:
+        mine, recorded = getattr(config, name), getattr(saved, name)
+        if name in prefix:
+            return "; ".join(f"{_flag(prefix[name])} {k}={v!r} (recorded: {recorded.get(k)!r})" for k, v in mine.items()
+                             if not same_setting(saved, f"{prefix[name]}.{k}", v, recorded.get(k)))
+        return f"{_flag(name)} {mine!r} (recorded: {recorded!r})"
+    refused = [shown(f) for f in asked if f not in RESUMABLE_CHANGES and differs(f)]
     if refused:
         hint = ("; the learning rate and algorithm options may change from the checkpoint on with --change "
                 "lr=VALUE / --change option.NAME=VALUE" if any(f in ("lr", "options") for f in asked
@@ -160,29 +169,24 @@ CHANGEABLE = ("lr", "option.NAME")
 
 def changed_config(config: RunConfig, change: dict[str, Any]) -> tuple[RunConfig, dict]:
     """``config`` with ``change`` applied (``{"lr": 0.01, "option.alpha": "0.01"}``; values as typed or as
-    the CLI's strings) and what changed, ``{key: {"from": old, "to": new}}``. Any other key is refused in
-    one line (what else a resume may change is :data:`RESUMABLE_CHANGES`); the result is validated."""
-    from fedjax_sparse.config import validate
-    lr, options, changed = config.lr, dict(config.options), {}
+    the CLI's text, typed as ``config`` declares them) and what changed, ``{key: {"from": old, "to": new}}``.
+    Any other key is refused in one line (what else a resume may change is :data:`RESUMABLE_CHANGES`); the
+    result is validated."""
+    from fedjax_sparse.config import override_key, validate
+    typed = {}
     for key, value in change.items():
-        if key == "lr":
-            try:
-                lr = float(value)
-            except (TypeError, ValueError):
-                raise RunError(f"--change lr={value!r}: expected a number") from None
-            if lr != config.lr:
-                changed["lr"] = {"from": config.lr, "to": lr}
-        elif key.startswith(("option.", "options.")) and key.partition(".")[2]:
-            name = key.partition(".")[2]
-            options[name] = value
-            if str(value) != str(config.options.get(name)):
-                changed[f"option.{name}"] = {"from": config.options.get(name), "to": value}
-        else:
+        key = override_key(key)
+        if key != "lr" and not (key.startswith("option.") and key.partition(".")[2]):
             raise RunError(f"--change {key}: a resumed run may change only {', '.join(CHANGEABLE)} (the rest of "
                            "the experiment is the recorded one); start a new run in another --out to change it")
-    merged = dataclasses.replace(config, lr=lr, options=options)
+        typed[key] = typed_value(config, key, value, "--change")
+        if typed[key] is None:
+            raise RunError(f"--change {key}={value!r}: expected a number")
+    merged = with_overrides(config, typed)
     validate(merged)
-    return merged, changed
+    old = {"lr": config.lr, **{f"option.{k}": v for k, v in config.options.items()}}
+    return merged, {key: {"from": old.get(key), "to": value} for key, value in typed.items()
+                    if not same_setting(config, key, value, old.get(key))}
 
 
 @in_callers_words

@@ -48,7 +48,8 @@ import numpy as np
 
 from fedjax_sparse.algorithms.registry import algorithm_builder, algorithm_names, resolve_options
 from fedjax_sparse.checkpoint import has_checkpoint, locked_out_dir, read_metrics
-from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig, validate
+from fedjax_sparse.config import (EXECUTION_FIELDS, OPTION_PREFIXES, RunConfig, parse_overrides, same_setting,
+                                  typed_axes, validate, with_overrides)
 from fedjax_sparse.data.arrays import PartitionedData
 from fedjax_sparse.engine import Engine
 from fedjax_sparse.errors import RunError, in_callers_words
@@ -61,7 +62,7 @@ from fedjax_sparse.runner import RESUMABLE_CHANGES, RunResult, open_run, resumed
 TRACEABLE_FIELDS = ("lr",)
 # RunConfig fields a sweep may not vary: the seed has --seeds; the rest are where and how it runs.
 NOT_SWEPT = ("seed", "out", "data_dir", "download", "algorithm", "dataset", "execution", "options",
-             "model_options", "rounds", "eval_every")
+             "model_options", "dataset_options", "rounds", "eval_every")
 SELECT_KEYS = ("best_accuracy", "final_accuracy")
 
 
@@ -74,40 +75,15 @@ class Member:
 
 
 def parse_sweep(specs: Sequence[str]) -> dict[str, list]:
-    """``["lr=0.01,0.1", "option.alpha=0.001,0.002"]`` -> ``{"lr": [0.01, 0.1], ...}`` (numbers and
-    booleans parsed; other values stay strings). One-line RunError on a malformed or repeated key."""
-    axes: dict[str, list] = {}
-    for spec in specs:
-        key, sep, values = spec.partition("=")
-        key = key.strip()
-        if not sep or not key or not values.strip():
-            raise RunError(f"--sweep takes KEY=V1,V2,..., got {spec!r}: e.g. --sweep lr=0.01,0.1")
-        if key in axes:
-            raise RunError(f"--sweep names {key!r} twice; give all its values once: --sweep {key}=V1,V2")
-        parsed = [parse_value(v.strip()) for v in values.split(",") if v.strip()]
-        if len(set(map(repr, parsed))) != len(parsed):
-            raise RunError(f"--sweep {key} lists a value twice: {values}")
-        axes[key] = parsed
-    return axes
-
-
-def parse_value(text: str) -> Any:
-    """A value given on the command line (``--sweep``, ``bench --compare``): true/false, integers and
-    floats parsed, the rest a string (an ``--option``'s string is parsed by the algorithm's typed options)."""
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+    """``["lr=0.01,0.1", "option.alpha=0.001,0.002"]`` -> ``{"lr": ["0.01", "0.1"], ...}``: the values as
+    text, typed by :func:`sweep` for the configuration they vary (``config.parse_overrides``, the grammar of
+    every KEY=VALUE flag). One-line RunError on a malformed or repeated key."""
+    return parse_overrides(specs, "--sweep", lists=True)
 
 
 # Keys an object given to ``sweep`` decides (its config name is a label): sweeping them would change nothing.
 OBJECT_DECIDES = {"model": ("model", "model_option."),
-                  "dataset": ("dataset", "data_dir", "download", "dataset_options"),
+                  "dataset": ("dataset", "data_dir", "download", "dataset_option."),
                   "partitioned data": ("num_clients", "partition", "min_client_samples", "partition_file"),
                   "algorithm": ("algorithm", "option.")}
 
@@ -143,7 +119,7 @@ def check_axes(config: RunConfig, axes: dict[str, list], objects: Sequence[str] 
         if not values:
             raise RunError(f"--sweep {key} has no values")
         prefix, _, name = key.partition(".")
-        if prefix in ("option", "model_option") and name:
+        if prefix in OPTION_PREFIXES and name:
             continue
         if key in EXECUTION_FIELDS:
             raise RunError(f"--sweep {key}: execution settings change no number; sweep what is computed")
@@ -151,7 +127,7 @@ def check_axes(config: RunConfig, axes: dict[str, list], objects: Sequence[str] 
             raise RunError("--sweep seed: give the seeds with --seeds 0 1 2 (every grid point runs each)")
         if key not in fields or key in NOT_SWEPT:
             raise RunError(f"--sweep cannot vary {key!r}; sweep a RunConfig field (lr, local_epochs, "
-                           "malicious_fraction, ...), option.NAME or model_option.NAME")
+                           "malicious_fraction, ...), option.NAME, model_option.NAME or dataset_option.NAME")
 
 
 def grid(axes: dict[str, list]) -> list[tuple]:
@@ -166,31 +142,13 @@ def point_label(point: tuple) -> str:
     return ",".join(f"{key}={value}" for key, value in point).replace("/", "_")
 
 
-def apply_point(config: RunConfig, point: tuple) -> RunConfig:
-    """``config`` with the point's values (``option.NAME``, ``model_option.NAME``, a RunConfig or
-    Execution field), unchecked."""
-    options, model_options = dict(config.options), dict(config.model_options)
-    fields: dict[str, Any] = {}
-    execution: dict[str, Any] = {}
-    for key, value in point:
-        prefix, _, name = key.partition(".")
-        if prefix == "option":
-            options[name] = value
-        elif prefix == "model_option":
-            model_options[name] = value
-        else:
-            (execution if key in EXECUTION_FIELDS else fields)[key] = value
-    return dataclasses.replace(config, options=options, model_options=model_options,
-                               execution=dataclasses.replace(config.execution, **execution), **fields)
-
-
 def members_of(config: RunConfig, axes: dict[str, list], seeds: Sequence[int]) -> list[Member]:
     out = Path(config.out) if config.out else None
     members = []
     for point in grid(axes):
         for seed in seeds:
             member_out = str(out / point_label(point) / f"seed{seed}") if out else None
-            members.append(Member(point, int(seed), dataclasses.replace(apply_point(config, point), seed=int(seed),
+            members.append(Member(point, int(seed), dataclasses.replace(with_overrides(config, point), seed=int(seed),
                                                                           out=member_out)))
     return members
 
@@ -324,6 +282,11 @@ def sweep(config: RunConfig, axes: dict[str, list] | None = None, seeds: Sequenc
     axes = None if axes is None else axis_lists(axes)
     if seeds is not None and (not seeds or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds)):
         raise RunError(f"a sweep needs distinct non-negative seeds, got {seeds}")
+    if axes is not None:
+        # The keys in the sweep's words, then text values typed for the configuration they vary: the
+        # recorded one when resuming (its algorithm's options), so that they compare with the recorded grid.
+        check_axes(config, axes, objects)
+        axes = typed_axes(RunConfig.from_json(previous["config"]) if previous else config, axes, "--sweep")
     if previous:
         assert out is not None
         config, axes, seeds, select, notice = resume_plan(config, axes, seeds, select, previous, given, out)
@@ -334,7 +297,6 @@ def sweep(config: RunConfig, axes: dict[str, list] | None = None, seeds: Sequenc
                        + (f" ({out} holds no sweep.json to resume)" if resume and out is not None else ""))
     seeds = [0] if seeds is None else seeds
     select = select or "best_accuracy"
-    check_axes(config, axes, objects)
     parse_select(select)
     if config.execution.client_state == "host":
         raise RunError("a sweep stacks its members' clients on the device; sweep with --client-state device")
@@ -517,9 +479,10 @@ def resume_plan(config: RunConfig, axes: dict[str, list] | None, seeds: list[int
             continue
         mine, theirs = getattr(config, name), getattr(recorded, name)
         if isinstance(mine, dict) and isinstance(theirs, dict):
-            prefix = "option." if name == "options" else "model_option." if name == "model_options" else ""
+            prefix = {field: prefix for prefix, field in OPTION_PREFIXES.items()}[name]
             for key, value in mine.items():
-                if f"{prefix}{key}" not in swept and str(value) != str(theirs.get(key)):
+                if f"{prefix}.{key}" not in swept and not same_setting(recorded, f"{prefix}.{key}", value,
+                                                                       theirs.get(key)):
                     problems.append(f"{shown(name, {key: value})} (recorded: {theirs.get(key)!r})")
         elif mine != theirs:
             problems.append(f"{shown(name, mine)} (recorded: {theirs!r})")

@@ -18,8 +18,8 @@ QUICK = dict(dataset="digits", num_clients=4, clients_per_round=2, rounds=1, loc
 QUICK_FLAGS = ["--dataset", "digits", "--num-clients", "4", "--clients-per-round", "2", "--rounds", "1",
                "--local-epochs", "1", "--partition", "iid", "--quiet"]
 # The flags an API caller sets as arguments: run's configuration flags and run's own.
-TRANSLATED = [flag for flag, *_ in RUN_FLAGS] + ["--option", "--model-option", "--sweep", "--seeds", "--resume",
-                                                 "--overwrite", "--download", "--sweep-select",
+TRANSLATED = [flag for flag, *_ in RUN_FLAGS] + ["--option", "--model-option", "--dataset-option", "--sweep",
+                                                 "--seeds", "--resume", "--overwrite", "--download", "--sweep-select",
                                                  "--replica-parallelism", "--change", "--setting"]
 LEFT = re.compile("(" + "|".join(re.escape(f) for f in sorted(TRANSLATED, key=len, reverse=True)) + r")(?![a-z-])")
 

@@ -59,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from fedjax_sparse.data.datasets import NPZ_PREFIX, Dataset, load_dataset
+from fedjax_sparse.data.datasets import NPZ_PREFIX, Dataset, dataset_options, load_dataset
 
 from fedjax_sparse.errors import DataError, in_callers_words
 from fedjax_sparse.data.federated import FederatedData, build_federated_data
@@ -503,8 +503,7 @@ def load(name: str, data_dir: str | os.PathLike | None = None, *, download: bool
     """A built-in data set by name (`load_dataset`), or your own ``.npz`` file as ``"npz:PATH"`` (the
     path as given, relative to the current directory; `data_dir` is ignored; `load_npz`; no options)."""
     if isinstance(name, str) and name.startswith(NPZ_PREFIX):
-        if options:
-            raise DataError(f"{name}: unknown option(s) {', '.join(sorted(options))}; valid options: none")
+        dataset_options(name, options)   # a .npz file has none: any is refused in the data sets' words
         if download:
             raise DataError(f"{name}: --download does not apply to a local .npz file; drop --download")
         path = name[len(NPZ_PREFIX):]

@@ -6,6 +6,7 @@ from typing import Callable
 
 from fedjax_sparse.errors import in_callers_words
 from fedjax_sparse.models.base import Model
+from fedjax_sparse.schema import Option, resolve
 
 _BUILDERS: dict[str, Callable[..., Model]] = {}
 
@@ -39,6 +40,22 @@ def model_options(name: str) -> dict[str, object]:
         accepted.update({p.name: p.default for p in inspect.signature(sequential).parameters.values()
                          if p.kind == p.KEYWORD_ONLY})
     return accepted
+
+
+def resolve_model_options(name: str, options: dict) -> dict:
+    """``options`` of the registered model ``name`` (texts or values) typed as their defaults are (a
+    ``--model-option hidden=100`` is 100, ``init=3`` the string '3'); a one-line ValueError for an
+    unknown model, an unknown key (listing the accepted ones) or a value of another type."""
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown model {name!r}; valid models: {', '.join(model_names())}")
+    accepted = model_options(name)
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        valid = ", ".join(f"{k}={v!r}" for k, v in accepted.items()) or "none"
+        raise ValueError(f"unknown --model-option {', '.join(unknown)} for model {name}; accepted: {valid}")
+    # A default of None declares no type: its value is read as JSON spells it.
+    schema = {key: Option(None if default is None else type(default), default) for key, default in accepted.items()}
+    return resolve(schema, options, "--model-option", f"model {name}")
 
 
 def is_model_reference(name: str) -> bool:
@@ -122,11 +139,4 @@ def make_model(name: str, input_shape, num_classes: int, **options) -> Model:
         if isinstance(target, Model):
             return target
         return from_flax(target, input_shape, num_classes=num_classes, name=name)
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown model {name!r}; valid models: {', '.join(model_names())}")
-    accepted = model_options(name)
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        valid = ", ".join(f"{k}={v!r}" for k, v in accepted.items()) or "none"
-        raise ValueError(f"unknown --model-option {', '.join(unknown)} for model {name}; accepted: {valid}")
-    return _BUILDERS[name](tuple(input_shape), int(num_classes), **options)
+    return _BUILDERS[name](tuple(input_shape), int(num_classes), **resolve_model_options(name, options))
