@@ -13,30 +13,11 @@ import shlex
 import sys
 from pathlib import Path
 
-from fedjax_sparse.flags import RUN_FLAGS  # the table lives in a leaf module that errors reads too
+from fedjax_sparse.settings import GROUPS, RUN_FLAGS   # each setting's flag, type, help and group
 
-
-KEY_VALUE_FLAGS = ("--option", "--model-option", "--dataset-option", "--compare", "--change")
-# The flags setting one option dict each, and the key prefix of their KEY=VALUE (config.OPTION_PREFIXES).
-OPTION_FLAGS = {"--option": "option", "--model-option": "model_option", "--dataset-option": "dataset_option"}
-
-# `run --help` in argument groups (and `bench --help` for the flags it shares): each flag's group, in one place.
-HELP_GROUPS = {
-    "configuration": ("--config", "--setting"),
-    "data": ("--dataset", "--dataset-option", "--data-dir", "--download", "--num-clients", "--partition",
-             "--min-client-samples", "--preprocess", "--partition-file"),
-    "model": ("--model", "--model-option", "--init-params"),
-    "algorithm": ("--algorithm", "--option", "--rounds", "--clients-per-round", "--client-sampling",
-                  "--resample-every", "--local-epochs", "--batch-size", "--lr", "--seed", "--cohort-schedule"),
-    "privacy": ("--dp-clip", "--dp-noise-multiplier", "--dp-target-epsilon", "--dp-delta", "--dp-accountant"),
-    "robustness": ("--aggregator", "--trim-fraction", "--attack", "--malicious-fraction"),
-    "seeds and sweeps": ("--seeds", "--sweep", "--sweep-select", "--replica-parallelism"),
-    "execution": ("--client-parallelism", "--eval-batch-size", "--personal-eval", "--client-state",
-                  "--client-storage", "--host-chunk-rounds", "--max-chunk-seconds", "--compile-cache",
-                  "--coordinator", "--num-processes", "--process-id"),
-    "outputs": ("--out", "--eval-every", "--checkpoint-every", "--checkpoint-seconds", "--log", "--resume",
-                "--change", "--overwrite", "--quiet"),
-}
+# The settings' KEY=VALUE flags (one option dict each; their keys' prefix: config.OPTION_PREFIXES).
+OPTION_FLAGS = {flag: flag[2:].replace("-", "_") for flag, _, kind, *_ in RUN_FLAGS if kind is dict}
+KEY_VALUE_FLAGS = (*OPTION_FLAGS, "--compare", "--change")
 RUN_EXAMPLES = """examples:
   python -m fedjax_sparse run --algorithm fedavg --dataset digits --rounds 20 --out runs/fedavg
   python -m fedjax_sparse run --setting spafl_fmnist --data-dir ../shared/data --rounds 100 --out runs/spafl
@@ -49,9 +30,8 @@ RUN_EXAMPLES = """examples:
   python -m fedjax_sparse list       # algorithms, data sets, models, partitions"""
 
 
-def _group(parser: argparse.ArgumentParser, flag: str):
-    """The argument group of ``parser`` that ``flag`` belongs to (HELP_GROUPS), created on first use."""
-    name = next((g for g, flags in HELP_GROUPS.items() if flag in flags), "other")
+def _group(parser: argparse.ArgumentParser, name: str):
+    """The argument group ``name`` (settings.GROUPS) of ``parser``, created on first use."""
     groups = parser.__dict__.setdefault("_fjs_groups", {})
     if name not in groups:
         groups[name] = parser.add_argument_group(name)
@@ -66,36 +46,37 @@ def _parser() -> argparse.ArgumentParser:
                          usage="python -m fedjax_sparse run [FLAGS]   (by group below; examples at the end)",
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_config_arguments(run)
-    _group(run, "--resume").add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
-    _group(run, "--change").add_argument(
+    _group(run, "outputs").add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
+    _group(run, "outputs").add_argument(
         "--change", action="append", metavar="KEY=VALUE",
         help="with --resume: continue from the checkpoint with another lr (--change lr=0.01) or algorithm option "
              "(--change option.alpha=0.01), e.g. after a divergence; recorded in config.json with the round, "
              "marked by report and plot (repeatable)")
-    _group(run, "--overwrite").add_argument("--overwrite", action="store_true", help="replace the run already in --out")
-    _group(run, "--quiet").add_argument("--quiet", action="store_true", help="no progress bar")
-    _group(run, "--compile-cache").add_argument("--compile-cache", default=None, metavar="DIR|off",
+    _group(run, "outputs").add_argument("--overwrite", action="store_true", help="replace the run already in --out")
+    _group(run, "outputs").add_argument("--quiet", action="store_true", help="no progress bar")
+    _group(run, "execution").add_argument("--compile-cache", default=None, metavar="DIR|off",
                      help="folder of JAX's persistent compilation cache, so a rerun, a resume or another seed "
                           "of the same shapes skips compiling (default: $FEDJAX_SPARSE_COMPILE_CACHE, else "
                           "$XDG_CACHE_HOME/fedjax_sparse/jax, i.e. ~/.cache/...; 'off' disables it)")
-    _group(run, "--coordinator").add_argument("--coordinator", default=None, metavar="HOST:PORT",
+    _group(run, "execution").add_argument("--coordinator", default=None, metavar="HOST:PORT",
                      help="multi-process run (jax.distributed): address of process 0; with --num-processes and "
                           "--process-id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
-    _group(run, "--num-processes").add_argument("--num-processes", type=int, default=None, metavar="N",
+    _group(run, "execution").add_argument("--num-processes", type=int, default=None, metavar="N",
                      help="multi-process run: how many processes (one command per process, same flags)")
-    _group(run, "--process-id").add_argument("--process-id", type=int, default=None, metavar="I",
+    _group(run, "execution").add_argument("--process-id", type=int, default=None, metavar="I",
                      help="multi-process run: this process's index, 0 .. N-1 (process 0 writes the files)")
-    _group(run, "--seeds").add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED",
+    _group(run, "seeds and sweeps").add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED",
                      help="replicas: run the configuration once per seed in one process, each in OUT/seed<SEED>/ "
                           "(OUT/replicas.json: mean and std over seeds); replaces --seed")
-    _group(run, "--replica-parallelism").add_argument("--replica-parallelism", default="auto",
+    _group(run, "seeds and sweeps").add_argument("--replica-parallelism", default="auto",
                      help="--seeds and --sweep: auto (sequential on CPU, vmap elsewhere) | vmap (all members in one "
                           "program) | sequential (one member after another through one compiled program)")
-    _group(run, "--sweep").add_argument("--sweep", action="append", default=None, metavar="KEY=V1,V2",
+    _group(run, "seeds and sweeps").add_argument("--sweep", action="append", default=None, metavar="KEY=V1,V2",
                      help="a grid (repeatable): KEY is lr, local_epochs, malicious_fraction (any RunConfig field), "
-                          "option.NAME or model_option.NAME; every point runs every --seeds seed, in "
+                          "option.NAME, model_option.NAME or dataset_option.NAME; every point runs every --seeds "
+                          "seed, in "
                           "OUT/<point>/seed<SEED>/, with OUT/sweep.json and OUT/sweep.md (mean +- std over seeds)")
-    _group(run, "--sweep-select").add_argument("--sweep-select", default=None, metavar="KEY",
+    _group(run, "seeds and sweeps").add_argument("--sweep-select", default=None, metavar="KEY",
                      help="--sweep: how the best point is chosen: best_accuracy (default; on --resume the recorded "
                           "one) | final_accuracy | accuracy_at_gbit:X (best accuracy within X Gbit)")
 
@@ -134,32 +115,28 @@ def _parser() -> argparse.ArgumentParser:
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags that make a run's configuration (``run`` and ``bench`` read them alike:
     :func:`config_from_args`)."""
-    for name in HELP_GROUPS:   # the groups in HELP_GROUPS's order
-        _group(parser, HELP_GROUPS[name][0])
-    _group(parser, "--config").add_argument("--config",
-                                            help="JSON config file (RunConfig fields); flags given override it")
-    _group(parser, "--setting").add_argument(
+    for name in GROUPS:   # the groups in their order
+        _group(parser, name)
+    _group(parser, "configuration").add_argument("--config",
+                                                 help="JSON config file (RunConfig fields); flags given override it")
+    _group(parser, "configuration").add_argument(
         "--setting", metavar="NAME", help="a paper's experiment (fedjax_sparse/papers.py: spafl_fmnist, "
         "feddrop_fmnist, fsl_mnist, their methods as spafl_fmnist_fedavg ...; `list` names all); --config "
         "and the flags given override its keys")
     from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig
     defaults = RunConfig()
-    for flag, dest, typ, text in RUN_FLAGS:
-        if "default" not in text:
-            # The flag's default is the RunConfig field's (argparse's own default stays None so that the
-            # flags given can be told apart from a config file's values).
-            default = getattr(defaults.execution if dest in EXECUTION_FIELDS else defaults, dest)
-            text = f"{text} (default: {default})"
-        _group(parser, flag).add_argument(flag, dest=dest, type=typ, default=None, help=text)
-    _group(parser, "--option").add_argument("--option", action="append", metavar="KEY=VALUE",
-                                            help="algorithm option (repeatable; `list` shows each algorithm's)")
-    _group(parser, "--model-option").add_argument("--model-option", action="append", metavar="KEY=VALUE",
-                                                  help="model option (repeatable; `list` shows each model's)")
-    _group(parser, "--dataset-option").add_argument("--dataset-option", action="append", metavar="KEY=VALUE",
-                                                    help="data set option, e.g. verify_checksums=false (repeatable; "
-                                                         "`list` shows each data set's)")
-    _group(parser, "--download").add_argument("--download", action="store_true", default=None,
-                                              help="fetch the dataset with TFDS")
+    for flag, dest, kind, text, group in RUN_FLAGS:
+        if kind is dict:   # KEY=VALUE, repeatable: typed by config.typed_value
+            _group(parser, group).add_argument(flag, action="append", metavar="KEY=VALUE", help=text)
+        elif kind is bool:
+            _group(parser, group).add_argument(flag, action="store_true", default=None, help=text)
+        else:
+            if "default" not in text:
+                # The flag's default is the RunConfig field's (argparse's own default stays None so that the
+                # flags given can be told apart from a config file's values).
+                default = getattr(defaults.execution if dest in EXECUTION_FIELDS else defaults, dest)
+                text = f"{text} (default: {default})"
+            _group(parser, group).add_argument(flag, dest=dest, type=kind, default=None, help=text)
 
 
 def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
@@ -171,7 +148,7 @@ def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--compare", action="append", default=None, metavar="KEY=V1,V2",
                        help="variants to time side by side (repeatable; the variants are every combination): KEY "
                             "is a RunConfig field (clients_per_round, batch_size, ...), an execution field "
-                            "(client_parallelism, ...), option.NAME, model_option.NAME (e.g. "
+                            "(client_parallelism, ...), option.NAME, dataset_option.NAME, model_option.NAME (e.g. "
                             "model_option.conv_impl=xla,auto), matmul_precision (default, high, highest, "
                             "bfloat16, tensorfloat32, float32) or xla_flags, whose values are separated by "
                             "';' (XLA flags hold ',' and '='), 'none' meaning no added flags, each run in a "
@@ -259,9 +236,8 @@ def config_from_args(args):
     config = RunConfig.from_json(base)
     # What the user set: the config file's keys (execution's by their own names) and the flags below.
     given = set(base) - {"execution"} | set(base.get("execution") or {})
-    flags = {dest: getattr(args, dest) for _, dest, _, _ in RUN_FLAGS if getattr(args, dest) is not None}
-    if args.download:
-        flags["download"] = True
+    flags = {dest: getattr(args, dest) for _, dest, kind, *_ in RUN_FLAGS
+             if kind is not dict and getattr(args, dest) is not None}
     overrides = {}
     for flag, prefix in OPTION_FLAGS.items():
         specs = getattr(args, flag[2:].replace("-", "_")) or []

@@ -1,5 +1,6 @@
-"""A run's configuration: the ``RunConfig`` fields (the CLI flags and config-file keys),
-their validation, and the one-line ``RunError`` users see."""
+"""A run's configuration: ``RunConfig`` (its fields, the CLI flags and config-file keys, are declared
+with their flags in :mod:`fedjax_sparse.settings`), reading it, KEY=VALUE overrides, its validation, and
+the one-line ``RunError`` users see."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,9 +13,8 @@ from fedjax_sparse.data.federated import PREPROCESSING
 from fedjax_sparse.models import model_names
 from fedjax_sparse.models.registry import is_model_reference, resolve_model_options
 from fedjax_sparse.errors import RunError, in_callers_words
-from fedjax_sparse.execution import EXECUTION_FIELDS, Execution
-from fedjax_sparse.flags import flag_of
 from fedjax_sparse.schema import describe, fits, from_text
+from fedjax_sparse.settings import EXECUTION_FIELDS, Execution, RunFields, flag_of
 
 # The execution modes a run offers: those with a recorded win (docs/design.md, "Execution modes").
 CLIENT_PARALLELISM = ("auto", "vmap", "map", "packed", "measure")
@@ -35,52 +35,11 @@ DEFAULT_MODELS = {
 
 
 @dataclasses.dataclass
-class RunConfig:
-    algorithm: str = "fedavg"
-    dataset: str = "digits"
-    data_dir: str | None = None
-    download: bool = False
-    model: str | None = None
-    num_clients: int = 20
-    clients_per_round: int = 5
-    resample_every: int = 1  # keep each sampled cohort for this many rounds
-    # fixed: exactly clients_per_round K of the N clients each round | poisson: each client independently
-    # with probability q = K / N (a cohort of varying size; fedjax_sparse.engine, docs/privacy.md)
-    client_sampling: str = "fixed"
-    rounds: int = 30
-    local_epochs: int = 2
-    batch_size: int = 32
-    lr: float | None = None  # None: the algorithm's default (fedjax_sparse.catalog.ALGORITHM_LR), recorded as used
-    partition: str = "dirichlet:0.5"
-    min_client_samples: int = 1  # the partition is redrawn until every client has this many
-    seed: int = 0
-    eval_every: int = 1
-    out: str | None = None
-    preprocess: str = "unit"
-    # Composition (fedjax_sparse.algorithms.compose): a robust aggregator and/or a model-poisoning attack
-    # around the algorithm's server side.
-    aggregator: str | None = None       # mean | trimmed_mean | multi_krum
-    trim_fraction: float = 0.1          # trimmed / assumed-malicious fraction of the cohort
-    attack: str | None = None           # min_max
-    malicious_fraction: float = 0.0     # fixed fraction of malicious client ids (seeded by --seed)
-    # Client-level differential privacy (DP-FedAvg, fedjax_sparse.algorithms.private; accounting in
-    # fedjax_sparse.privacy): updates clipped to dp_clip, noise dp_noise_multiplier * dp_clip on their sum,
-    # or the noise calibrated before the run to reach dp_target_epsilon at dp_delta after all rounds.
-    dp_clip: float | None = None
-    dp_noise_multiplier: float | None = None
-    dp_target_epsilon: float | None = None
-    dp_delta: float = 1e-5
-    # The accountant the rows' epsilon and --dp-target-epsilon use: rdp | pld (Poisson sampling only; the
-    # tighter) | auto (pld for Poisson sampling, rdp for fixed K: resolved_dp_accountant).
-    dp_accountant: str = "auto"
-    # Pinned draws (fedjax_sparse.pinning): replay another run's partition, initial weights, cohorts.
-    partition_file: str | None = None
-    init_params: str | None = None
-    cohort_schedule: str | None = None
-    options: dict = dataclasses.field(default_factory=dict)
-    model_options: dict = dataclasses.field(default_factory=dict)
-    dataset_options: dict = dataclasses.field(default_factory=dict)
-    execution: Execution = dataclasses.field(default_factory=Execution)
+class RunConfig(RunFields):
+    """A run's configuration: what is computed, its fields declared once with their flags in
+    :class:`fedjax_sparse.settings.RunFields` (``python -m fedjax_sparse run --help`` lists them, by group,
+    with their defaults), and how it runs, ``execution`` (:class:`Execution`). ``config.json`` holds its
+    :meth:`to_json`, :meth:`from_json` reads that back (and config files); :func:`validate` checks it."""
 
     def to_json(self) -> dict:
         """The fields as ``config.json`` holds them: flat, execution's among the others (the file's keys

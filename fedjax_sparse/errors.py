@@ -136,10 +136,9 @@ def python_words(message: str, arguments: dict[str, str] | None = None) -> str:
     ``--option k=v`` -> ``RunConfig(options={'k': 'v'})``, ``--sweep lr=0.1,1`` -> ``axes={'lr': [0.1, 1]}``.
     Flags of other commands are left as they are. ``arguments``: spellings of the entry point's own
     keywords (``{"--download": "download=True", "--data-dir": "data_dir=VALUE"}``), used first."""
-    from fedjax_sparse.flags import RUN_FLAGS
-    from fedjax_sparse.execution import EXECUTION_FIELDS
+    from fedjax_sparse.settings import EXECUTION_FIELDS, RUN_FLAGS
     own = {**_ARGUMENTS, **(arguments or {})}
-    fields = {flag: field for flag, field, _, _ in RUN_FLAGS if flag not in own}
+    fields = {flag: field for flag, field, *_ in RUN_FLAGS if flag not in own}
     message = re.sub(r"python -m fedjax_sparse run --out (\S+) --resume",
                      lambda m: f"fjs.run(config, resume=True) with config.out={m.group(1)!r}", message)
     message = re.sub(r" \(flag --[a-z0-9-]+\)", "", message)

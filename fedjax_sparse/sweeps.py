@@ -54,7 +54,7 @@ from fedjax_sparse.data.arrays import PartitionedData
 from fedjax_sparse.engine import Engine
 from fedjax_sparse.errors import RunError, in_callers_words
 from fedjax_sparse.experiment import Experiment, build, with_components, wrap_algorithm
-from fedjax_sparse.flags import flag_of
+from fedjax_sparse.settings import flag_of
 from fedjax_sparse.replicas import RunGroup, resolve_replica_parallelism, seed_list, unshareable_reason
 from fedjax_sparse.runner import RESUMABLE_CHANGES, RunResult, open_run, resumed_config
 
