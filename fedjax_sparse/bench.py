@@ -66,7 +66,7 @@ from fedjax_sparse import memory, programs, timing
 from fedjax_sparse import population as host_population
 from fedjax_sparse.config import (EXECUTION_FIELDS, OPTION_PREFIXES, RunConfig, model_name, parse_overrides,
                                   typed_axes, validate, with_overrides)
-from fedjax_sparse.errors import RunError
+from fedjax_sparse.errors import RunError, arg
 from fedjax_sparse.experiment import Components, Experiment, build, with_components
 from fedjax_sparse.progress import jsonable
 from fedjax_sparse.sweeps import grid
@@ -377,13 +377,13 @@ def bench(config: RunConfig, compare: dict[str, list] | None = None, *, rounds_t
     config, parts = with_components(config, model, data, algorithm)
     # Text values typed for the configuration (matmul precisions and XLA flags are text, not configuration).
     process = {key: axes[key] for key in (PRECISION_KEY, XLA_FLAGS_KEY) if key in axes}
-    axes = {**typed_axes(config, {k: v for k, v in axes.items() if k not in process}, "--compare"), **process}
+    axes = {**typed_axes(config, {k: v for k, v in axes.items() if k not in process}, "compare"), **process}
     points = grid(axes)
     configs = [variant_config(config, point, parts.given()) for point in points]   # all checked first
     for variant in configs:
         if variant.cohort_schedule and variant.rounds < 1 + rounds_timed:
-            raise RunError(f"--cohort-schedule pins the cohorts of {variant.rounds} rounds, but bench runs "
-                           f"1 + --rounds-timed {rounds_timed}: lower --rounds-timed or raise --rounds")
+            raise RunError(f"{arg('cohort_schedule')} pins the cohorts of {variant.rounds} rounds, but bench runs "
+                           f"1 + --rounds-timed {rounds_timed}: lower --rounds-timed or raise {arg('rounds')}")
     header = {"schema": SCHEMA, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "config": config.to_json(),
               "compare": axes, "rounds_timed": rounds_timed}
     if isolate or XLA_FLAGS_KEY in axes:
@@ -584,7 +584,7 @@ def check_json_writable(path: str | Path, overwrite: bool = False) -> None:
     if path.is_dir():
         raise ValueError(f"--json {path} is a folder; give a file name, e.g. --json {path / 'bench.json'}")
     if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} already exists; choose another --json FILE or pass --overwrite")
+        raise FileExistsError(f"{path} already exists; choose another --json FILE or pass {arg('overwrite')}")
     tmp = path.with_name(path.name + ".tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -600,7 +600,7 @@ def write_json(result: dict, path: str | Path, overwrite: bool = False) -> Path:
     refused unless ``overwrite``."""
     path = Path(path)
     if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} already exists; choose another --json FILE or pass --overwrite")
+        raise FileExistsError(f"{path} already exists; choose another --json FILE or pass {arg('overwrite')}")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(result, indent=2, allow_nan=False))

@@ -247,9 +247,7 @@ def config_from_args(args):
     if not getattr(args, "resume", False):
         # Typed for the configuration they set; a resumed run's stay text, typed against the recorded
         # configuration they are compared with (runner.resumed_config: its algorithm's options).
-        flag_for = {prefix: flag for flag, prefix in OPTION_FLAGS.items()}
-        overrides = {key: typed_value(config, key, text, flag_for[key.partition(".")[0]])
-                     for key, text in overrides.items()}
+        overrides = {key: typed_value(config, key, text, key.partition(".")[0]) for key, text in overrides.items()}
     return with_overrides(config, overrides), given | set(flags)
 
 

@@ -8,12 +8,12 @@ import math
 import typing
 from typing import Any, Iterable, Sequence
 
-from fedjax_sparse.algorithms.registry import algorithm_names, resolve_options, wrapper_refusal
+from fedjax_sparse.algorithms.registry import algorithm_names, algorithm_options, resolve_options, wrapper_refusal
 from fedjax_sparse.data.federated import PREPROCESSING
 from fedjax_sparse.models import model_names
 from fedjax_sparse.models.registry import is_model_reference, resolve_model_options
-from fedjax_sparse.errors import RunError, in_callers_words
-from fedjax_sparse.schema import describe, fits, from_text
+from fedjax_sparse.errors import RunError, arg, in_callers_words, in_cli
+from fedjax_sparse.schema import Option, describe, fits, from_text, listing, resolve
 from fedjax_sparse.settings import EXECUTION_FIELDS, Execution, RunFields, flag_of
 
 # The execution modes a run offers: those with a recorded win (docs/design.md, "Execution modes").
@@ -95,8 +95,8 @@ class RunConfig(RunFields):
         for key, value in [*data.items(), *execution.items()]:
             hint = typing.get_type_hints(Execution if key in EXECUTION_FIELDS else cls)[key]
             if not fits(value, hint):
-                raise RunError(f"config key {key!r} (flag {flag_of(key)}) expects "
-                               f"{describe(hint)}, got {value!r}")
+                raise RunError(f"config key {key!r}{in_cli(f' (flag {flag_of(key)})')} expects {describe(hint)}, "
+                               f"got {value!r}")
         return cls(**data, execution=Execution(**execution))
 
 
@@ -146,20 +146,18 @@ def parse_overrides(specs: Sequence[str], flag: str, lists: bool = False) -> dic
     return out
 
 
-def typed_value(config: RunConfig, key: str, value: Any, flag: str) -> Any:
+def typed_value(config: RunConfig, key: str, value: Any, via: str) -> Any:
     """The value override ``key`` takes in ``config``: text read as the type the key declares (a RunConfig
-    or Execution field's annotation; ``option.NAME``: the algorithm's typed options, by its registry's
-    ``coerce_option``; ``model_option.NAME`` / ``dataset_option.NAME``: the model's / data set's schema;
-    a model of your own declares none: read as JSON spells it); any other value as it is (checked with
-    the whole configuration). One-line RunError naming ``flag``, the key and the expected type."""
+    or Execution field's annotation; ``option.NAME`` / ``model_option.NAME`` / ``dataset_option.NAME``: the
+    algorithm's typed options, the model's and the data set's schemas; a model of your own declares none:
+    read as JSON spells it); any other value as it is (checked with the whole configuration). One-line
+    RunError naming the key, the expected type and ``via`` (what gave it: ``sweep``, ``change``, ...)."""
     if not isinstance(value, str):
         return value
     prefix, dot, name = key.partition(".")
     try:
         if dot and prefix == "option":
-            typed = getattr(resolve_options(config.algorithm, {name: value}), name)
-            # A whole number stays an integer where a number is expected, as everywhere (from_text).
-            return from_text(value, float) if type(typed) is float else typed
+            return algorithm_option_values(config.algorithm, {name: value})[name]
         if dot and prefix == "model_option":
             model = model_name(config)
             return from_text(value) if is_model_reference(model) else resolve_model_options(model, {name: value})[name]
@@ -170,22 +168,22 @@ def typed_value(config: RunConfig, key: str, value: Any, flag: str) -> Any:
         raise RunError(str(e)) from None
     hints = {**typing.get_type_hints(RunConfig), **typing.get_type_hints(Execution)}
     if key in (*OPTION_PREFIXES.values(), "execution") or key not in hints:
-        raise RunError(f"{flag} {key}: not a setting; set a RunConfig or execution field (lr, client_parallelism, "
+        raise RunError(f"{arg(via)} {key}: not a setting; set a RunConfig or execution field (lr, client_parallelism, "
                        "...), option.NAME, model_option.NAME or dataset_option.NAME")
     try:
         return from_text(value, hints[key])
     except ValueError as e:
-        raise RunError(f"{flag} {key}={value!r}: {e}") from None
+        raise RunError(f"{arg(via)} {key}={value!r}: {e}") from None
 
 
-def typed_axes(config: RunConfig, axes: dict[str, list], flag: str) -> dict[str, list]:
-    """``{key: [values]}`` (``--sweep``, ``--compare``) typed for ``config`` (:func:`typed_value`); a key
+def typed_axes(config: RunConfig, axes: dict[str, list], via: str) -> dict[str, list]:
+    """``{key: [values]}`` (``sweep``'s, ``compare``'s) typed for ``config`` (:func:`typed_value`); a key
     listing one value twice (``0.1,0.10``) is refused in one line."""
     typed = {}
     for key, values in axes.items():
-        typed[key] = [typed_value(config, key, value, flag) for value in values]
+        typed[key] = [typed_value(config, key, value, via) for value in values]
         if len(set(map(repr, typed[key]))) != len(values):
-            raise RunError(f"{flag} {key} lists a value twice: {', '.join(map(str, values))}")
+            raise RunError(f"{arg(via)} {key} lists a value twice: {', '.join(map(str, values))}")
     return typed
 
 
@@ -208,7 +206,7 @@ def same_setting(config: RunConfig, key: str, a: Any, b: Any) -> bool:
     """Whether ``a`` and ``b`` set override ``key`` of ``config`` alike: a flag's text and a recorded value
     (``"true"`` and ``True``; an earlier version's recorded text ``"0.01"`` and ``0.01``)."""
     try:
-        return typed_value(config, key, a, "") == typed_value(config, key, b, "")
+        return typed_value(config, key, a, "change") == typed_value(config, key, b, "change")
     except RunError:   # a key or value ``config`` cannot take: the same only as the same text
         return str(a) == str(b)
 
@@ -231,29 +229,29 @@ def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()
                     resample_every=config.resample_every,
                     rounds=config.rounds, local_epochs=config.local_epochs,
                     batch_size=config.batch_size, eval_every=config.eval_every,
-                    eval_batch_size=ex.eval_batch_size if ex.eval_batch_size is not None else 1)
+                    eval_batch_size=ex.eval_batch_size if ex.eval_batch_size is not None else 1,
+                    host_chunk_rounds=ex.host_chunk_rounds)
     for name, value in positive.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise RunError(f"{flag_of(name)} must be a positive integer, got {value!r}")
+            raise RunError(f"{arg(name)} must be a positive integer, got {value!r}")
     if not isinstance(ex.checkpoint_every, int) or isinstance(ex.checkpoint_every, bool) \
             or ex.checkpoint_every < 0:
-        raise RunError(f"--checkpoint-every must be a non-negative integer (0: only at evaluations and by the clock), "
-                       f"got {ex.checkpoint_every!r}")
+        raise RunError(f"{arg('checkpoint_every')} must be a non-negative integer (0: only at evaluations and by the "
+                       f"clock), got {ex.checkpoint_every!r}")
     for name in ("checkpoint_seconds", "max_chunk_seconds"):
         value = getattr(config.execution, name)
         if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
                 and value >= 0):
-            raise RunError(f"{flag_of(name)} must be a non-negative number of seconds (0: off), "
-                           f"got {value!r}")
-    if not isinstance(config.seed, int) or isinstance(config.seed, bool) or config.seed < 0:
-        raise RunError(f"--seed must be a non-negative integer, got {config.seed!r}")
-    if not isinstance(config.min_client_samples, int) or config.min_client_samples < 0:
-        raise RunError(f"--min-client-samples must be a non-negative integer, got {config.min_client_samples!r}")
+            raise RunError(f"{arg(name)} must be a non-negative number of seconds (0: off), got {value!r}")
+    for name in ("seed", "min_client_samples"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise RunError(f"{arg(name)} must be a non-negative integer, got {value!r}")
     if config.lr is not None and not (isinstance(config.lr, (int, float)) and math.isfinite(config.lr)
                                       and config.lr > 0):
-        raise RunError(f"--lr must be a positive number, got {config.lr!r}")
+        raise RunError(f"{arg('lr')} must be a positive number, got {config.lr!r}")
     if config.clients_per_round > config.num_clients:
-        raise RunError(f"--clients-per-round ({config.clients_per_round}) is larger than --num-clients "
+        raise RunError(f"{arg('clients_per_round')} ({config.clients_per_round}) is larger than {arg('num_clients')} "
                        f"({config.num_clients}); sample at most as many clients as there are")
     if "algorithm" not in objects and config.algorithm not in algorithm_names():
         raise RunError(f"unknown algorithm {config.algorithm!r}; valid algorithms: {', '.join(algorithm_names())}")
@@ -266,76 +264,83 @@ def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()
         pass
     elif isinstance(config.dataset, str) and config.dataset.startswith(datasets.NPZ_PREFIX):
         if not config.dataset[len(datasets.NPZ_PREFIX):]:
-            raise RunError(f"--dataset {config.dataset!r} names no file; pass npz:PATH, e.g. npz:/data/mine.npz")
+            raise RunError(f"{arg('dataset', config.dataset, quote=True)} names no file; pass npz:PATH, e.g. "
+                           "npz:/data/mine.npz")
     elif config.dataset not in datasets.DATASETS:
         raise RunError(f"unknown dataset {config.dataset!r}; valid datasets: {', '.join(datasets.DATASETS)}, "
                        "or npz:PATH for your own .npz file")
-    if config.preprocess not in PREPROCESSING:
-        raise RunError(f"unknown --preprocess {config.preprocess!r}; valid: {', '.join(PREPROCESSING)}")
-    if ex.client_parallelism not in CLIENT_PARALLELISM:
-        raise RunError(f"unknown --client-parallelism {ex.client_parallelism!r}; valid: "
-                       f"{', '.join(CLIENT_PARALLELISM)}")
     from fedjax_sparse.algorithms.compose import WRAPPER_AGGREGATORS, WRAPPER_ATTACKS
-    if config.aggregator is not None and config.aggregator not in WRAPPER_AGGREGATORS:
-        raise RunError(f"unknown --aggregator {config.aggregator!r}; valid: {', '.join(WRAPPER_AGGREGATORS)}")
-    if config.attack is not None and config.attack not in WRAPPER_ATTACKS:
-        raise RunError(f"unknown --attack {config.attack!r}; valid: {', '.join(WRAPPER_ATTACKS)}")
+    choices: tuple[tuple[str, Any, tuple], ...] = (("preprocess", config.preprocess, PREPROCESSING),
+        ("client_parallelism", ex.client_parallelism, CLIENT_PARALLELISM),
+        ("aggregator", config.aggregator, (None, *WRAPPER_AGGREGATORS)),
+        ("attack", config.attack, (None, *WRAPPER_ATTACKS)),
+        ("personal_eval", ex.personal_eval, PERSONAL_EVAL_MODES), ("client_state", ex.client_state, CLIENT_STATES),
+        ("client_storage", ex.client_storage, CLIENT_STORAGE))
+    for name, choice, valid in choices:
+        if choice not in valid:
+            raise RunError(f"unknown {arg(name, choice, quote=True)}; valid: {', '.join(v for v in valid if v)}")
     if config.attack is not None and not 0.0 < config.malicious_fraction < 1.0:
-        raise RunError(f"--attack needs --malicious-fraction in (0, 1), got {config.malicious_fraction}")
+        raise RunError(f"{arg('attack')} needs {arg('malicious_fraction')} in (0, 1), got {config.malicious_fraction}")
     if config.attack is not None and math.floor(config.malicious_fraction * config.num_clients) == 0:
-        raise RunError(f"--malicious-fraction {config.malicious_fraction} of --num-clients {config.num_clients} "
-                       f"makes no client malicious; raise it to at least {1 / config.num_clients:.3g}")
+        raise RunError(f"{arg('malicious_fraction', config.malicious_fraction)} of "
+                       f"{arg('num_clients', config.num_clients)} makes no client malicious; raise it to at least "
+                       f"{1 / config.num_clients:.3g}")
+    options = None if "algorithm" in objects else algorithm_option_values(config.algorithm, config.options)
     check_sampling(config)
     check_privacy(config)
     if not 0.0 <= config.trim_fraction < 0.5:
-        raise RunError(f"--trim-fraction must be in [0, 0.5), got {config.trim_fraction}")
-    if ex.personal_eval not in PERSONAL_EVAL_MODES:
-        raise RunError(f"unknown --personal-eval {ex.personal_eval!r}; valid: {', '.join(PERSONAL_EVAL_MODES)}")
+        raise RunError(f"{arg('trim_fraction')} must be in [0, 0.5), got {config.trim_fraction}")
     from fedjax_sparse.sinks import parse_log
     parse_log(ex.log)
-    if ex.client_state not in CLIENT_STATES:
-        raise RunError(f"unknown --client-state {ex.client_state!r}; valid: {', '.join(CLIENT_STATES)}")
-    if ex.client_storage not in CLIENT_STORAGE:
-        raise RunError(f"unknown --client-storage {ex.client_storage!r}; valid: {', '.join(CLIENT_STORAGE)}")
     if ex.client_storage != "float32" and ex.client_state != "host":
-        raise RunError(f"--client-storage {ex.client_storage} stores the clients' rows on the host: add "
-                       "--client-state host")
-    if not isinstance(ex.host_chunk_rounds, int) or isinstance(ex.host_chunk_rounds, bool) \
-            or ex.host_chunk_rounds < 1:
-        raise RunError(f"--host-chunk-rounds must be a positive integer, got {ex.host_chunk_rounds!r}")
-    if ex.client_state == "host":
-        if ex.client_parallelism == "measure":
-            raise RunError("--client-parallelism measure times rounds on the all-resident state; with "
-                           "--client-state host choose auto, vmap or map")
-    if "algorithm" in objects:
+        raise RunError(f"{arg('client_storage', ex.client_storage)} stores the clients' rows on the host: add "
+                       f"{arg('client_state', 'host')}")
+    if ex.client_state == "host" and ex.client_parallelism == "measure":
+        raise RunError(f"{arg('client_parallelism', 'measure')} times rounds on the all-resident state; with "
+                       f"{arg('client_state', 'host')} choose auto, vmap or map")
+    if options is None:
         if config.options:
-            raise RunError("--option sets a named algorithm's options; an algorithm given as an object has its "
+            raise RunError(f"{arg('option')} sets a named algorithm's options; an algorithm given as an object has its "
                            "options already: drop RunConfig.options")
         return None
+    resolved = resolve_options(config.algorithm, options)   # typed and checked: the registry's dataclass
+    check_wrappers(config, resolved)
+    return resolved
+
+
+def algorithm_option_values(algorithm: str, options: dict) -> dict:
+    """``options`` of the registered ``algorithm`` (texts or values) typed as its options dataclass declares
+    them, as the data sets' and models' are (``schema.resolve``); a one-line RunError, in its reader's
+    words, for an unknown key (listing the valid ones) or a value of another type."""
+    fields = dataclasses.fields(algorithm_options(algorithm))
+    schema = {f.name: Option(type(f.default), f.default) for f in fields}
+    unknown = sorted(set(options) - set(schema))
+    if unknown:
+        raise RunError(f"unknown option(s) {unknown} for algorithm {algorithm!r} ({arg('option', 'KEY=VALUE')}); "
+                       f"valid options: {listing(schema)}")
     try:
-        options = resolve_options(config.algorithm, config.options)
+        return resolve(schema, options, arg("option"), f"algorithm {algorithm}")
     except ValueError as e:
         raise RunError(str(e)) from None
-    check_wrappers(config, options)
-    return options
 
 
 def check_sampling(config: RunConfig) -> None:
-    """One-line RunError for a --client-sampling the run cannot take (which algorithms can is decided
+    """One-line RunError for a client sampling the run cannot take (which algorithms can is decided
     when the algorithm is built: ``Algorithm.varying_cohort``)."""
     from fedjax_sparse.engine import CLIENT_SAMPLINGS
     if config.client_sampling not in CLIENT_SAMPLINGS:
-        raise RunError(f"unknown --client-sampling {config.client_sampling!r}; valid: {', '.join(CLIENT_SAMPLINGS)}")
+        raise RunError(f"unknown {arg('client_sampling', config.client_sampling, quote=True)}; valid: "
+                       f"{', '.join(CLIENT_SAMPLINGS)}")
     if config.client_sampling != "poisson":
         return
-    fixed = [flag for flag, given in (("--cohort-schedule", config.cohort_schedule),
-                                      ("--resample-every", config.resample_every != 1),
-                                      ("--aggregator", config.aggregator is not None),
-                                      ("--attack", config.attack is not None)) if given]
+    fixed = [arg(name) for name, given in (("cohort_schedule", config.cohort_schedule),
+                                           ("resample_every", config.resample_every != 1),
+                                           ("aggregator", config.aggregator is not None),
+                                           ("attack", config.attack is not None)) if given]
     if fixed:
-        raise RunError(f"--client-sampling poisson draws a cohort of varying size every round, which "
+        raise RunError(f"{arg('client_sampling', 'poisson')} draws a cohort of varying size every round, which "
                        f"{' and '.join(fixed)} cannot take (fixed cohorts of K / robust aggregation over K rows); "
-                       f"drop {' and '.join(fixed)} or use --client-sampling fixed")
+                       f"drop {' and '.join(fixed)} or use {arg('client_sampling', 'fixed')}")
 
 
 DP_ACCOUNTANTS = ("auto", "rdp", "pld")
@@ -350,43 +355,43 @@ def resolved_dp_accountant(dp_accountant: str | None, client_sampling: str | Non
 
 
 def check_privacy(config: RunConfig) -> None:
-    """One-line RunError for an incomplete or inapplicable --dp-* setting."""
-    given = [flag_of(name) for name in ("dp_noise_multiplier", "dp_target_epsilon")
-             if getattr(config, name) is not None]
+    """One-line RunError for an incomplete or inapplicable differential-privacy setting."""
+    given = [arg(name) for name in ("dp_noise_multiplier", "dp_target_epsilon") if getattr(config, name) is not None]
+    clip = arg("dp_clip")
     if config.dp_clip is None:
         if given:
-            raise RunError(f"{' and '.join(given)} need --dp-clip C (the L2 norm each client's update is clipped to)")
+            raise RunError(f"{' and '.join(given)} need {arg('dp_clip', 'C')} (the L2 norm each client's update is "
+                           "clipped to)")
         return
     if not (isinstance(config.dp_clip, (int, float)) and 0 < config.dp_clip < math.inf):
-        raise RunError(f"--dp-clip must be a positive finite number, got {config.dp_clip!r}")
+        raise RunError(f"{clip} must be a positive finite number, got {config.dp_clip!r}")
     if len(given) != 1:
-        raise RunError("--dp-clip needs exactly one of --dp-noise-multiplier Z (noise Z * C on the sum of the "
-                       "clipped updates) or --dp-target-epsilon E (Z calibrated to reach E after --rounds)")
-    if config.dp_noise_multiplier is not None and config.dp_noise_multiplier < 0:
-        raise RunError(f"--dp-noise-multiplier must be >= 0, got {config.dp_noise_multiplier}")
-    if config.dp_target_epsilon is not None and config.dp_target_epsilon <= 0:
-        raise RunError(f"--dp-target-epsilon must be > 0, got {config.dp_target_epsilon}")
-    if not 0 < config.dp_delta < 1:
-        raise RunError(f"--dp-delta must be in (0, 1), got {config.dp_delta}")
+        raise RunError(f"{clip} needs exactly one of {arg('dp_noise_multiplier', 'Z')} (noise Z * C on the sum of the "
+                       f"clipped updates) or {arg('dp_target_epsilon', 'E')} (Z calibrated to reach E after "
+                       f"{arg('rounds')})")
+    for name, value, ok, bound in (("dp_noise_multiplier", config.dp_noise_multiplier, lambda v: v >= 0, ">= 0"),
+                                   ("dp_target_epsilon", config.dp_target_epsilon, lambda v: v > 0, "> 0"),
+                                   ("dp_delta", config.dp_delta, lambda v: 0 < v < 1, "in (0, 1)")):
+        if value is not None and not ok(value):
+            raise RunError(f"{arg(name)} must be {bound}, got {value}")
     if config.dp_accountant not in DP_ACCOUNTANTS:
-        raise RunError(f"unknown --dp-accountant {config.dp_accountant!r}; valid: {', '.join(DP_ACCOUNTANTS)}")
+        raise RunError(f"unknown {arg('dp_accountant', config.dp_accountant, quote=True)}; valid: "
+                       f"{', '.join(DP_ACCOUNTANTS)}")
     if config.dp_accountant == "pld" and config.client_sampling != "poisson":
-        raise RunError("--dp-accountant pld accounts Poisson sampling only (dp-accounting's PLD does not support "
-                       "K of N without replacement); add --client-sampling poisson or use --dp-accountant rdp")
+        raise RunError(f"{arg('dp_accountant', 'pld')} accounts Poisson sampling only (dp-accounting's PLD does not "
+                       f"support K of N without replacement); add {arg('client_sampling', 'poisson')} or use "
+                       f"{arg('dp_accountant', 'rdp')}")
     if config.cohort_schedule or config.resample_every != 1:
-        raise RunError("--dp-clip accounts for a fresh cohort of K of N clients sampled every round; drop "
-                       "--cohort-schedule / --resample-every")
+        raise RunError(f"{clip} accounts for a fresh cohort of K of N clients sampled every round; drop "
+                       f"{arg('cohort_schedule')} / {arg('resample_every')}")
     if config.aggregator is not None:
-        raise RunError("--dp-clip and --aggregator: a robust aggregator inside DP-FedAvg would see K identical "
+        raise RunError(f"{clip} and {arg('aggregator')}: a robust aggregator inside DP-FedAvg would see K identical "
                        "private rows; drop one")
     if isinstance(config.algorithm, str) and config.algorithm in algorithm_names():
         from fedjax_sparse.algorithms.private import dp_refusal
-        try:
-            reason = dp_refusal(config.algorithm, config.options)
-        except ValueError as e:   # an invalid --option (dp_refusal reads FedDrop's optimize=)
-            raise RunError(str(e)) from None
+        reason = dp_refusal(config.algorithm, algorithm_option_values(config.algorithm, config.options))
         if reason is not None:
-            raise RunError(f"--dp-clip: {reason}")
+            raise RunError(f"{clip}: {reason}")
 
 
 def wrappable_algorithms() -> list[str]:
@@ -396,16 +401,16 @@ def wrappable_algorithms() -> list[str]:
 
 
 def check_wrappers(config: RunConfig, options) -> None:
-    """One-line RunError when ``--aggregator`` / ``--attack`` cannot wrap the named algorithm with these
-    options, from what the algorithm declares (its clients' messages), before anything is built."""
-    given = [(flag, value) for flag, value in (("--aggregator", config.aggregator), ("--attack", config.attack))
+    """One-line RunError when the aggregator / attack cannot wrap the named algorithm with these options,
+    from what the algorithm declares (its clients' messages), before anything is built."""
+    given = [(name, value) for name, value in (("aggregator", config.aggregator), ("attack", config.attack))
              if value is not None]
     if not given:
         return
     reason = wrapper_refusal(config.algorithm, options)
     if reason is None:
         return
-    wrappers = " and ".join(f"{flag} {value}" for flag, value in given)
-    flags = " and ".join(flag for flag, _ in given)
-    raise RunError(f"{wrappers} cannot wrap {config.algorithm}: {reason}; drop {flags}, or wrap an algorithm "
+    wrappers = " and ".join(arg(name, value) for name, value in given)
+    names = " and ".join(arg(name) for name, _ in given)
+    raise RunError(f"{wrappers} cannot wrap {config.algorithm}: {reason}; drop {names}, or wrap an algorithm "
                    f"whose clients send float updates: {', '.join(wrappable_algorithms())}")

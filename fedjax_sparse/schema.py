@@ -3,8 +3,8 @@
 A run's fields (``RunConfig``, ``Execution``), a model's and a data set's options declare their types; a
 value given as text (``--lr 0.1``, ``--option alpha=0.01``, ``--sweep lr=0.01,0.1``, ``--compare``,
 ``--change``, a config file's ``"false"``) is read here as that type, and a JSON value is checked
-against it. A leaf module (stdlib only): the configuration, the data sets and the models read it.
-(Algorithm options are typed by their registry's ``coerce_option``, with the same words.)"""
+against it (algorithm options too: ``config.algorithm_option_values``). A leaf module (stdlib only): the
+configuration, the data sets, the models and the errors read it."""
 from __future__ import annotations
 
 import dataclasses
@@ -46,7 +46,7 @@ def fits(value, hint) -> bool:
 
 def describe(hint) -> str:
     """``float | None`` -> ``a number or null``."""
-    names = {type(None): "null", bool: "true/false", int: "an integer", float: "a number", str: "a string",
+    names = {type(None): "null", bool: "a boolean (true/false)", int: "an integer", float: "a number", str: "a string",
              dict: "an object"}
     return " or ".join(names.get(typing.get_origin(k) or k, str(k)) for k in kinds(hint))
 

@@ -3,8 +3,8 @@
 (:class:`Execution`, ``RunConfig.execution``). A field's metadata holds its flag's help group and help
 (its flag is ``--`` + its name with dashes; its type its annotation's); the CLI of ``run``, ``bench`` and
 ``--sweep`` builds its flags and help groups from them (``RUN_FLAGS``, ``GROUPS``), and
-:func:`fedjax_sparse.errors.python_words` spells a flag as the argument that sets it. A leaf module
-(stdlib and the leaf ``schema``): the configuration and the errors read it without importing each other."""
+:func:`fedjax_sparse.errors.arg` names a setting as its reader sets it. A leaf module (stdlib and the leaf
+``schema``): the errors read it without importing the configuration, which imports them."""
 from __future__ import annotations
 
 import dataclasses

@@ -52,7 +52,7 @@ from fedjax_sparse.config import (EXECUTION_FIELDS, OPTION_PREFIXES, RunConfig, 
                                   typed_axes, validate, with_overrides)
 from fedjax_sparse.data.arrays import PartitionedData
 from fedjax_sparse.engine import Engine
-from fedjax_sparse.errors import RunError, in_callers_words
+from fedjax_sparse.errors import RunError, arg, in_callers_words, in_python
 from fedjax_sparse.experiment import Experiment, build, with_components, wrap_algorithm
 from fedjax_sparse.settings import flag_of
 from fedjax_sparse.replicas import RunGroup, resolve_replica_parallelism, seed_list, unshareable_reason
@@ -110,23 +110,24 @@ def check_axes(config: RunConfig, axes: dict[str, list], objects: Sequence[str] 
         decided = [key for key in axes if any(key == k or (k.endswith(".") and key.startswith(k))
                                               for k in OBJECT_DECIDES[kind])]
         if decided:
-            raise RunError(f"--sweep {decided[0]}: the {kind} is an object, which decides it; sweep over objects "
-                           "with a loop of fjs.run, or give the component by name")
+            raise RunError(f"{arg('sweep')} {decided[0]}: the {kind} is an object, which decides it; sweep over "
+                           "objects with a loop of fjs.run, or give the component by name")
     if not axes:
-        raise RunError("a sweep needs at least one --sweep KEY=V1,V2 (several seeds alone: --seeds)")
+        raise RunError(f"a sweep needs at least one {arg('sweep', 'KEY=V1,V2')} (several seeds alone: {arg('seeds')})")
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     for key, values in axes.items():
         if not values:
-            raise RunError(f"--sweep {key} has no values")
+            raise RunError(f"{arg('sweep')} {key} has no values")
         prefix, _, name = key.partition(".")
         if prefix in OPTION_PREFIXES and name:
             continue
         if key in EXECUTION_FIELDS:
-            raise RunError(f"--sweep {key}: execution settings change no number; sweep what is computed")
+            raise RunError(f"{arg('sweep')} {key}: execution settings change no number; sweep what is computed")
         if key == "seed":
-            raise RunError("--sweep seed: give the seeds with --seeds 0 1 2 (every grid point runs each)")
+            raise RunError(f"{arg('sweep')} seed: give the seeds with {arg('seeds', [0, 1, 2])} (every grid point "
+                           "runs each)")
         if key not in fields or key in NOT_SWEPT:
-            raise RunError(f"--sweep cannot vary {key!r}; sweep a RunConfig field (lr, local_epochs, "
+            raise RunError(f"{arg('sweep')} cannot vary {key!r}; sweep a RunConfig field (lr, local_epochs, "
                            "malicious_fraction, ...), option.NAME, model_option.NAME or dataset_option.NAME")
 
 
@@ -286,20 +287,20 @@ def sweep(config: RunConfig, axes: dict[str, list] | None = None, seeds: Sequenc
         # The keys in the sweep's words, then text values typed for the configuration they vary: the
         # recorded one when resuming (its algorithm's options), so that they compare with the recorded grid.
         check_axes(config, axes, objects)
-        axes = typed_axes(RunConfig.from_json(previous["config"]) if previous else config, axes, "--sweep")
+        axes = typed_axes(RunConfig.from_json(previous["config"]) if previous else config, axes, "sweep")
     if previous:
         assert out is not None
         config, axes, seeds, select, notice = resume_plan(config, axes, seeds, select, previous, given, out)
         if notice:
             print(notice, file=sys.stderr)
     elif axes is None:
-        raise RunError("a sweep needs at least one --sweep KEY=V1,V2"
+        raise RunError(f"a sweep needs at least one {arg('sweep', 'KEY=V1,V2')}"
                        + (f" ({out} holds no sweep.json to resume)" if resume and out is not None else ""))
     seeds = [0] if seeds is None else seeds
     select = select or "best_accuracy"
     parse_select(select)
     if config.execution.client_state == "host":
-        raise RunError("a sweep stacks its members' clients on the device; sweep with --client-state device")
+        raise RunError(f"a sweep stacks its members' clients on the device; sweep with {arg('client_state', 'device')}")
     members = members_of(config, axes, seeds)
     for member in members:   # every member's configuration is checked before anything runs
         validate(member.config, objects=parts.given())
@@ -311,8 +312,8 @@ def sweep(config: RunConfig, axes: dict[str, list] | None = None, seeds: Sequenc
             out.mkdir(parents=True, exist_ok=True)
             stack.enter_context(locked_out_dir(out))
             if not resume and not overwrite and (out / "sweep.json").exists():
-                raise RunError(f"{out} already holds a sweep; pass --resume to continue it, --overwrite to replace "
-                               "it, or another --out")
+                raise RunError(f"{out} already holds a sweep; pass {arg('resume')} to continue it, {arg('overwrite')} "
+                               f"to replace it, or another {arg('out')}")
         results: dict[int, RunResult] = {}
 
         def open_member(index: int):
@@ -437,7 +438,7 @@ def _finished_without_checkpoint(config: RunConfig, out: Path) -> RunResult | No
         recorded = RunConfig.from_json(json.loads(config_path.read_text())["config"])
     except (ValueError, TypeError, KeyError) as e:
         raise RunError(f"{out} holds a run whose summary.json or config.json cannot be read ({e}); move the folder "
-                       "away or pass --overwrite to rerun the member") from None
+                       f"away or pass {arg('overwrite')} to rerun the member") from None
     rows = read_metrics(out)
     if not rows or int(rows[-1].get("round", 0)) < config.rounds:
         return None
@@ -460,7 +461,6 @@ def resume_plan(config: RunConfig, axes: dict[str, list] | None, seeds: list[int
 
     Anything else is refused in one RunError listing every difference, with the fix (another out,
     or overwrite). ``notice``: one line naming the new points and seeds when the sweep grows."""
-    cli = given is not None
     recorded = RunConfig.from_json(record["config"])
     old_axes: dict[str, list] = {k: list(v) for k, v in record["axes"].items()}
     old_seeds = [int(s) for s in record["seeds"]]
@@ -473,7 +473,7 @@ def resume_plan(config: RunConfig, axes: dict[str, list] | None, seeds: list[int
     asked = [f for f in fields if given is None or f in given]
 
     def shown(name: str, value) -> str:
-        return f"{flag_of(name)} {value!r}" if cli else f"{name}={value!r}"
+        return f"{name}={value!r}" if in_python() else f"{flag_of(name)} {value!r}"
     for name in asked:
         if name in RESUMABLE_CHANGES:
             continue
@@ -487,11 +487,9 @@ def resume_plan(config: RunConfig, axes: dict[str, list] | None, seeds: list[int
         elif mine != theirs:
             problems.append(f"{shown(name, mine)} (recorded: {theirs!r})")
     if problems:
-        fix = "run it in a new --out, or replace it with --overwrite (without --resume)" if cli else \
-            "run it in another config.out, or replace it with overwrite=True (without resume)"
-        raise RunError(f"{out} holds a sweep that {'--resume' if cli else 'resume=True'} can only continue or extend "
-                       f"(more values of its swept keys, more seeds), but this would change it: {'; '.join(problems)}; "
-                       f"{fix}")
+        raise RunError(f"{out} holds a sweep that {arg('resume')} can only continue or extend (more values of its "
+                       f"swept keys, more seeds), but this would change it: {'; '.join(problems)}; run it in a new "
+                       f"{arg('out')}, or replace it with {arg('overwrite')} (without {arg('resume')})")
     # Swept fields and the seed take the recorded base values; the rest is runner.resumed_config's merge.
     clean = dataclasses.replace(
         config, seed=recorded.seed, **{k: getattr(recorded, k) for k in swept if "." not in k},
@@ -538,7 +536,8 @@ def parse_select(select: str) -> tuple[str, float | None]:
             return key, float(budget)
         except ValueError:
             pass
-    raise RunError(f"unknown --sweep-select {select!r}; valid: best_accuracy, final_accuracy, accuracy_at_gbit:X")
+    raise RunError(f"unknown {arg('sweep_select', select, quote=True)}; valid: best_accuracy, final_accuracy, "
+                   "accuracy_at_gbit:X")
 
 
 def _accuracy_at_gbit(out: Path | None, budget: float) -> float | None:

@@ -94,7 +94,7 @@ def test_bench_refuses_a_bad_compare_in_one_line(compare, named, capsys):
 
 
 def test_bench_refuses_what_a_benchmark_cannot_time(capsys):
-    for extra, named in ((["--seeds", "0", "1"], "--seeds"), (["--sweep", "lr=0.1,0.2"], "--compare"),
+    for extra, named in ((["--seeds", "0", "1"], "--seeds"), (["--sweep", "lr=0.1,0.2"], "compare"),
                          (["--rounds-timed", "0"], "--rounds-timed")):
         code = main(["bench", *QUICK, *extra, "--quiet"])
         err = capsys.readouterr().err
@@ -136,12 +136,12 @@ def test_parse_compare_reads_values_and_xla_flag_lists():
     texts = bench.parse_compare(["lr=0.1,1", "option.ramp=true,false", "eval_batch_size=none,64",
                                  "xla_flags=none;--a=1,2 --b=x"])
     assert texts["xla_flags"] == ["", "--a=1,2 --b=x"]
-    assert typed_axes(spafl, {k: v for k, v in texts.items() if k != "xla_flags"}, "--compare") == {
+    assert typed_axes(spafl, {k: v for k, v in texts.items() if k != "xla_flags"}, "compare") == {
         "lr": [0.1, 1], "option.ramp": [True, False], "eval_batch_size": [None, 64]}
     # The children's command line reads back to the same axes.
     axes = {"lr": [0.1, 1], "option.ramp": [True, False]}
     assert typed_axes(spafl, bench.parse_compare([bench.compare_spec(k, v) for k, v in axes.items()]),
-                      "--compare") == axes
+                      "compare") == axes
     assert bench.parse_compare([bench.compare_spec("xla_flags", ["", "--a=1,2 --b=x"])]) == {
         "xla_flags": ["", "--a=1,2 --b=x"]}
     with pytest.raises(fjs.RunError, match="twice"):

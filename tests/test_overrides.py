@@ -41,12 +41,12 @@ def test_a_value_takes_the_type_its_key_declares():
              ("option.alpha", "1", 1), ("model_option.hidden", "100", 100), ("model_option.init", "3", "3"),
              ("dataset_option.test_fraction", "0.5", 0.5)]
     for key, text, value in cases:
-        typed = typed_value(SPAFL, key, text, "--sweep")
+        typed = typed_value(SPAFL, key, text, "sweep")
         assert typed == value and type(typed) is type(value), (key, text, typed)
     synthetic = RunConfig(dataset="synthetic")
-    assert typed_value(synthetic, "dataset_option.iid", "false", "--sweep") is False
+    assert typed_value(synthetic, "dataset_option.iid", "false", "sweep") is False
     # A user's Flax module declares no schema: its options are read as JSON spells them.
-    assert typed_value(RunConfig(model="mine:Net"), "model_option.width", "8", "--model-option") == 8
+    assert typed_value(RunConfig(model="mine:Net"), "model_option.width", "8", "model_option") == 8
     for key, text, needle in (("rounds", "many", "--sweep rounds='many': expected an integer"),
                               ("option.ramp", "maybe", "--option ramp='maybe' of algorithm spafl"),
                               ("model_option.hidden", "wide", "--model-option hidden='wide' of model mlp: expected "
@@ -55,7 +55,7 @@ def test_a_value_takes_the_type_its_key_declares():
                                                             "KEY=VALUE); valid options: test_fraction=0.2, "
                                                             "split_seed=0")):
         with pytest.raises(ValueError, match=None) as error:
-            typed_value(SPAFL, key, text, "--sweep")
+            typed_value(SPAFL, key, text, "sweep")
         assert needle in str(error.value) and "\n" not in str(error.value), str(error.value)
 
 

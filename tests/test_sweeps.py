@@ -39,14 +39,14 @@ def test_parse_sweep_values_and_one_line_refusals():
     config = RunConfig.from_json(BASE)
     # Text, typed for the configuration swept (config.typed_axes: the algorithm's options, the model's).
     axes = sweeps.parse_sweep(["lr=0.01,0.1", "option.ramp=true,false", "model_option.init=model,x"])
-    assert typed_axes(config, axes, "--sweep") == {
+    assert typed_axes(config, axes, "sweep") == {
         "lr": [0.01, 0.1], "option.ramp": [True, False], "model_option.init": ["model", "x"]}
-    assert typed_axes(config, sweeps.parse_sweep(["local_epochs=1,2"]), "--sweep") == {"local_epochs": [1, 2]}
+    assert typed_axes(config, sweeps.parse_sweep(["local_epochs=1,2"]), "sweep") == {"local_epochs": [1, 2]}
     for bad, needle in ((["lr"], "takes KEY=V1,V2"), (["lr=0.1", "lr=0.2"], "names 'lr' twice"),
                         (["lr=0.1,0.1"], "lists a value twice"), (["=1,2"], "takes KEY=V1,V2"),
                         (["lr=0.1,0.10"], "lists a value twice")):
         with pytest.raises(RunError, match=needle):
-            typed_axes(config, sweeps.parse_sweep(bad), "--sweep")
+            typed_axes(config, sweeps.parse_sweep(bad), "sweep")
     for axes, needle in (({"seed": [1, 2]}, "--seeds"), ({"client_parallelism": ["map"]}, "execution"),
                          ({"bogus": [1]}, "cannot vary 'bogus'"), ({}, "at least one --sweep")):
         with pytest.raises(RunError, match=needle):

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-from fedjax_sparse.errors import DataError
+from fedjax_sparse.errors import DataError, arg, in_cli
 from fedjax_sparse.schema import Option, listing, resolve
 
 __all__ = [
@@ -199,10 +199,10 @@ _TFDS_HINT = "install the tfds extra: pip install -e '.[tfds]'"
 
 
 def _fix_hint(data_dir_given: bool) -> str:
-    where = "pass --data-dir pointing at a folder with these files"
+    where = f"pass {arg('data_dir')} pointing at a folder with these files"
     if not data_dir_given:
         where += f" (or set {DEFAULT_DATA_DIR_ENV})"
-    return f"{where}, or use --download ({_TFDS_HINT})"
+    return f"{where}, or use {arg('download')} ({_TFDS_HINT})"
 
 
 def _check_md5(dataset: str, path: Path, raw: bytes, verify: bool, display: str | None = None) -> None:
@@ -219,13 +219,14 @@ def _check_md5(dataset: str, path: Path, raw: bytes, verify: bool, display: str 
             # Another dataset's original file (--data-dir at the wrong folder, or the wrong --dataset).
             other, other_file = owner
             raise DataError(
-                f"{display or path}: these are {other}'s {other_file}: use --dataset {other}, "
-                f"or point --data-dir at {dataset}'s files"
+                f"{display or path}: these are {other}'s {other_file}: use {arg('dataset', other)}, "
+                f"or point {arg('data_dir')} at {dataset}'s files"
             )
         raise DataError(
             f"{display or path}: checksum mismatch: expected {expected}, got {got}; "
-            "re-download the original file (or, for a re-packed copy, --dataset-option verify_checksums=false, "
-            "in a --config file \"dataset_options\": {\"verify_checksums\": false}; API: verify_checksums=False)"
+            "re-download the original file (or, for a re-packed copy, "
+            f"{arg('dataset_option', 'verify_checksums=false')}"
+            + in_cli(', in a --config file "dataset_options": {"verify_checksums": false}') + ")"
         )
 
 
@@ -255,7 +256,7 @@ def _resolve_root(name: str, data_dir: str | os.PathLike | None) -> tuple[Path, 
     if name == "cifar10_sample":
         files = ", ".join(_CIFAR10_SAMPLE_FILES)
         raise DataError(
-            f"cifar10_sample has no default location: pass --data-dir pointing at the folder holding {files}"
+            f"cifar10_sample has no default location: pass {arg('data_dir')} pointing at the folder holding {files}"
         )
     return Path(_DEFAULT_DATA_DIR), False
 
@@ -313,10 +314,11 @@ def dataset_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
     schema = DATASET_OPTIONS.get(name, {})
     unknown = sorted(set(options) - set(schema))
     if unknown:
-        raise DataError(f"{name}: unknown option(s) {', '.join(unknown)} (--dataset-option KEY=VALUE); valid options: "
+        raise DataError(f"{name}: unknown option(s) {', '.join(unknown)} ({arg('dataset_option', 'KEY=VALUE')}); "
+                        "valid options: "
                         f"{listing(schema)}")
     try:
-        given = resolve(schema, options, "--dataset-option", f"data set {name}")
+        given = resolve(schema, options, arg("dataset_option"), f"data set {name}")
     except ValueError as e:
         raise DataError(str(e)) from None
     return {**{key: option.default for key, option in schema.items()}, **given}
@@ -751,7 +753,7 @@ def _load_tfds(name: str, data_dir) -> Dataset:
     try:
         import tensorflow_datasets as tfds
     except ImportError as e:
-        raise DataError(f"{name}: --download needs tensorflow_datasets; {_TFDS_HINT}") from e
+        raise DataError(f"{name}: {arg('download')} needs tensorflow_datasets; {_TFDS_HINT}") from e
     tfds_name, num_classes, offset, transpose = _TFDS_NAMES[name]
     try:
         splits = tfds.as_numpy(
@@ -767,7 +769,7 @@ def _load_tfds(name: str, data_dir) -> Dataset:
     except Exception as e:  # network, quota and builder errors all end here
         raise DataError(
             f"{name}: tfds could not load '{tfds_name}' ({type(e).__name__}: {e}); "
-            "check the network connection or pass --data-dir with the original files"
+            f"check the network connection or pass {arg('data_dir')} with the original files"
         ) from e
     arrays = []
     for x, y in splits:
@@ -819,7 +821,7 @@ def load_dataset(name: str, data_dir: str | os.PathLike | None = None, *, downlo
     verify = options["verify_checksums"]
     if download:
         if name not in _TFDS_NAMES:
-            raise DataError(f"{name}: cannot be downloaded; pass --data-dir (use cifar10 for the full set)")
+            raise DataError(f"{name}: cannot be downloaded; pass {arg('data_dir')} (use cifar10 for the full set)")
         return _load_tfds(name, data_dir)
     if name in _IDX_SPECS:
         return _load_idx_dataset(name, data_dir, verify)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import inspect
 from typing import Callable
 
-from fedjax_sparse.errors import in_callers_words
+from fedjax_sparse.errors import arg, in_callers_words
 from fedjax_sparse.models.base import Model
 from fedjax_sparse.schema import Option, resolve
 
@@ -52,10 +52,10 @@ def resolve_model_options(name: str, options: dict) -> dict:
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         valid = ", ".join(f"{k}={v!r}" for k, v in accepted.items()) or "none"
-        raise ValueError(f"unknown --model-option {', '.join(unknown)} for model {name}; accepted: {valid}")
+        raise ValueError(f"unknown {arg('model_option')} {', '.join(unknown)} for model {name}; accepted: {valid}")
     # A default of None declares no type: its value is read as JSON spells it.
     schema = {key: Option(None if default is None else type(default), default) for key, default in accepted.items()}
-    return resolve(schema, options, "--model-option", f"model {name}")
+    return resolve(schema, options, arg("model_option"), f"model {name}")
 
 
 def is_model_reference(name: str) -> bool:
@@ -77,30 +77,31 @@ def load_model_reference(name: str, **options):
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"--model {name}: cannot import {module_name} ({e}); run from the folder that holds it "
+        raise ValueError(f"{arg('model', name)}: cannot import {module_name} ({e}); run from the folder that holds it "
                          "or install it") from None
     if not hasattr(module, attribute):
-        raise ValueError(f"--model {name}: {module_name} has no attribute {attribute!r}")
+        raise ValueError(f"{arg('model', name)}: {module_name} has no attribute {attribute!r}")
     target = getattr(module, attribute)
     what = "a Flax module (flax.linen / flax.nnx), a Model, or a factory building one without arguments"
     if isinstance(target, type) and not _is_model_class(target):
-        raise ValueError(f"--model {name}: {module_name}.{attribute} is the class {target.__name__}, not {what}")
+        raise ValueError(f"{arg('model', name)}: {module_name}.{attribute} is the class {target.__name__}, not {what}")
     if _is_model(target):
         if options:
-            raise ValueError(f"--model {name} is an instance; --model-option needs a class or factory")
+            raise ValueError(f"{arg('model', name)} is an instance; {arg('model_option')} needs a class or factory")
         return target
     if not callable(target):
-        raise ValueError(f"--model {name}: {module_name}.{attribute} is a {type(target).__name__}, not {what}")
+        raise ValueError(f"{arg('model', name)}: {module_name}.{attribute} is a {type(target).__name__}, not {what}")
     if not isinstance(target, type) and _needs_arguments(target, options):
-        raise ValueError(f"--model {name}: {module_name}.{attribute} is a function that needs argument(s) "
+        raise ValueError(f"{arg('model', name)}: {module_name}.{attribute} is a function that needs argument(s) "
                          f"{', '.join(_needs_arguments(target, options))}, not {what}")
     try:
         built = target(**options)
     except TypeError as e:
-        raise ValueError(f"--model {name}: building it failed ({e}); a Module class must build without "
-                         "arguments (or with --model-option KEY=VALUE ones)") from None
+        raise ValueError(f"{arg('model', name)}: building it failed ({e}); a Module class must build without "
+                         f"arguments (or with {arg('model_option', 'KEY=VALUE')} ones)") from None
     if not _is_model(built):
-        raise ValueError(f"--model {name}: {module_name}.{attribute}() returned a {type(built).__name__}, not {what}")
+        raise ValueError(f"{arg('model', name)}: {module_name}.{attribute}() returned a {type(built).__name__}, "
+                         f"not {what}")
     return built
 
 
