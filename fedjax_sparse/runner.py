@@ -112,32 +112,29 @@ def resumed_config(config: RunConfig, saved: RunConfig, given: set[str] | None) 
     difference is refused in one line listing them. Returns (config, accepted changes)."""
     fields = [f.name for f in dataclasses.fields(RunConfig) if f.name != "execution"]
     asked = fields if given is None else [f for f in fields if f in given]
-    def differs(name: str) -> bool:
+    prefix = {field: key for key, field in OPTION_PREFIXES.items()}
+
+    def differences(name: str) -> list[str]:
         mine, recorded = getattr(config, name), getattr(saved, name)
-        if name == "dp_accountant":   # "auto" is what it resolves to (runs before it existed recorded "rdp")
-            mine = resolved_dp_accountant(mine, config.client_sampling)
-            recorded = resolved_dp_accountant(recorded, saved.client_sampling)
         if isinstance(mine, dict) and isinstance(recorded, dict):
             # --option / --model-option / --dataset-option: only the keys given, typed as the recorded run's
             # (a resumed run's flags are text: "true" is the recorded True).
-            return any(not same_setting(saved, f"{prefix[name]}.{k}", v, recorded.get(k)) for k, v in mine.items())
-        return mine != recorded
-
-    prefix = {field: key for key, field in OPTION_PREFIXES.items()}
-
-    def shown(name: str) -> str:
-        mine, recorded = getattr(config, name), getattr(saved, name)
-        if name in prefix:
-            return "; ".join(f"{arg(prefix[name], f'{k}={v}')} (recorded: {recorded.get(k)!r})" for k, v in mine.items()
-                             if not same_setting(saved, f"{prefix[name]}.{k}", v, recorded.get(k)))
-        return f"{arg(name, mine, quote=True)} (recorded: {recorded!r})"
-    refused = [shown(f) for f in asked if f not in RESUMABLE_CHANGES and differs(f)]
+            return [f"{arg(prefix[name], f'{k}={v}')} (recorded: {recorded.get(k)!r})" for k, v in mine.items()
+                    if not same_setting(saved, f"{prefix[name]}.{k}", v, recorded.get(k))]
+        if name == "dp_accountant":   # "auto" is what it resolves to (runs before it existed recorded "rdp")
+            same = resolved_dp_accountant(mine, config.client_sampling) == \
+                resolved_dp_accountant(recorded, saved.client_sampling)
+        else:
+            same = mine == recorded
+        return [] if same else [f"{arg(name, mine, quote=True)} (recorded: {recorded!r})"]
+    refused = {f: shown for f in asked if f not in RESUMABLE_CHANGES and (shown := differences(f))}
     if refused:
-        hint = (f"; the learning rate and algorithm options may change from the checkpoint on with "
-                f"{arg('change', 'lr=VALUE')} / {arg('change', 'option.NAME=VALUE')}"
-                if any(f in ("lr", "options") for f in asked if f not in RESUMABLE_CHANGES and differs(f)) else "")
+        hint = "" if not {"lr", "options"} & set(refused) else (
+            f"; the learning rate and algorithm options may change from the checkpoint on with "
+            f"{arg('change', 'lr=VALUE')} / {arg('change', 'option.NAME=VALUE')}")
         raise RunError(f"{arg('resume')} continues the recorded run, but these would change the experiment: "
-                       f"{'; '.join(refused)}{hint}; drop them to resume, or start a new run in another {arg('out')}")
+                       f"{'; '.join(sum(refused.values(), []))}{hint}; drop them to resume, or start a new run in "
+                       f"another {arg('out')}")
     changes = {f: getattr(config, f) for f in asked
                if f in RESUMABLE_CHANGES and f != "out" and getattr(config, f) != getattr(saved, f)}
     execution_asked = EXECUTION_FIELDS if given is None else [f for f in EXECUTION_FIELDS if f in given]

@@ -7,16 +7,14 @@ against it (algorithm options too: ``config.algorithm_option_values``). A leaf m
 configuration, the data sets, the models and the errors read it."""
 from __future__ import annotations
 
-import dataclasses
 import types
 import typing
-from typing import Any
+from typing import Any, NamedTuple
 
 TRUE, FALSE, NONE = ("true", "yes", "on", "1"), ("false", "no", "off", "0"), ("none", "null")
 
 
-@dataclasses.dataclass(frozen=True)
-class Option:
+class Option(NamedTuple):
     """One option of a data set or a model: its type, default and what it does."""
     kind: type | None   # None: no declared type (read as JSON spells it)
     default: Any
