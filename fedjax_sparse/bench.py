@@ -56,7 +56,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -64,11 +64,12 @@ import numpy as np
 
 from fedjax_sparse import memory, programs, timing
 from fedjax_sparse import population as host_population
-from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig, validate
-from fedjax_sparse.errors import RunError
+from fedjax_sparse.config import (EXECUTION_FIELDS, OPTION_PREFIXES, RunConfig, model_name, parse_overrides,
+                                  typed_axes, validate, with_overrides)
+from fedjax_sparse.errors import RunError, arg
 from fedjax_sparse.experiment import Components, Experiment, build, with_components
 from fedjax_sparse.progress import jsonable
-from fedjax_sparse.sweeps import apply_point, grid, parse_value
+from fedjax_sparse.sweeps import grid
 
 SCHEMA = "fedjax_sparse.bench/1"
 PRECISION_KEY = "matmul_precision"
@@ -86,42 +87,15 @@ MATMUL_SIZE_ACCELERATOR = 8192
 
 
 # ---------------------------------------------------------------------------- --compare
-def _parse_value(key: str, text: str) -> Any:
-    """A compared value from its text: xla_flags and matmul_precision stay strings, null/none is None,
-    the rest as ``--sweep`` reads it (:func:`fedjax_sparse.sweeps.parse_value`)."""
-    if key == XLA_FLAGS_KEY:
-        return "" if text == NO_XLA_FLAGS else text
-    if key == PRECISION_KEY:
-        return text
-    if text.lower() in ("none", "null"):
-        return None
-    return parse_value(text)
-
-
 def parse_compare(specs: Sequence[str]) -> dict[str, list]:
     """``["client_parallelism=map,vmap", "xla_flags=none;--xla_foo=1"]`` -> ``{"client_parallelism":
-    ["map", "vmap"], "xla_flags": ["", "--xla_foo=1"]}``: values separated by ``,``, those of
-    ``xla_flags`` by ``;`` (XLA flags hold ``,`` and ``=``), ``none`` there meaning no added flag.
+    ["map", "vmap"], "xla_flags": ["", "--xla_foo=1"]}``: the grammar of every KEY=VALUE flag
+    (``config.parse_overrides``; ``xla_flags``' values separated by ``;``, as XLA flags hold ``,`` and ``=``,
+    ``none`` there meaning no added flag), values as text, typed by :func:`bench` for the configuration.
     One-line RunError for a malformed spec, an empty value, a key or value given twice."""
-    axes: dict[str, list] = {}
-    for spec in specs:
-        key, sep, text = spec.partition("=")
-        key = key.strip()
-        separator = ";" if key == XLA_FLAGS_KEY else ","
-        if not sep or not key:
-            raise RunError(f"--compare takes KEY=V1{separator}V2, got {spec!r}: e.g. --compare "
-                           "client_parallelism=map,vmap")
-        items = [item.strip() for item in text.split(separator)]
-        if not text.strip() or not all(items):
-            raise RunError(f"--compare {spec!r} has an empty value: write --compare {key}=V1{separator}V2 "
-                           f"(values separated by '{separator}')")
-        if key in axes:
-            raise RunError(f"--compare names {key!r} twice; give all its values once: --compare "
-                           f"{key}=V1{separator}V2")
-        values = [_parse_value(key, item) for item in items]
-        if len(set(map(repr, values))) != len(values):
-            raise RunError(f"--compare {key} lists a value twice: {text}")
-        axes[key] = values
+    axes = parse_overrides(specs, "--compare", lists=True)
+    if XLA_FLAGS_KEY in axes:
+        axes[XLA_FLAGS_KEY] = ["" if value == NO_XLA_FLAGS else value for value in axes[XLA_FLAGS_KEY]]
     return axes
 
 
@@ -133,7 +107,7 @@ def check_compare(axes: dict[str, list]) -> None:
         if not values:
             raise RunError(f"--compare {key} has no values: write --compare {key}=V1,V2")
         prefix, dot, name = key.partition(".")
-        if dot and prefix in ("option", "model_option") and name:
+        if dot and prefix in OPTION_PREFIXES and name:
             continue
         if key == PRECISION_KEY:
             unknown = [v for v in values if v not in MATMUL_PRECISIONS]
@@ -145,7 +119,7 @@ def check_compare(axes: dict[str, list]) -> None:
             continue
         raise RunError(f"unknown --compare key {key!r}; compare a RunConfig field ({', '.join(fields[:6])}, ...), "
                        f"an execution field ({', '.join(EXECUTION_FIELDS[:3])}, ...), option.NAME, "
-                       f"model_option.NAME, {PRECISION_KEY} or {XLA_FLAGS_KEY}")
+                       f"model_option.NAME, dataset_option.NAME, {PRECISION_KEY} or {XLA_FLAGS_KEY}")
 
 
 def variant_name(point: tuple) -> str:
@@ -162,7 +136,7 @@ def variant_config(config: RunConfig, point: tuple, objects: frozenset[str] | se
     a bad value is a one-line RunError naming the ``--compare`` value."""
     settings = tuple((key, value) for key, value in point if key not in (PRECISION_KEY, XLA_FLAGS_KEY))
     try:
-        out = RunConfig.from_json(apply_point(config, settings).to_json())   # type-checked as a config file
+        out = RunConfig.from_json(with_overrides(config, settings).to_json())   # type-checked as a config file
         validate(out, objects=objects)
     except RunError as e:
         raise RunError(f"--compare {variant_name(point)}: {e}") from None
@@ -230,14 +204,12 @@ def check_models(exp: Experiment, configs: Sequence[RunConfig], points: Sequence
     """Builds every variant's model for ``exp``'s data and traces its forward pass on shapes alone
     (nothing compiled or run), so that a bad ``model_option`` value (one the model only reads when
     it runs, e.g. ``conv_impl``) is refused in one line before any variant is timed."""
-    from fedjax_sparse.config import DEFAULT_MODELS
     from fedjax_sparse.models import make_model
     for config, point in zip(configs, points):
         if config.dataset != exp.config.dataset:
             continue   # other data: checked when that variant is built
-        name = config.model or DEFAULT_MODELS.get(config.dataset, "mlp")
         try:
-            model = make_model(name, exp.data.input_shape, exp.data.num_classes, **config.model_options)
+            model = make_model(model_name(config), exp.data.input_shape, exp.data.num_classes, **config.model_options)
             x = jax.ShapeDtypeStruct((1, *exp.data.input_shape), jnp.float32)
             jax.eval_shape(lambda x, model=model: model.apply(model.init(jax.random.PRNGKey(0)), x), x)
         except (ValueError, TypeError, ImportError, AttributeError) as e:
@@ -403,12 +375,15 @@ def bench(config: RunConfig, compare: dict[str, list] | None = None, *, rounds_t
     axes = dict(compare or {})
     check_compare(axes)
     config, parts = with_components(config, model, data, algorithm)
+    # Text values typed for the configuration (matmul precisions and XLA flags are text, not configuration).
+    process = {key: axes[key] for key in (PRECISION_KEY, XLA_FLAGS_KEY) if key in axes}
+    axes = {**typed_axes(config, {k: v for k, v in axes.items() if k not in process}, "compare"), **process}
     points = grid(axes)
     configs = [variant_config(config, point, parts.given()) for point in points]   # all checked first
     for variant in configs:
         if variant.cohort_schedule and variant.rounds < 1 + rounds_timed:
-            raise RunError(f"--cohort-schedule pins the cohorts of {variant.rounds} rounds, but bench runs "
-                           f"1 + --rounds-timed {rounds_timed}: lower --rounds-timed or raise --rounds")
+            raise RunError(f"{arg('cohort_schedule')} pins the cohorts of {variant.rounds} rounds, but bench runs "
+                           f"1 + --rounds-timed {rounds_timed}: lower --rounds-timed or raise {arg('rounds')}")
     header = {"schema": SCHEMA, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "config": config.to_json(),
               "compare": axes, "rounds_timed": rounds_timed}
     if isolate or XLA_FLAGS_KEY in axes:
@@ -609,7 +584,7 @@ def check_json_writable(path: str | Path, overwrite: bool = False) -> None:
     if path.is_dir():
         raise ValueError(f"--json {path} is a folder; give a file name, e.g. --json {path / 'bench.json'}")
     if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} already exists; choose another --json FILE or pass --overwrite")
+        raise FileExistsError(f"{path} already exists; choose another --json FILE or pass {arg('overwrite')}")
     tmp = path.with_name(path.name + ".tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -625,7 +600,7 @@ def write_json(result: dict, path: str | Path, overwrite: bool = False) -> Path:
     refused unless ``overwrite``."""
     path = Path(path)
     if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} already exists; choose another --json FILE or pass --overwrite")
+        raise FileExistsError(f"{path} already exists; choose another --json FILE or pass {arg('overwrite')}")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(result, indent=2, allow_nan=False))

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse.errors import RunError
+from fedjax_sparse.errors import RunError, arg
 from fedjax_sparse.engine import EngineState
 
 LEGACY_CHECKPOINT = "checkpoint.npz"
@@ -74,9 +74,9 @@ class OutputLock:
                 holder = self._holder()
                 if holder is not None and not self._stale(holder):
                     raise RunError(
-                        f"--out {self.path.parent} is in use by another run (pid {holder.get('pid')} on "
+                        f"{arg('out', self.path.parent)} is in use by another run (pid {holder.get('pid')} on "
                         f"{holder.get('host')}, started {holder.get('started')}); wait for it, stop it, or "
-                        f"choose another --out") from None
+                        f"choose another {arg('out')}") from None
                 what = "unreadable" if holder is None else f"left by pid {holder.get('pid')}, which is gone"
                 print(f"notice: taking over the stale lock of {self.path.parent} ({what})", file=sys.stderr)
                 self.path.unlink(missing_ok=True)
@@ -85,7 +85,8 @@ class OutputLock:
                 json.dump(info, f)
             self.held = True
             return self
-        raise RunError(f"could not lock --out {self.path.parent}: another run keeps taking it; choose another --out")
+        raise RunError(f"could not lock {arg('out', self.path.parent)}: another run keeps taking it; choose another "
+                       f"{arg('out')}")
 
     def _holder(self) -> dict | None:
         try:
@@ -123,12 +124,12 @@ def locked_out_dir(out: Path) -> OutputLock:
     (``with locked_out_dir(out): ...``)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
-        raise RunError(f"--out {out} exists and is not a directory; choose another --out")
+        raise RunError(f"{arg('out', out)} exists and is not a directory; choose another {arg('out')}")
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise RunError(f"cannot create --out {out} ({e.strerror}); choose a writable --out") from None
+        raise RunError(f"cannot create {arg('out', out)} ({e.strerror}); choose a writable {arg('out')}") from None
     return OutputLock(out, remove_if_empty=created)
 
 
@@ -166,7 +167,7 @@ def read_metrics(out: str | Path, repair: bool = False) -> list[dict]:
     rows, problem, damaged = _parse_metrics(path)
     if damaged is not None:
         raise RunError(f"{path} line {damaged} is damaged (not a JSON metrics row); restore the file or "
-                       "start a fresh run in a new --out")
+                       f"start a fresh run in a new {arg('out')}")
     if problem == "had a torn last line" and repair:
         print(f"notice: dropped the torn last line of {path}", file=sys.stderr)
         write_metrics(out, rows)
@@ -372,16 +373,16 @@ def restore_checkpoint(out: Path, template: EngineState, population=None) -> Res
     import orbax.checkpoint as ocp
     out = Path(out)
     if (out.suffix == ".npz" or not (out / CHECKPOINT_DIR).is_dir()) and population is not None:
-        raise RunError(f"{out} holds no checkpoint of a --client-state host run; resume it with --client-state "
-                       "device, or start a fresh run in a new --out")
+        raise RunError(f"{out} holds no checkpoint of a {arg('client_state', 'host')} run; resume it with "
+                       f"{arg('client_state', 'device')}, or start a fresh run in a new {arg('out')}")
     if out.suffix == ".npz" or not (out / CHECKPOINT_DIR).is_dir():
         legacy = out if out.suffix == ".npz" else out / LEGACY_CHECKPOINT
         if legacy.exists():
             # That format stored the leaves by position: it cannot follow a state whose fields moved.
             raise RunError(f"{legacy} is a checkpoint of fedjax_sparse before its orbax checkpoints (leaves by "
                            "position), no longer read; finish that run with the version that started it, or "
-                           "start a fresh run in a new --out")
-        raise RunError(f"no checkpoint in {out}; start a fresh run (without --resume)")
+                           f"start a fresh run in a new {arg('out')}")
+        raise RunError(f"no checkpoint in {out}; start a fresh run (without {arg('resume')})")
     manager = _manager(out)
     steps = sorted(manager.all_steps(), reverse=True)
     problems = []
@@ -409,7 +410,7 @@ def restore_checkpoint(out: Path, template: EngineState, population=None) -> Res
                 try:
                     population.load_state_dict(restored.population)
                 except (ValueError, KeyError, TypeError) as e:
-                    raise RunError(f"the checkpoint in {out}: {e}; use a new --out directory") from None
+                    raise RunError(f"the checkpoint in {out}: {e}; use a new {arg('out')} directory") from None
             rows = None
             if with_rows:
                 try:
@@ -426,14 +427,14 @@ def restore_checkpoint(out: Path, template: EngineState, population=None) -> Res
     finally:
         manager.close()
     raise RunError(f"no readable checkpoint in {out / CHECKPOINT_DIR} ({'; '.join(problems) or 'none found'}); "
-                   "start a fresh run in a new --out")
+                   f"start a fresh run in a new {arg('out')}")
 
 
 def _check_structure(out: Path, restored: Any, template: EngineState) -> None:
     new_leaves = jax.tree_util.tree_leaves(restored)
     old_leaves = jax.tree_util.tree_leaves(template)
     if len(new_leaves) != len(old_leaves) or any(np.shape(a) != np.shape(b) for a, b in zip(new_leaves, old_leaves)):
-        raise RunError(f"the checkpoint in {out} is from another configuration; use a new --out directory")
+        raise RunError(f"the checkpoint in {out} is from another configuration; use a new {arg('out')} directory")
 
 
 # ---------------------------------------------------------------- the folder
@@ -476,12 +477,12 @@ def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
     can be resumed (see ``clear_outputs``); a run that stopped before its first checkpoint (see
     ``failed_start``) is replaced by a fresh run, with a notice."""
     if out.exists() and not out.is_dir():
-        raise RunError(f"--out {out} exists and is not a directory; choose another --out")
+        raise RunError(f"{arg('out', out)} exists and is not a directory; choose another {arg('out')}")
     if resume:
         if _finished_without_checkpoints(out):
-            raise RunError(f"nothing to resume in {out}: {FINISHED_WITHOUT_CHECKPOINTS}")
+            raise RunError(f"nothing to resume in {out}: {finished_without_checkpoints()}")
         if not has_checkpoint(out):
-            raise RunError(f"nothing to resume in {out}: no checkpoint there; run without --resume")
+            raise RunError(f"nothing to resume in {out}: no checkpoint there; run without {arg('resume')}")
         return
     if out.exists() and any(p.name != LOCK for p in out.iterdir()) and not overwrite:
         if failed_start(out):
@@ -489,17 +490,18 @@ def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
                   "first checkpoint: nothing to resume); this run replaces it", file=sys.stderr)
             _clear_failed_start(out)
         elif _finished_without_checkpoints(out):
-            raise RunError(f"output directory {out} is not empty: {FINISHED_WITHOUT_CHECKPOINTS}")
+            raise RunError(f"output directory {out} is not empty: {finished_without_checkpoints()}")
         else:
             what, fix = _holds(out)
             raise RunError(f"output directory {out} is not empty (it holds {what}); {fix}")
     out.mkdir(parents=True, exist_ok=True)
 
 
-# A finished run whose checkpoints were deleted (the recorded results keep none, to save space): the
-# same one way forward whether the folder is run into again with --resume or without.
-FINISHED_WITHOUT_CHECKPOINTS = ("it holds a finished run whose checkpoints were deleted, which can be neither resumed "
-                                "nor extended; start the new run in another --out")
+def finished_without_checkpoints() -> str:
+    """A finished run whose checkpoints were deleted (the recorded results keep none, to save space): the
+    same one way forward whether the folder is run into again with --resume or without."""
+    return ("it holds a finished run whose checkpoints were deleted, which can be neither resumed nor extended; "
+            f"start the new run in another {arg('out')}")
 
 
 def _finished_without_checkpoints(out: Path) -> bool:
@@ -509,8 +511,8 @@ def _finished_without_checkpoints(out: Path) -> bool:
 def _holds(out: Path) -> tuple[str, str]:
     """What a refused --out holds, and the flags that take the folder over (for the message)."""
     if (out / "summary.json").is_file():
-        return ("a finished run", "pass --resume with a larger --rounds to extend it, --overwrite to replace it, or "
-                "choose another --out")
+        return ("a finished run", f"pass {arg('resume')} with a larger {arg('rounds')} to extend it, "
+                f"{arg('overwrite')} to replace it, or choose another {arg('out')}")
     if has_checkpoint(out):
         try:
             rows = read_metrics(out)
@@ -520,12 +522,14 @@ def _holds(out: Path) -> tuple[str, str]:
             # Diverged (its NaN loss is written as null; an empty Poisson round's null is no loss at all):
             # a resume would repeat the same rounds.
             return (f"a run that diverged at round {rows[-1]['round']}",
-                    "pass --overwrite to replace it with this run, or choose another --out")
+                    f"pass {arg('overwrite')} to replace it with this run, or choose another {arg('out')}")
         return ("a run stopped after a checkpoint",
-                "pass --resume to continue it, --overwrite to replace it, or choose another --out")
+                f"pass {arg('resume')} to continue it, {arg('overwrite')} to replace it, or choose another "
+                f"{arg('out')}")
     others = sorted(p.name for p in out.iterdir() if p.name not in FAILED_START_FILES + FAILED_START_DIRS)
     return (f"files no run writes: {', '.join(others[:5])}" if others else "the files of a previous run",
-            "choose another --out, or pass --overwrite to start a run there (it removes only a run's files)")
+            f"choose another {arg('out')}, or pass {arg('overwrite')} to start a run there (it removes only a run's "
+            "files)")
 
 
 def clear_outputs(out: Path) -> None:

@@ -7,33 +7,17 @@ without a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
 from pathlib import Path
 
-from fedjax_sparse.flags import RUN_FLAGS  # the table lives in a leaf module that errors reads too
+from fedjax_sparse.settings import GROUPS, RUN_FLAGS   # each setting's flag, type, help and group
 
-
-KEY_VALUE_FLAGS = ("--option", "--model-option", "--compare", "--change")
-
-# `run --help` in argument groups (and `bench --help` for the flags it shares): each flag's group, in one place.
-HELP_GROUPS = {
-    "configuration": ("--config", "--setting"),
-    "data": ("--dataset", "--data-dir", "--download", "--num-clients", "--partition", "--min-client-samples",
-             "--preprocess", "--partition-file"),
-    "model": ("--model", "--model-option", "--init-params"),
-    "algorithm": ("--algorithm", "--option", "--rounds", "--clients-per-round", "--client-sampling",
-                  "--resample-every", "--local-epochs", "--batch-size", "--lr", "--seed", "--cohort-schedule"),
-    "privacy": ("--dp-clip", "--dp-noise-multiplier", "--dp-target-epsilon", "--dp-delta", "--dp-accountant"),
-    "robustness": ("--aggregator", "--trim-fraction", "--attack", "--malicious-fraction"),
-    "seeds and sweeps": ("--seeds", "--sweep", "--sweep-select", "--replica-parallelism"),
-    "execution": ("--client-parallelism", "--eval-batch-size", "--personal-eval", "--client-state",
-                  "--client-storage", "--host-chunk-rounds", "--max-chunk-seconds", "--compile-cache",
-                  "--coordinator", "--num-processes", "--process-id"),
-    "outputs": ("--out", "--eval-every", "--checkpoint-every", "--checkpoint-seconds", "--log", "--resume",
-                "--change", "--overwrite", "--quiet"),
-}
+# The settings' KEY=VALUE flags (one option dict each; their keys' prefix: config.OPTION_PREFIXES).
+OPTION_FLAGS = {flag: flag[2:].replace("-", "_") for flag, _, kind, *_ in RUN_FLAGS if kind is dict}
+KEY_VALUE_FLAGS = (*OPTION_FLAGS, "--compare", "--change")
 RUN_EXAMPLES = """examples:
   python -m fedjax_sparse run --algorithm fedavg --dataset digits --rounds 20 --out runs/fedavg
   python -m fedjax_sparse run --setting spafl_fmnist --data-dir ../shared/data --rounds 100 --out runs/spafl
@@ -46,23 +30,12 @@ RUN_EXAMPLES = """examples:
   python -m fedjax_sparse list       # algorithms, data sets, models, partitions"""
 
 
-def _group(parser: argparse.ArgumentParser, flag: str):
-    """The argument group of ``parser`` that ``flag`` belongs to (HELP_GROUPS), created on first use."""
-    name = next((g for g, flags in HELP_GROUPS.items() if flag in flags), "other")
+def _group(parser: argparse.ArgumentParser, name: str):
+    """The argument group ``name`` (settings.GROUPS) of ``parser``, created on first use."""
     groups = parser.__dict__.setdefault("_fjs_groups", {})
     if name not in groups:
         groups[name] = parser.add_argument_group(name)
     return groups[name]
-
-
-def _key_values(pairs, flag):
-    out = {}
-    for pair in pairs or []:
-        if "=" not in pair:
-            raise ValueError(f"{flag} takes KEY=VALUE, got {pair!r}: write {flag} {pair}=VALUE")
-        key, value = pair.split("=", 1)
-        out[key.strip()] = value.strip()
-    return out
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -73,36 +46,37 @@ def _parser() -> argparse.ArgumentParser:
                          usage="python -m fedjax_sparse run [FLAGS]   (by group below; examples at the end)",
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_config_arguments(run)
-    _group(run, "--resume").add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
-    _group(run, "--change").add_argument(
+    _group(run, "outputs").add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
+    _group(run, "outputs").add_argument(
         "--change", action="append", metavar="KEY=VALUE",
         help="with --resume: continue from the checkpoint with another lr (--change lr=0.01) or algorithm option "
              "(--change option.alpha=0.01), e.g. after a divergence; recorded in config.json with the round, "
              "marked by report and plot (repeatable)")
-    _group(run, "--overwrite").add_argument("--overwrite", action="store_true", help="replace the run already in --out")
-    _group(run, "--quiet").add_argument("--quiet", action="store_true", help="no progress bar")
-    _group(run, "--compile-cache").add_argument("--compile-cache", default=None, metavar="DIR|off",
+    _group(run, "outputs").add_argument("--overwrite", action="store_true", help="replace the run already in --out")
+    _group(run, "outputs").add_argument("--quiet", action="store_true", help="no progress bar")
+    _group(run, "execution").add_argument("--compile-cache", default=None, metavar="DIR|off",
                      help="folder of JAX's persistent compilation cache, so a rerun, a resume or another seed "
                           "of the same shapes skips compiling (default: $FEDJAX_SPARSE_COMPILE_CACHE, else "
                           "$XDG_CACHE_HOME/fedjax_sparse/jax, i.e. ~/.cache/...; 'off' disables it)")
-    _group(run, "--coordinator").add_argument("--coordinator", default=None, metavar="HOST:PORT",
+    _group(run, "execution").add_argument("--coordinator", default=None, metavar="HOST:PORT",
                      help="multi-process run (jax.distributed): address of process 0; with --num-processes and "
                           "--process-id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
-    _group(run, "--num-processes").add_argument("--num-processes", type=int, default=None, metavar="N",
+    _group(run, "execution").add_argument("--num-processes", type=int, default=None, metavar="N",
                      help="multi-process run: how many processes (one command per process, same flags)")
-    _group(run, "--process-id").add_argument("--process-id", type=int, default=None, metavar="I",
+    _group(run, "execution").add_argument("--process-id", type=int, default=None, metavar="I",
                      help="multi-process run: this process's index, 0 .. N-1 (process 0 writes the files)")
-    _group(run, "--seeds").add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED",
+    _group(run, "seeds and sweeps").add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED",
                      help="replicas: run the configuration once per seed in one process, each in OUT/seed<SEED>/ "
                           "(OUT/replicas.json: mean and std over seeds); replaces --seed")
-    _group(run, "--replica-parallelism").add_argument("--replica-parallelism", default="auto",
+    _group(run, "seeds and sweeps").add_argument("--replica-parallelism", default="auto",
                      help="--seeds and --sweep: auto (sequential on CPU, vmap elsewhere) | vmap (all members in one "
                           "program) | sequential (one member after another through one compiled program)")
-    _group(run, "--sweep").add_argument("--sweep", action="append", default=None, metavar="KEY=V1,V2",
+    _group(run, "seeds and sweeps").add_argument("--sweep", action="append", default=None, metavar="KEY=V1,V2",
                      help="a grid (repeatable): KEY is lr, local_epochs, malicious_fraction (any RunConfig field), "
-                          "option.NAME or model_option.NAME; every point runs every --seeds seed, in "
+                          "option.NAME, model_option.NAME or dataset_option.NAME; every point runs every --seeds "
+                          "seed, in "
                           "OUT/<point>/seed<SEED>/, with OUT/sweep.json and OUT/sweep.md (mean +- std over seeds)")
-    _group(run, "--sweep-select").add_argument("--sweep-select", default=None, metavar="KEY",
+    _group(run, "seeds and sweeps").add_argument("--sweep-select", default=None, metavar="KEY",
                      help="--sweep: how the best point is chosen: best_accuracy (default; on --resume the recorded "
                           "one) | final_accuracy | accuracy_at_gbit:X (best accuracy within X Gbit)")
 
@@ -141,29 +115,28 @@ def _parser() -> argparse.ArgumentParser:
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags that make a run's configuration (``run`` and ``bench`` read them alike:
     :func:`config_from_args`)."""
-    for name in HELP_GROUPS:   # the groups in HELP_GROUPS's order
-        _group(parser, HELP_GROUPS[name][0])
-    _group(parser, "--config").add_argument("--config",
-                                            help="JSON config file (RunConfig fields); flags given override it")
-    _group(parser, "--setting").add_argument(
+    for name in GROUPS:   # the groups in their order
+        _group(parser, name)
+    _group(parser, "configuration").add_argument("--config",
+                                                 help="JSON config file (RunConfig fields); flags given override it")
+    _group(parser, "configuration").add_argument(
         "--setting", metavar="NAME", help="a paper's experiment (fedjax_sparse/papers.py: spafl_fmnist, "
         "feddrop_fmnist, fsl_mnist, their methods as spafl_fmnist_fedavg ...; `list` names all); --config "
         "and the flags given override its keys")
     from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig
     defaults = RunConfig()
-    for flag, dest, typ, text in RUN_FLAGS:
-        if "default" not in text:
-            # The flag's default is the RunConfig field's (argparse's own default stays None so that the
-            # flags given can be told apart from a config file's values).
-            default = getattr(defaults.execution if dest in EXECUTION_FIELDS else defaults, dest)
-            text = f"{text} (default: {default})"
-        _group(parser, flag).add_argument(flag, dest=dest, type=typ, default=None, help=text)
-    _group(parser, "--option").add_argument("--option", action="append", metavar="KEY=VALUE",
-                                            help="algorithm option (repeatable; `list` shows each algorithm's)")
-    _group(parser, "--model-option").add_argument("--model-option", action="append", metavar="KEY=VALUE",
-                                                  help="model option (repeatable)")
-    _group(parser, "--download").add_argument("--download", action="store_true", default=None,
-                                              help="fetch the dataset with TFDS")
+    for flag, dest, kind, text, group in RUN_FLAGS:
+        if kind is dict:   # KEY=VALUE, repeatable: typed by config.typed_value
+            _group(parser, group).add_argument(flag, action="append", metavar="KEY=VALUE", help=text)
+        elif kind is bool:
+            _group(parser, group).add_argument(flag, action="store_true", default=None, help=text)
+        else:
+            if "default" not in text:
+                # The flag's default is the RunConfig field's (argparse's own default stays None so that the
+                # flags given can be told apart from a config file's values).
+                default = getattr(defaults.execution if dest in EXECUTION_FIELDS else defaults, dest)
+                text = f"{text} (default: {default})"
+            _group(parser, group).add_argument(flag, dest=dest, type=kind, default=None, help=text)
 
 
 def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
@@ -175,7 +148,7 @@ def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--compare", action="append", default=None, metavar="KEY=V1,V2",
                        help="variants to time side by side (repeatable; the variants are every combination): KEY "
                             "is a RunConfig field (clients_per_round, batch_size, ...), an execution field "
-                            "(client_parallelism, ...), option.NAME, model_option.NAME (e.g. "
+                            "(client_parallelism, ...), option.NAME, dataset_option.NAME, model_option.NAME (e.g. "
                             "model_option.conv_impl=xla,auto), matmul_precision (default, high, highest, "
                             "bfloat16, tensorfloat32, float32) or xla_flags, whose values are separated by "
                             "';' (XLA flags hold ',' and '='), 'none' meaning no added flags, each run in a "
@@ -203,15 +176,6 @@ def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
                          ("--seeds", {"type": int, "nargs": "+"}), ("--replica-parallelism", {}),
                          ("--sweep", {"action": "append"}), ("--sweep-select", {})):
         bench.add_argument(flag, default=None, help=argparse.SUPPRESS, **kwargs)
-
-
-def _model_option(value: str):
-    for cast in (int, float):
-        try:
-            return cast(value)
-        except ValueError:
-            pass
-    return value
 
 
 def compile_cache_dir(flag: str | None) -> Path | None:
@@ -249,7 +213,7 @@ def config_from_args(args):
     given, ``--option``, ``--model-option``), and the fields the user set (the setting's and the config
     file's keys and the flags given).
     Returns (config, given). Raises ValueError (one line) on a bad file or a removed flag."""
-    from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig
+    from fedjax_sparse.config import OPTION_PREFIXES, RunConfig, parse_overrides, typed_value, with_overrides
     base = {}
     if args.setting:
         from fedjax_sparse.papers import setting
@@ -265,30 +229,26 @@ def config_from_args(args):
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {args.config} must hold a JSON object of RunConfig fields "
                              f"(e.g. {{\"algorithm\": \"fedavg\", \"rounds\": 10}}), not a {type(loaded).__name__}")
-        # Over --setting's keys (its options and model options merged with the file's).
-        merged = {k: {**base[k], **loaded[k]} for k in ("options", "model_options")
+        # Over --setting's keys (its option dicts merged with the file's).
+        merged = {k: {**base[k], **loaded[k]} for k in OPTION_PREFIXES.values()
                   if isinstance(base.get(k), dict) and isinstance(loaded.get(k), dict)}
         base = {**base, **loaded, **merged}
     config = RunConfig.from_json(base)
     # What the user set: the config file's keys (execution's by their own names) and the flags below.
     given = set(base) - {"execution"} | set(base.get("execution") or {})
-    for _, dest, _, _ in RUN_FLAGS:
-        value = getattr(args, dest)
-        if value is not None:
-            setattr(config.execution if dest in EXECUTION_FIELDS else config, dest, value)
-            given.add(dest)
-    if args.download:
-        config.download = True
-        given.add("download")
-    if args.option:
-        given.add("options")
-    if args.model_option:
-        given.add("model_options")
-    config.options = {**config.options, **_key_values(args.option, "--option")}
-    config.model_options = {**config.model_options,
-                            **{k: _model_option(v)
-                               for k, v in _key_values(args.model_option, "--model-option").items()}}
-    return config, given
+    flags = {dest: getattr(args, dest) for _, dest, kind, *_ in RUN_FLAGS
+             if kind is not dict and getattr(args, dest) is not None}
+    overrides = {}
+    for flag, prefix in OPTION_FLAGS.items():
+        specs = getattr(args, flag[2:].replace("-", "_")) or []
+        overrides.update({f"{prefix}.{key}": text for key, text in parse_overrides(specs, flag).items()})
+        given |= {OPTION_PREFIXES[prefix]} if specs else set()
+    config = with_overrides(config, flags)
+    if not getattr(args, "resume", False):
+        # Typed for the configuration they set; a resumed run's stay text, typed against the recorded
+        # configuration they are compared with (runner.resumed_config: its algorithm's options).
+        overrides = {key: typed_value(config, key, text, key.partition(".")[0]) for key, text in overrides.items()}
+    return with_overrides(config, overrides), given | set(flags)
 
 
 def cmd_run(args) -> int:
@@ -299,7 +259,8 @@ def cmd_run(args) -> int:
     config, given = config_from_args(args)
     if args.resume and not config.out:
         raise ValueError("--resume needs --out pointing at the interrupted run's directory")
-    change = _key_values(args.change, "--change")
+    from fedjax_sparse.config import parse_overrides
+    change = parse_overrides(args.change or [], "--change")
     if change and (args.sweep is not None or args.seeds is not None):
         raise ValueError("--change continues one run from its checkpoint; resume a sweep's or replicas' member "
                          "alone with --out MEMBER_FOLDER --resume --change ...")
@@ -348,7 +309,7 @@ def cmd_bench(args) -> int:
     if config.out:
         print(f"notice: bench writes no run folder; --out {config.out} ignored (--json FILE writes the result)",
               file=sys.stderr)
-        config.out = None
+        config = dataclasses.replace(config, out=None)
     if args.json:   # before the benchmark runs, not after it
         bench.check_json_writable(args.json, overwrite=args.overwrite)
     axes = bench.parse_compare(args.compare or [])
@@ -424,8 +385,6 @@ def cmd_partition(args) -> int:
 
 
 def cmd_list(args) -> int:
-    import dataclasses
-
     from fedjax_sparse.algorithms import algorithm_names, algorithm_options
     from fedjax_sparse.config import DEFAULT_MODELS
     from fedjax_sparse.data import datasets
@@ -433,6 +392,7 @@ def cmd_list(args) -> int:
     from fedjax_sparse.algorithms.registry import algorithm_entry
     from fedjax_sparse.catalog import MODELS, algorithm_line, default_lr
     from fedjax_sparse.models import model_names
+    from fedjax_sparse.models.registry import model_options
     print("algorithms: (--algorithm NAME: what it is, its paper; then --option KEY=VALUE: type = default)")
     for name in algorithm_names():
         fields = dataclasses.fields(algorithm_options(name))
@@ -441,11 +401,20 @@ def cmd_list(args) -> int:
         print(f"  {'':<24}   default --lr {default_lr(name)}; options: {options or '(none)'}")
     from fedjax_sparse.config import wrappable_algorithms
     print("--aggregator / --attack wrap: " + ", ".join(wrappable_algorithms()) + " (their clients send float updates)")
-    print("datasets:   " + ", ".join(datasets.DATASETS))
+    print("datasets: (--dataset NAME, then --dataset-option KEY=VALUE: type = default, what)")
+    alike: dict[int, list[str]] = {}   # the data sets sharing one schema (the file-based ones), on one line
+    for name in datasets.DATASETS:
+        alike.setdefault(id(datasets.DATASET_OPTIONS[name]), []).append(name)
+    for names in alike.values():
+        schema = datasets.DATASET_OPTIONS[names[0]]
+        print(f"  {', '.join(names)}: " + "; ".join(f"{key}: {o.kind.__name__ if o.kind else 'any'} = {o.default!r} "
+                                                  f"({o.help})" for key, o in schema.items()))
     print("models: (--model NAME: the data sets it suits; default per data set: "
-          + ", ".join(f"{d} {m}" for d, m in DEFAULT_MODELS.items()) + ")")
+          + ", ".join(f"{d} {m}" for d, m in DEFAULT_MODELS.items()) + "; then --model-option KEY=VALUE)")
     for name in model_names():
         print(f"  {name:<24} {MODELS.get(name, '(your model)')}")
+        print(f"  {'':<24}   options: " + ", ".join(f"{k}: {type(v).__name__} = {v!r}"
+                                                    for k, v in model_options(name).items()))
     print("partitions: " + ", ".join(PARTITION_SCHEMES))
     from fedjax_sparse.papers import SETTINGS
     print("settings:   (--setting NAME: a paper's experiment or the quickstart's, fedjax_sparse/papers.py) "

@@ -63,6 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_sparse.errors import arg
 from fedjax_sparse.accounting import Cost, cost_per_round
 from fedjax_sparse.algorithms.base import (COST_METRICS, REQUIRED_CLIENT_METRICS, Algorithm, ClientContext,
                                            ServerContext)
@@ -229,7 +230,7 @@ class Engine:
     def __post_init__(self):
         if not 1 <= self.clients_per_round <= self.num_clients:
             raise ValueError(f"clients per round ({self.clients_per_round}) must be between 1 and the "
-                             f"number of clients ({self.num_clients}); lower --clients-per-round")
+                             f"number of clients ({self.num_clients}); lower {arg('clients_per_round')}")
         if self.resample_every < 1:
             raise ValueError(f"resample_every must be >= 1 round, got {self.resample_every}")
         if self.cohort_schedule is not None:

@@ -4,25 +4,24 @@ Each message is one line naming the problem and the fix; the CLI prints it after
 with status 2 (``RunStopped``: 128 + the signal's number). All but ``RunStopped`` are ``ValueError``s,
 so ``except ValueError`` catches any user error.
 
-Messages are written once, in the CLI's words (``--overwrite``, ``--model-option KEY=VALUE``). One
-place translates them for Python callers: the API's entry points (``fjs.run``, ``fjs.sweep``,
-``fjs.build``, ``fjs.data.load``, ``fjs.models.make_model``) are wrapped by :func:`in_callers_words`,
-which rewrites a message's flags into the arguments that set them (``overwrite=True``,
-``RunConfig(model_options={'KEY': VALUE})``) unless the CLI is the caller (:func:`cli_caller`).
+Messages are written once, naming each setting with :func:`arg`, which words it when the message is
+made, as its reader sets it: the flag on the command line (``--overwrite``, ``--client-state host``;
+also outside any entry point), the argument in Python (``overwrite=True``,
+``RunConfig(execution=Execution(client_state='host'))``) within the API's entry points (``fjs.run``,
+``fjs.sweep``, ``fjs.build``, ``fjs.data.load``, ``fjs.models.make_model``: :func:`in_callers_words`)
+unless the CLI called them (:func:`cli_caller`). Nothing is rewritten afterwards.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import functools
-import re
 import signal
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
-__all__ = ["DataError", "DataWarning", "PinningError", "RunError", "RunInterrupted", "RunStopped", "callers_words",
-           "cli_caller",
-           "in_callers_words", "python_words"]
+__all__ = ["DataError", "DataWarning", "PinningError", "RunError", "RunInterrupted", "RunStopped", "arg", "cli_caller",
+           "in_callers_words", "in_cli", "in_python", "resume_command"]
 
 
 class RunError(ValueError):
@@ -56,11 +55,11 @@ class RunStopped(Exception):
         self.exit_code = 128 + signum
         name = signal.Signals(signum).name
         if out is None:
-            what = "nothing was saved (no --out)"
+            what = f"nothing was saved (no {arg('out')})"
         elif round_ == 0:
             what = "no round had finished, nothing to resume: run the same command again"
         else:
-            what = f"continue with: python -m fedjax_sparse run --out {out} --resume"
+            what = f"continue with: {resume_command(out)}"
         super().__init__(f"{name}: stopped at round {round_}; {what}")
 
 
@@ -74,22 +73,38 @@ class RunInterrupted(KeyboardInterrupt):
         self.exit_code = 128 + signal.SIGINT
         at = "" if round_ is None else f" at round {round_}"
         if out is None:
-            what = "nothing was saved (no --out)"
+            what = f"nothing was saved (no {arg('out')})"
         elif checkpoint is None:
             what = "no checkpoint was written, nothing to resume: run the same command again"
         else:
-            what = f"the newest checkpoint is of round {checkpoint}; continue with: python -m fedjax_sparse run " \
-                   f"--out {out} --resume"
+            what = f"the newest checkpoint is of round {checkpoint}; continue with: {resume_command(out)}"
         super().__init__(f"interrupted{at} at once, without a checkpoint of its own; {what}")
 
 
 # ------------------------------------------------------------------ the caller's words
-_CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("fedjax_sparse_caller", default="python")
+# None: outside any entry point (a module's function called directly: the flags' words); "python": within
+# an entry point that Python called; "cli": under the command line.
+_CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("fedjax_sparse_caller", default=None)
+# The running entry point's own keywords ({name: (spelling with VALUE, without a value)}), e.g. data.load's.
+_OWN: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fedjax_sparse_arguments", default=None)
+_NO_VALUE = object()
+# What Python passes for the flags that are no RunConfig field, and for the KEY=VALUE ones: (spelling with
+# VALUE, spelling without a value); a field's is RunConfig(NAME=VALUE), an execution field's
+# RunConfig(execution=Execution(NAME=VALUE)).
+_ARGUMENTS = {
+    "resume": ("resume=True",) * 2, "overwrite": ("overwrite=True",) * 2, "quiet": ("progress=False",) * 2,
+    "download": ("RunConfig(download=True)",) * 2, "seeds": ("seeds=[VALUE]", "seeds"),
+    "sweep_select": ("select=VALUE", "select"), "replica_parallelism": ("parallelism=VALUE", "parallelism"),
+    "setting": ("RunConfig.from_setting(VALUE)", "RunConfig.from_setting"), "sweep": ("axes={VALUE}", "axes"),
+    "change": ("change={VALUE}", "change"), "compare": ("compare={VALUE}", "compare"),
+    "option": ("RunConfig(options={VALUE})", "RunConfig(options=...)"),
+    "model_option": ("RunConfig(model_options={VALUE})", "RunConfig(model_options=...)"),
+    "dataset_option": ("RunConfig(dataset_options={VALUE})", "RunConfig(dataset_options=...)")}
 
 
 @contextlib.contextmanager
 def cli_caller() -> Iterator[None]:
-    """Within it errors keep the CLI's words (the command line sets it around a command)."""
+    """Within it messages name flags, entry points included (the command line sets it around a command)."""
     token = _CALLER.set("cli")
     try:
         yield
@@ -97,125 +112,83 @@ def cli_caller() -> Iterator[None]:
         _CALLER.reset(token)
 
 
-# Flags that are not RunConfig fields: their Python spelling (VALUE: the flag's value, if it has one).
-_ARGUMENTS = {
-    "--resume": "resume=True", "--overwrite": "overwrite=True", "--quiet": "progress=False",
-    "--download": "RunConfig(download=True)", "--seeds": "seeds=[VALUE]", "--sweep-select": "select=VALUE",
-    "--replica-parallelism": "parallelism=VALUE", "--setting": "RunConfig.from_setting(VALUE)",
-}
-# Words that follow a flag without being its value ("--lr must be ...").
-_NOT_VALUES = frozenset(
-    "a an and are as at by cannot continues differ directory does exists expects fixes for from gives has have "
-    "in instead is it keeps lists lower must names need needs of on or per pins pointing reads sets splits "
-    "stacks such takes that the times to was which with accounts ones".split())
-_FLAG = re.compile(r"--[a-z][a-z0-9-]*")
-_VALUE = re.compile(r" ('[^']*'|\"[^\"]*\"|\{[^}]*\}|\[[^\]]*\]|[^\s;,)(]*[^\s;,)(.:])")
-_KEY_VALUES = re.compile(r" ([A-Za-z_.][A-Za-z0-9_.]*=[^\s;)(]*[^\s;)(.:,])")   # --option k=v1,v2
+def _literal(value: Any) -> str:
+    """A value as Python writes it; text in capitals is a placeholder (``VALUE``, ``C``) and stays bare, other
+    text is read as a command line's value is (numbers, true/false, none)."""
+    if not isinstance(value, str):
+        return repr(value)
+    if value.replace("_", "").isupper():
+        return value
+    from fedjax_sparse.schema import from_text
+    return repr(from_text(value))
 
 
-def _python_value(text: str) -> str:
-    """A flag's value as Python writes it: numbers, quoted strings and placeholders as they are, a
-    bare word quoted."""
-    if text[:1] in "'\"{[" or re.fullmatch(r"-?[0-9][0-9.e+-]*|[A-Z][A-Z0-9_]*|true|false|none|null", text):
-        return {"true": "True", "false": "False", "none": "None", "null": "None"}.get(text, text)
-    return repr(text)
+def arg(name: str, value: Any = _NO_VALUE, *, quote: bool = False) -> str:
+    """Setting ``name`` (a RunConfig or Execution field, or one of ``_ARGUMENTS``) as its reader sets it:
+    ``--client-state host`` on the command line, ``RunConfig(execution=Execution(client_state='host'))`` in
+    Python; ``value``, if given, shown with it (``quote``: as its repr on the command line too; a value in
+    capitals is a placeholder: ``--dp-clip C``, ``RunConfig(dp_clip=C)``). The KEY=VALUE ones take
+    ``"KEY=VALUE"`` (``sweep``: ``"KEY=V1,V2"``), ``seeds`` a list."""
+    if not in_python():
+        flag = "--" + name.replace("_", "-")
+        if value is _NO_VALUE:
+            return flag
+        return f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else repr(value) if quote else value}"
+    own = _OWN.get() or {}
+    if name not in _ARGUMENTS and name not in own:
+        from fedjax_sparse.settings import EXECUTION_FIELDS
+        text = f"{name}={'...' if value is _NO_VALUE else _literal(value)}"
+        return f"RunConfig(execution=Execution({text}))" if name in EXECUTION_FIELDS else f"RunConfig({text})"
+    spelled, bare = {**_ARGUMENTS, **own}[name]
+    if value is _NO_VALUE:
+        return bare
+    if isinstance(value, list):
+        text = ", ".join(map(_literal, value))
+    elif name in ("sweep", "change") or name.endswith("option"):   # KEY=VALUE: a dict's entry (a keyword)
+        key, _, values = str(value).partition("=")
+        shown = [_literal(v) for v in values.split(",")] if name == "sweep" else [_literal(values)]
+        if spelled == "KEYWORD":
+            return f"{key}={shown[0]}"
+        text = f"{_literal(key)}: {'[' + ', '.join(shown) + ']' if name == 'sweep' else shown[0]}"
+    else:
+        text = _literal(value)
+    return spelled.replace("VALUE", text)
 
 
-def _key_value(text: str) -> str:
-    """``KEY=VALUE`` as a dict entry (``KEY`` placeholders stay bare)."""
-    key, _, value = text.partition("=")
-    key = key if re.fullmatch(r"[A-Z][A-Z0-9_]*", key) or key[:1] in "'\"" else repr(key)
-    return f"{key}: {_python_value(value) if value else 'VALUE'}"
+def resume_command(out) -> str:
+    """How to continue the run in ``out``, as its reader does: the command, or ``fjs.run``."""
+    if in_python():
+        return f"fjs.run(config, resume=True) with config.out={str(out)!r}"
+    return f"python -m fedjax_sparse run --out {out} --resume"
 
 
-def python_words(message: str, arguments: dict[str, str] | None = None) -> str:
-    """``message`` (written in the CLI's words) with every flag of a run replaced by the Python
-    argument that sets it: ``--overwrite`` -> ``overwrite=True``, ``--lr 0.01`` ->
-    ``RunConfig(lr=0.01)``, ``--client-state host`` -> ``RunConfig(execution=Execution(client_state='host'))``,
-    ``--option k=v`` -> ``RunConfig(options={'k': 'v'})``, ``--sweep lr=0.1,1`` -> ``axes={'lr': [0.1, 1]}``.
-    Flags of other commands are left as they are. ``arguments``: spellings of the entry point's own
-    keywords (``{"--download": "download=True", "--data-dir": "data_dir=VALUE"}``), used first."""
-    from fedjax_sparse.flags import RUN_FLAGS
-    from fedjax_sparse.execution import EXECUTION_FIELDS
-    own = {**_ARGUMENTS, **(arguments or {})}
-    fields = {flag: field for flag, field, _, _ in RUN_FLAGS if flag not in own}
-    message = re.sub(r"python -m fedjax_sparse run --out (\S+) --resume",
-                     lambda m: f"fjs.run(config, resume=True) with config.out={m.group(1)!r}", message)
-    message = re.sub(r" \(flag --[a-z0-9-]+\)", "", message)
-
-    def value_after(end: int, flag: str) -> tuple[str | None, int]:
-        match = (flag in ("--option", "--model-option", "--sweep", "--change") and _KEY_VALUES.match(message, end)) \
-            or _VALUE.match(message, end)
-        if match is None or match.group(1) in _NOT_VALUES or match.group(1).startswith("--"):
-            return None, end
-        return match.group(1), match.end()
-
-    out, position = [], 0
-    for match in _FLAG.finditer(message):
-        if match.start() < position:
-            continue
-        flag = match.group(0)
-        if flag not in fields and flag not in own and flag not in ("--option", "--model-option", "--sweep", "--change"):
-            continue
-        value, end = value_after(match.end(), flag)
-        if flag in ("--option", "--model-option", "--change"):
-            name = {"--option": "options", "--model-option": "model_options"}.get(flag)
-            entry = _key_value(value) if value and "=" in value else None
-            if name is None:   # --change: run(..., change={...})
-                text = f"change={{{entry}}}" if entry else "change"
-            else:
-                text = f"RunConfig({name}={{{entry}}})" if entry else f"RunConfig({name}=...)"
-            end = end if entry else match.end()
-        elif flag == "--sweep":
-            if value and "=" in value:
-                key, _, values = value.partition("=")
-                text = f"axes={{{_key_value(key)[:-7]}: [{', '.join(_python_value(v) for v in values.split(','))}]}}"
-            elif value:
-                text = f"axes[{_python_value(value)}]"
-            else:
-                text = "axes"
-        elif flag in own:
-            spelled = own[flag]
-            if "VALUE" in spelled:
-                if flag == "--seeds" and value is not None:   # --seeds 0 1 2
-                    more = re.match(r"(?: [0-9]+)*", message[end:])
-                    numbers = (value + (more.group(0) if more else "")).split()
-                    end += len(more.group(0)) if more else 0
-                    text = spelled.replace("VALUE", ", ".join(numbers))
-                else:
-                    text = spelled.replace("VALUE", _python_value(value)) if value else spelled.split("=")[0]
-            else:
-                text, end = spelled, match.end()
-        else:
-            field = fields[flag]
-            shown = f"{field}={_python_value(value) if value else '...'}"
-            text = f"RunConfig(execution=Execution({shown}))" if field in EXECUTION_FIELDS else f"RunConfig({shown})"
-        out.append(message[position:match.start()] + text)
-        position = end
-    return "".join(out) + message[position:]
+def in_python() -> bool:
+    """Whether the message being made is read in Python (within an entry point that Python called)."""
+    return _CALLER.get() == "python"
 
 
-def callers_words(message: str) -> str:
-    """``message`` (in the CLI's words) as its reader calls things: as it is under the command line,
-    in Python arguments elsewhere (:func:`python_words`). For warnings, which no wrapper rewrites."""
-    return message if _CALLER.get() == "cli" else python_words(message)
+def in_cli(text: str) -> str:
+    """``text`` for a reader of the command line (flags and commands), nothing for Python's."""
+    return "" if in_python() else text
 
 
 F = TypeVar("F", bound=Callable)
 
 
-def in_callers_words(function: F | None = None, *, arguments: dict[str, str] | None = None):
-    """Wraps an API entry point: a user error raised inside names Python arguments
-    (:func:`python_words`; ``arguments``: the entry point's own keywords) unless the CLI called it
-    (:func:`cli_caller`). The exception is the same object, re-raised with its message rewritten."""
+def in_callers_words(function: F | None = None, *, arguments: dict[str, tuple[str, str]] | None = None):
+    """Marks an API entry point: the messages made inside it name Python arguments (:func:`arg`), unless
+    the command line or another entry point called it. ``arguments``: its own keywords' spellings, used
+    first (``{"download": ("download=True", "download=True")}``)."""
     def wrap(function: F) -> F:
         @functools.wraps(function)
         def wrapper(*args, **kwargs):
+            if _CALLER.get() is not None:   # the command line's, or an outer entry point's words
+                return function(*args, **kwargs)
+            tokens = _CALLER.set("python"), _OWN.set(arguments or {})
             try:
                 return function(*args, **kwargs)
-            except (ValueError, FileExistsError, FileNotFoundError, RunStopped, RunInterrupted) as e:
-                if _CALLER.get() != "cli" and len(e.args) == 1 and isinstance(e.args[0], str):
-                    e.args = (python_words(e.args[0], arguments),)
-                raise
+            finally:
+                _OWN.reset(tokens[1])
+                _CALLER.reset(tokens[0])
         return wrapper  # type: ignore[return-value]
     return wrap if function is None else wrap(function)

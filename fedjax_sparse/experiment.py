@@ -17,8 +17,8 @@ import numpy as np
 
 from fedjax_sparse import pinning
 from fedjax_sparse.algorithms import Algorithm, Task, compose, make_algorithm
-from fedjax_sparse.config import DEFAULT_MODELS, RunConfig, resolved_dp_accountant, validate
-from fedjax_sparse.errors import DataError, DataWarning, ModelWarning, RunError, callers_words, in_callers_words
+from fedjax_sparse.config import RunConfig, model_name, resolved_dp_accountant, validate
+from fedjax_sparse.errors import DataError, DataWarning, ModelWarning, RunError, arg, in_callers_words
 from fedjax_sparse.data.federated import FederatedData, build_federated_data
 from fedjax_sparse.engine import Engine, choose_pack_width, poisson_capacity
 from fedjax_sparse.models import Model, make_model
@@ -124,7 +124,8 @@ def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experi
     if isinstance(parts.data, PartitionedData):
         dataset, partition = parts.data.dataset, parts.data.partition
         if config.partition_file:
-            raise RunError("--partition-file pins a partition, but the data given is already partitioned; drop one")
+            raise RunError(f"{arg('partition_file')} pins a partition, but the data given is already partitioned; "
+                           "drop one")
     else:
         if parts.data is not None:
             dataset = parts.data
@@ -158,14 +159,13 @@ def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experi
         # Not an error (each client trains full-batch), but not what the flag says: said once (warnings'
         # default filter shows it once per place; stacklevel 1 keeps the place here, whoever builds: every
         # sweep member or replica builds).
-        warnings.warn(DataWarning(callers_words(
-            f"--batch-size {config.batch_size} is larger than every client's training set (the largest holds "
+        warnings.warn(DataWarning(
+            f"{arg('batch_size', config.batch_size)} is larger than every client's training set (the largest holds "
             f"{largest} examples): each local epoch is one full-batch step, padded to {config.batch_size} rows; "
-            f"--batch-size {largest} takes the same steps without the padding")), stacklevel=1)
+            f"{arg('batch_size', largest)} takes the same steps without the padding"), stacklevel=1)
     if parts.model is None:
-        model_name = config.model or DEFAULT_MODELS.get(config.dataset, "mlp")
         try:
-            model = make_model(model_name, data.input_shape, data.num_classes, **config.model_options)
+            model = make_model(model_name(config), data.input_shape, data.num_classes, **config.model_options)
         except (ValueError, TypeError, ImportError, AttributeError) as e:
             raise RunError(str(e)) from None
     elif isinstance(parts.model, Model):
@@ -182,8 +182,8 @@ def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experi
     initial_variables = None
     if config.init_params:
         if getattr(options, "init", "model") != "model":
-            raise RunError(f"--init-params gives the initial weights, but {config.algorithm} re-initialises "
-                           f"them (option init={options.init!r}); add --option init=model")
+            raise RunError(f"{arg('init_params')} gives the initial weights, but {config.algorithm} re-initialises "
+                           f"them (option init={options.init!r}); add {arg('option', 'init=model')}")
         template = jax.eval_shape(model.init, jax.random.PRNGKey(0))
         try:
             variables, extras = pinning.load_init_params(config.init_params, template)
@@ -197,7 +197,7 @@ def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experi
     schedule = None
     if config.cohort_schedule:
         if config.resample_every != 1:
-            raise RunError("--cohort-schedule fixes every round's cohort; drop --resample-every")
+            raise RunError(f"{arg('cohort_schedule')} fixes every round's cohort; drop {arg('resample_every')}")
         try:
             schedule = pinning.load_cohort_schedule(config.cohort_schedule, num_clients=config.num_clients,
                                                     clients_per_round=config.clients_per_round,
@@ -223,10 +223,10 @@ def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experi
                            "not an Algorithm")
     algorithm = wrap_algorithm(algorithm, config)
     if config.client_sampling == "poisson" and not algorithm.varying_cohort:
-        raise RunError(f"--client-sampling poisson: {algorithm.name}'s server assumes a fixed cohort of K clients "
-                       f"(its aggregation, vote or per-client optimisation is not written for a varying, possibly "
-                       "empty cohort); use --client-sampling fixed, or fedavg (and fedavgm, fedadam, fedyogi, "
-                       "fedadagrad), fedprox or spafl")
+        raise RunError(f"{arg('client_sampling', 'poisson')}: {algorithm.name}'s server assumes a fixed cohort of K "
+                       f"clients (its aggregation, vote or per-client optimisation is not written for a varying, "
+                       f"possibly empty cohort); use {arg('client_sampling', 'fixed')}, or fedavg (and fedavgm, "
+                       "fedadam, fedyogi, fedadagrad), fedprox or spafl")
     lag = batch_norm_lag(model, algorithm, data, config)
     if lag is not None:
         warnings.warn(ModelWarning(lag), stacklevel=2)
@@ -282,7 +282,7 @@ def batch_norm_lag(model: Model, algorithm: Algorithm, data: FederatedData, conf
             f"evaluation normalises with them, so accuracy can "
             f"fall below chance while the training loss falls; use a BatchNorm momentum of "
             f"{math.floor(fix * 100) / 100:.2f} or lower (Flax: nn.BatchNorm(momentum=...)) or more local steps "
-            "(--local-epochs, --rounds); docs/design.md, 'BatchNorm in federated runs'")
+            f"({arg('local_epochs')}, {arg('rounds')}); docs/design.md, 'BatchNorm in federated runs'")
 
 
 def wrap_algorithm(algorithm: Algorithm, config: RunConfig) -> Algorithm:

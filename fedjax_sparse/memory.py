@@ -56,7 +56,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from fedjax_sparse.algorithms.base import ClientContext
-from fedjax_sparse.errors import RunError
+from fedjax_sparse.errors import RunError, arg
 from fedjax_sparse.data.federated import ClientData
 from fedjax_sparse.models import layers as L
 
@@ -455,14 +455,14 @@ def _state_fixes(e: MemoryEstimate) -> list[tuple[str, MemoryEstimate]]:
     fixes: list[tuple[str, MemoryEstimate]] = []
     if e.client_state == "device" and e.per_client_row_bytes:
         host = e.with_settings(client_state="host")
-        fixes.append(("--client-state host", host))
+        fixes.append((arg("client_state", "host"), host))
         if e.per_client_row_float_bytes:
-            fixes.append(("--client-state host --client-storage bfloat16",
+            fixes.append((f"{arg('client_state', 'host')} {arg('client_storage', 'bfloat16')}",
                           host.with_settings(client_storage="bfloat16")))
     if e.client_state == "host" and e.client_storage == "float32" and e.per_client_row_float_bytes:
-        fixes.append(("--client-storage bfloat16", e.with_settings(client_storage="bfloat16")))
+        fixes.append((arg("client_storage", "bfloat16"), e.with_settings(client_storage="bfloat16")))
     if e.client_state == "host" and e.chunk_rounds > 1:
-        fixes.append(("--host-chunk-rounds 1", e.with_settings(chunk_rounds=1)))
+        fixes.append((arg("host_chunk_rounds", 1), e.with_settings(chunk_rounds=1)))
     return fixes
 
 
@@ -470,10 +470,10 @@ def _training_fixes(e: MemoryEstimate) -> list[tuple[str, MemoryEstimate]]:
     """Ways to shrink the round's working memory: map (same results), then the largest cohort that fits."""
     fixes: list[tuple[str, MemoryEstimate]] = []
     if e.client_parallelism == "vmap":
-        fixes.append(("--client-parallelism map", e.with_settings(client_parallelism="map")))
+        fixes.append((arg("client_parallelism", "map"), e.with_settings(client_parallelism="map")))
     k = _largest_cohort(e)
     if k is not None:
-        fixes.append((f"--clients-per-round {k}", e.with_settings(clients_per_round=k)))
+        fixes.append((arg("clients_per_round", k), e.with_settings(clients_per_round=k)))
     return fixes
 
 
@@ -531,8 +531,8 @@ def check_fits(estimate: MemoryEstimate, config=None, *, capacity_bytes: int | N
         raise RunError(f"{where}; no flag makes it fit: use fewer clients (shorter index rows) or a smaller data set")
     closest = f"; the closest, {min(candidates, key=lambda c: _needed(c[1]))[0]}, still needs " \
               f"{_size(_needed(min(candidates, key=lambda c: _needed(c[1]))[1]))}" if candidates else ""
-    raise RunError(f"{where}; no flag here makes it fit{closest}: use a smaller model, --batch-size or data set, "
-                   "or a device with more memory")
+    raise RunError(f"{where}; no flag here makes it fit{closest}: use a smaller model, {arg('batch_size')} or data "
+                   "set, or a device with more memory")
 
 
 def format_estimate(estimate: MemoryEstimate) -> str:

@@ -174,6 +174,6 @@ SETTINGS: dict[str, dict] = {
 def setting(name: str) -> dict:
     """A copy of the named setting (flat RunConfig keys); a one-line RunError naming the valid ones."""
     if name not in SETTINGS:
-        from fedjax_sparse.errors import RunError
-        raise RunError(f"unknown --setting {name!r}; valid: {', '.join(SETTINGS)}")
+        from fedjax_sparse.errors import RunError, arg
+        raise RunError(f"unknown {arg('setting', name, quote=True)}; valid: {', '.join(SETTINGS)}")
     return {k: dict(v) if isinstance(v, dict) else v for k, v in SETTINGS[name].items()}

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
-from fedjax_sparse.errors import PinningError
+from fedjax_sparse.errors import PinningError, arg
 
 PARTITION_FORMAT = "fedjax_sparse.partition/1"
 COHORTS_FORMAT = "fedjax_sparse.cohorts/1"
@@ -90,18 +90,18 @@ def load_partition_file(path: str | Path, dataset, num_clients: int):
     """Reads a partition file for ``dataset`` (a loaded Dataset) and checks it:
     ``num_clients`` clients, indices in range, no client without training data."""
     from fedjax_sparse.data.partition import Partition
-    flag = "--partition-file"
+    flag = arg("partition_file")
     doc = _read_json(path, flag)
     if not isinstance(doc, dict) or doc.get("format") != PARTITION_FORMAT or not isinstance(doc.get("clients"), list):
         raise PinningError(f"{flag} {path} is not a {PARTITION_FORMAT} file (a JSON object with "
                            f"\"format\": \"{PARTITION_FORMAT}\" and a \"clients\" list); see fedjax_sparse/pinning.py")
     name = doc.get("dataset")
     if name is not None and name != dataset.name:
-        raise PinningError(f"{flag} {path} partitions dataset {name!r}, but --dataset is {dataset.name!r}")
+        raise PinningError(f"{flag} {path} partitions dataset {name!r}, but {arg('dataset')} is {dataset.name!r}")
     clients = doc["clients"]
     if len(clients) != num_clients:
-        raise PinningError(f"{flag} {path} has {len(clients)} clients, but --num-clients is {num_clients}; "
-                           f"pass --num-clients {len(clients)}")
+        raise PinningError(f"{flag} {path} has {len(clients)} clients, but {arg('num_clients')} is {num_clients}; "
+                           f"pass {arg('num_clients', len(clients))}")
     test_from_train = bool(doc.get("test_from_train", False))
     n_train, n_test = len(dataset.train_y), len(dataset.test_y)
     train, test = [], []
@@ -151,7 +151,7 @@ def load_init_params(path: str | Path, template: Mapping, *,
     """Reads an ``--init-params`` file shaped like ``template`` (the model's
     variables, arrays or ShapeDtypeStructs). Returns (variables, extras) where
     extras holds the arrays under ``extra_prefixes`` (FSL scores)."""
-    flag = "--init-params"
+    flag = arg("init_params")
     path = Path(path)
     if not path.is_file():
         raise PinningError(f"{flag} {path}: no such file; pass the path of an existing .npz file")
@@ -206,7 +206,7 @@ def params_from_torch(model, state_dict: Mapping[str, Any], names: Mapping[str, 
             raise PinningError(f"{layer.name}: a layer of kind {layer.kind!r} (kernel {tuple(layer.kernel_shape)}); "
                                "PyTorch weights convert to dense and conv layers only (an embedding, an attention "
                                "projection or a recurrent cell has its own layout): convert that layer yourself and "
-                               "pass the variables as an .npz keyed by path (--init-params)")
+                               f"pass the variables as an .npz keyed by path ({arg('init_params')})")
     if names is None:
         weights = [k for k, v in state_dict.items() if k.endswith(".weight") and arr(v).ndim in (2, 4)]
         if len(weights) != len(model.layers):
@@ -242,19 +242,19 @@ def params_from_torch(model, state_dict: Mapping[str, Any], names: Mapping[str, 
 def load_cohort_schedule(path: str | Path, *, num_clients: int, clients_per_round: int, rounds: int) -> np.ndarray:
     """Reads a cohort schedule: [R, K] int32 with R >= ``rounds``, K = ``clients_per_round``,
     distinct ids in [0, ``num_clients``) in every row."""
-    flag = "--cohort-schedule"
+    flag = arg("cohort_schedule")
     doc = _read_json(path, flag)
     if not isinstance(doc, dict) or doc.get("format") != COHORTS_FORMAT or not isinstance(doc.get("rounds"), list):
         raise PinningError(f"{flag} {path} is not a {COHORTS_FORMAT} file (a JSON object with "
                            f"\"format\": \"{COHORTS_FORMAT}\" and a \"rounds\" list of client-id lists)")
     rows = doc["rounds"]
     if len(rows) < rounds:
-        raise PinningError(f"{flag} {path} lists {len(rows)} rounds but --rounds is {rounds}; "
-                           f"lower --rounds to {len(rows)} or extend the schedule")
+        raise PinningError(f"{flag} {path} lists {len(rows)} rounds but {arg('rounds')} is {rounds}; "
+                           f"lower {arg('rounds')} to {len(rows)} or extend the schedule")
     for r, row in enumerate(rows):
         if (not isinstance(row, list) or len(row) != clients_per_round
                 or not all(isinstance(c, int) and not isinstance(c, bool) for c in row)):
-            raise PinningError(f"{flag} {path}: round {r} must list exactly --clients-per-round="
+            raise PinningError(f"{flag} {path}: round {r} must list exactly {arg('clients_per_round')} = "
                                f"{clients_per_round} integer client ids, got {str(row)[:80]}")
         if len(set(row)) != len(row) or min(row) < 0 or max(row) >= num_clients:
             raise PinningError(f"{flag} {path}: round {r} needs distinct client ids in [0, {num_clients}), "

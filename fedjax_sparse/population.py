@@ -30,7 +30,7 @@ import numpy as np
 
 from fedjax_sparse.data.federated import FederatedData
 from fedjax_sparse.engine import Engine, EngineState, metrics_to_host
-from fedjax_sparse.errors import RunError
+from fedjax_sparse.errors import RunError, arg
 from fedjax_sparse.evaluation import Evaluator, hits_and_losses, personal_summary
 
 
@@ -110,7 +110,7 @@ class HostPopulation:
         if (slot.shape != self.slot.shape or rows is None or used > len(rows[0]) or
                 any(r.shape[1:] != b.shape[1:] or r.dtype != b.dtype for r, b in zip(rows, self.buffers))):
             raise ValueError("the saved client population is from another configuration (client count, model or "
-                             "--client-storage differ)")
+                             f"{arg('client_storage')} differ)")
         self.slot = slot.astype(np.int64)
         self.used = 0
         self._grow(used)
@@ -155,12 +155,12 @@ def init_for_run(engine: Engine, seed: int, client_storage: str, algorithm: str)
     """:func:`init` as ``--client-state host`` starts a run (``--client-storage``), a refusal in one line."""
     if engine.algorithm.extra_clients is not None:
         raise RunError(f"{algorithm} trains extra clients chosen inside each round, whose rows cannot be "
-                       "brought to the device ahead: use --client-state device")
+                       f"brought to the device ahead: use {arg('client_state', 'device')}")
     storage = jnp.bfloat16 if client_storage == "bfloat16" else None
     try:
         return init(engine, jax.random.PRNGKey(seed), storage_dtype=storage)
     except ValueError as e:
-        raise RunError(f"{e} (--client-state device)") from None
+        raise RunError(f"{e} ({arg('client_state', 'device')})") from None
 
 
 def _resident(engine: Engine, state: EngineState, num_rounds: int) -> np.ndarray:

@@ -40,7 +40,7 @@ import numpy as np
 
 from fedjax_sparse.checkpoint import has_checkpoint, locked_out_dir
 from fedjax_sparse.config import RunConfig
-from fedjax_sparse.errors import RunError, in_callers_words
+from fedjax_sparse.errors import RunError, arg, in_callers_words
 from fedjax_sparse.data.federated import FederatedData, pad_index_rows
 from fedjax_sparse.engine import Engine, metrics_to_host
 from fedjax_sparse.progress import Progress
@@ -52,7 +52,7 @@ REPLICA_PARALLELISM = ("auto", "vmap", "sequential")
 def resolve_replica_parallelism(mode: str) -> str:
     if mode not in REPLICA_PARALLELISM:
         raise RunError(f"unknown replica parallelism {mode!r}; valid: {', '.join(REPLICA_PARALLELISM)} "
-                       "(fix --replica-parallelism)")
+                       f"(fix {arg('replica_parallelism')})")
     if mode == "auto":
         return "sequential" if jax.default_backend() == "cpu" else "vmap"
     return mode
@@ -133,14 +133,14 @@ def run_replicas(config: RunConfig, seeds: Sequence[int], *, parallelism: str = 
     ``runner.run``), or None."""
     seeds = seed_list(seeds)
     if not seeds:
-        raise RunError("--seeds needs at least one seed")
+        raise RunError(f"{arg('seeds')} needs at least one seed")
     if len(set(seeds)) != len(seeds):
-        raise RunError(f"--seeds lists a seed twice: {seeds}; each seed is one replica")
+        raise RunError(f"{arg('seeds')} lists a seed twice: {seeds}; each seed is one replica")
     if any(s < 0 for s in seeds):
-        raise RunError(f"--seeds must be non-negative integers, got {seeds}")
+        raise RunError(f"{arg('seeds')} must be non-negative integers, got {seeds}")
     if config.execution.client_state == "host":
-        raise RunError("--seeds stacks every replica's clients on the device; run --client-state host one --seed "
-                       "at a time")
+        raise RunError(f"{arg('seeds')} stacks every replica's clients on the device; run "
+                       f"{arg('client_state', 'host')} one {arg('seed')} at a time")
     mode = resolve_replica_parallelism(parallelism)
     out = Path(config.out) if config.out else None
     with contextlib.ExitStack() as stack:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fedjax_sparse.checkpoint import read_metrics
-from fedjax_sparse.errors import RunError
+from fedjax_sparse.errors import RunError, arg, in_cli
 from fedjax_sparse.progress import dp_text
 
 if TYPE_CHECKING:
@@ -109,7 +109,8 @@ def load_run(path: str | Path) -> RunRecord:
     """One run directory; one-line errors when it is not one."""
     path = Path(path)
     if not (path / "metrics.jsonl").is_file():
-        raise RunError(f"{path} is not a run directory (no metrics.jsonl); pass directories written by run --out")
+        raise RunError(f"{path} is not a run directory (no metrics.jsonl); pass directories written by "
+                       f"{in_cli('run ')}{arg('out')}")
     config, changes, options = {}, [], {}   # type: dict, list, dict
     if (path / "config.json").is_file():
         try:

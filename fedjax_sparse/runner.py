@@ -38,8 +38,9 @@ from fedjax_sparse import population as host_population
 from fedjax_sparse.checkpoint import (Checkpointer, clear_outputs, latest_checkpoint, locked_out_dir,
                                       prepare_out_dir, recover_metrics, restore_checkpoint,
                                       write_metrics)
-from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig, resolved_dp_accountant, with_default_lr
-from fedjax_sparse.errors import RunError, RunInterrupted, RunStopped, in_callers_words
+from fedjax_sparse.config import (EXECUTION_FIELDS, OPTION_PREFIXES, RunConfig, resolved_dp_accountant, same_setting,
+                                  typed_value, with_default_lr, with_overrides)
+from fedjax_sparse.errors import RunError, RunInterrupted, RunStopped, arg, in_callers_words
 from fedjax_sparse.data.federated import FederatedData
 from fedjax_sparse.engine import COHORT_METRICS, STEP_METRICS, Engine, EngineState
 from fedjax_sparse.sinks import MetricSinks
@@ -104,10 +105,6 @@ class RunResult:
 RESUMABLE_CHANGES = ("rounds", "eval_every", "out", "data_dir", "download")
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def resumed_config(config: RunConfig, saved: RunConfig, given: set[str] | None) -> tuple[RunConfig, dict]:
     """The configuration a ``--resume`` continues: the recorded one, with the harmless changes the
     user asked for (``RESUMABLE_CHANGES``). ``given``: the fields the user set (CLI flags and config
@@ -115,39 +112,44 @@ def resumed_config(config: RunConfig, saved: RunConfig, given: set[str] | None) 
     difference is refused in one line listing them. Returns (config, accepted changes)."""
     fields = [f.name for f in dataclasses.fields(RunConfig) if f.name != "execution"]
     asked = fields if given is None else [f for f in fields if f in given]
-    def differs(name: str) -> bool:
-        mine, recorded = getattr(config, name), getattr(saved, name)
-        if name == "dp_accountant":   # "auto" is what it resolves to (runs before it existed recorded "rdp")
-            mine = resolved_dp_accountant(mine, config.client_sampling)
-            recorded = resolved_dp_accountant(recorded, saved.client_sampling)
-        if isinstance(mine, dict) and isinstance(recorded, dict):
-            # --option / --model-option: only the keys given, compared as the strings a CLI passes.
-            return any(str(v) != str(recorded.get(k)) for k, v in mine.items())
-        return mine != recorded
+    prefix = {field: key for key, field in OPTION_PREFIXES.items()}
 
-    refused = [f"{_flag(f)} {getattr(config, f)!r} (recorded: {getattr(saved, f)!r})" for f in asked
-               if f not in RESUMABLE_CHANGES and differs(f)]
+    def differences(name: str) -> list[str]:
+        mine, recorded = getattr(config, name), getattr(saved, name)
+        if isinstance(mine, dict) and isinstance(recorded, dict):
+            # --option / --model-option / --dataset-option: only the keys given, typed as the recorded run's
+            # (a resumed run's flags are text: "true" is the recorded True).
+            return [f"{arg(prefix[name], f'{k}={v}')} (recorded: {recorded.get(k)!r})" for k, v in mine.items()
+                    if not same_setting(saved, f"{prefix[name]}.{k}", v, recorded.get(k))]
+        if name == "dp_accountant":   # "auto" is what it resolves to (runs before it existed recorded "rdp")
+            same = resolved_dp_accountant(mine, config.client_sampling) == \
+                resolved_dp_accountant(recorded, saved.client_sampling)
+        else:
+            same = mine == recorded
+        return [] if same else [f"{arg(name, mine, quote=True)} (recorded: {recorded!r})"]
+    refused = {f: shown for f in asked if f not in RESUMABLE_CHANGES and (shown := differences(f))}
     if refused:
-        hint = ("; the learning rate and algorithm options may change from the checkpoint on with --change "
-                "lr=VALUE / --change option.NAME=VALUE" if any(f in ("lr", "options") for f in asked
-                                                                  if f not in RESUMABLE_CHANGES and differs(f)) else "")
-        raise RunError(f"--resume continues the recorded run, but these would change the experiment: "
-                       f"{'; '.join(refused)}{hint}; drop them to resume, or start a new run in another --out")
+        hint = "" if not {"lr", "options"} & set(refused) else (
+            f"; the learning rate and algorithm options may change from the checkpoint on with "
+            f"{arg('change', 'lr=VALUE')} / {arg('change', 'option.NAME=VALUE')}")
+        raise RunError(f"{arg('resume')} continues the recorded run, but these would change the experiment: "
+                       f"{'; '.join(sum(refused.values(), []))}{hint}; drop them to resume, or start a new run in "
+                       f"another {arg('out')}")
     changes = {f: getattr(config, f) for f in asked
                if f in RESUMABLE_CHANGES and f != "out" and getattr(config, f) != getattr(saved, f)}
     execution_asked = EXECUTION_FIELDS if given is None else [f for f in EXECUTION_FIELDS if f in given]
     execution_changes = {f: getattr(config.execution, f) for f in execution_asked
                          if getattr(config.execution, f) != getattr(saved.execution, f)}
     # The checkpoint's layout follows where the clients' state lives: that cannot change mid-run.
-    layout = [f"{_flag(f)} {execution_changes[f]!r} (recorded: {getattr(saved.execution, f)!r})"
+    layout = [f"{arg(f, execution_changes[f], quote=True)} (recorded: {getattr(saved.execution, f)!r})"
               for f in ("client_state", "client_storage") if f in execution_changes]
     if layout:
-        raise RunError(f"--resume reads the recorded run's checkpoint, laid out for its own clients' state: "
-                       f"{'; '.join(layout)}; drop them to resume, or start a new run in another --out")
+        raise RunError(f"{arg('resume')} reads the recorded run's checkpoint, laid out for its own clients' state: "
+                       f"{'; '.join(layout)}; drop them to resume, or start a new run in another {arg('out')}")
     if given is None and config.rounds < saved.rounds:
         changes.pop("rounds", None)  # the API's default: continue to the recorded length
     if "rounds" in changes and changes["rounds"] < saved.rounds:
-        raise RunError(f"--rounds {changes['rounds']} is below the recorded run's {saved.rounds} rounds; "
+        raise RunError(f"{arg('rounds', changes['rounds'])} is below the recorded run's {saved.rounds} rounds; "
                        "a resumed run can only be extended")
     merged = dataclasses.replace(saved, **changes, out=config.out,
                                  execution=dataclasses.replace(saved.execution, **execution_changes))
@@ -160,29 +162,25 @@ CHANGEABLE = ("lr", "option.NAME")
 
 def changed_config(config: RunConfig, change: dict[str, Any]) -> tuple[RunConfig, dict]:
     """``config`` with ``change`` applied (``{"lr": 0.01, "option.alpha": "0.01"}``; values as typed or as
-    the CLI's strings) and what changed, ``{key: {"from": old, "to": new}}``. Any other key is refused in
-    one line (what else a resume may change is :data:`RESUMABLE_CHANGES`); the result is validated."""
-    from fedjax_sparse.config import validate
-    lr, options, changed = config.lr, dict(config.options), {}
+    the CLI's text, typed as ``config`` declares them) and what changed, ``{key: {"from": old, "to": new}}``.
+    Any other key is refused in one line (what else a resume may change is :data:`RESUMABLE_CHANGES`); the
+    result is validated."""
+    from fedjax_sparse.config import override_key, validate
+    typed = {}
     for key, value in change.items():
-        if key == "lr":
-            try:
-                lr = float(value)
-            except (TypeError, ValueError):
-                raise RunError(f"--change lr={value!r}: expected a number") from None
-            if lr != config.lr:
-                changed["lr"] = {"from": config.lr, "to": lr}
-        elif key.startswith(("option.", "options.")) and key.partition(".")[2]:
-            name = key.partition(".")[2]
-            options[name] = value
-            if str(value) != str(config.options.get(name)):
-                changed[f"option.{name}"] = {"from": config.options.get(name), "to": value}
-        else:
-            raise RunError(f"--change {key}: a resumed run may change only {', '.join(CHANGEABLE)} (the rest of "
-                           "the experiment is the recorded one); start a new run in another --out to change it")
-    merged = dataclasses.replace(config, lr=lr, options=options)
+        key = override_key(key)
+        if key != "lr" and not (key.startswith("option.") and key.partition(".")[2]):
+            raise RunError(f"{arg('change')} {key}: a resumed run may change only {', '.join(CHANGEABLE)} (the rest "
+                           f"of the experiment is the recorded one); start a new run in another {arg('out')} to "
+                           "change it")
+        typed[key] = typed_value(config, key, value, "change")
+        if typed[key] is None:
+            raise RunError(f"{arg('change')} {key}={value!r}: expected a number")
+    merged = with_overrides(config, typed)
     validate(merged)
-    return merged, changed
+    old = {"lr": config.lr, **{f"option.{k}": v for k, v in config.options.items()}}
+    return merged, {key: {"from": old.get(key), "to": value} for key, value in typed.items()
+                    if not same_setting(config, key, value, old.get(key))}
 
 
 @in_callers_words
@@ -371,10 +369,10 @@ def open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bo
     already complete."""
     config = with_default_lr(config)
     if change and not (resume and out is not None):
-        raise RunError("--change changes a resumed run from its checkpoint on: add --resume (and --out); a new "
-                       "run takes --lr and --option directly")
+        raise RunError(f"{arg('change')} changes a resumed run from its checkpoint on: add {arg('resume')} (and "
+                       f"{arg('out')}); a new run takes {arg('lr')} and {arg('option')} directly")
     if change and experiment is not None:
-        raise RunError("--change rebuilds the resumed run from its configuration; a run given model, data or "
+        raise RunError(f"{arg('change')} rebuilds the resumed run from its configuration; a run given model, data or "
                        "algorithm objects resumes without it")
     changes: dict = {}
     changed: dict = {}
@@ -394,7 +392,7 @@ def open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bo
                 saved = RunConfig.from_json(recorded["config"])
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise RunError(f"{out / 'config.json'} is missing or damaged ({type(e).__name__}); the run cannot "
-                               "be resumed: start a fresh run in a new --out") from None
+                               f"be resumed: start a fresh run in a new {arg('out')}") from None
             config, changes = resumed_config(config, saved, given)
             if change:
                 config, changed = changed_config(config, change)
@@ -414,9 +412,9 @@ def open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bo
     distributed.stop_together("estimating memory", problem)
     recorded_digest = recorded.get("data", {}).get("digest")
     if resume and recorded_digest and exp.data_record.get("digest") not in (None, recorded_digest):
-        raise RunError(f"--resume: the data differs from the recorded run's (content digest "
+        raise RunError(f"{arg('resume')}: the data differs from the recorded run's (content digest "
                        f"{exp.data_record['digest'][:12]} vs {recorded_digest[:12]} in {out}/config.json); "
-                       "resume with the same data, or start a new run in another --out")
+                       f"resume with the same data, or start a new run in another {arg('out')}")
     population = None
     if distributed.multi_process():
         check_multi_process(config, engine)
@@ -439,7 +437,7 @@ def open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bo
             except RunError as e:
                 if not changed:
                     raise
-                raise RunError(f"--change {', '.join(changed)}: {e} (the changed options need another state; "
+                raise RunError(f"{arg('change')} {', '.join(changed)}: {e} (the changed options need another state; "
                                "change only what keeps it, e.g. lr)") from None
             totals.setdefault("client_steps", None)
             totals.setdefault("client_steps_executed", None)
@@ -458,8 +456,8 @@ def open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bo
                             # --change: used from round at_round + 1 on ({key: {"from": old, "to": new}})
                             **({"changed_experiment": changed} if changed else {})})
             if changed and int(totals["round"]) >= config.rounds:
-                raise RunError(f"--change: the run in {out} has no rounds left ({int(totals['round'])} of "
-                               f"{config.rounds}); pass a larger --rounds with it")
+                raise RunError(f"{arg('change')}: the run in {out} has no rounds left ({int(totals['round'])} of "
+                               f"{config.rounds}); pass a larger {arg('rounds')} with it")
             if int(totals["round"]) >= config.rounds:
                 print(f"the run in {out} is complete ({int(totals['round'])} of {config.rounds} rounds); pass a "
                       "larger --rounds to extend it", file=sys.stderr)
@@ -512,12 +510,12 @@ def _host_population(config: RunConfig, engine: Engine) -> tuple[EngineState, "h
     """``--client-state host``: the initial state with the clients' rows in host memory."""
     if engine.algorithm.extra_clients is not None:
         raise RunError(f"{config.algorithm} trains extra clients chosen inside each round, whose rows cannot be "
-                       "brought to the device ahead: use --client-state device")
+                       f"brought to the device ahead: use {arg('client_state', 'device')}")
     storage = jnp.bfloat16 if config.execution.client_storage == "bfloat16" else None
     try:
         return host_population.init(engine, jax.random.PRNGKey(config.seed), storage_dtype=storage)
     except ValueError as e:
-        raise RunError(f"{e} (--client-state device)") from None
+        raise RunError(f"{e} ({arg('client_state', 'device')})") from None
 
 
 def check_multi_process(config: RunConfig, engine: Engine) -> None:
@@ -525,18 +523,19 @@ def check_multi_process(config: RunConfig, engine: Engine) -> None:
     cohort must split evenly over all devices (otherwise no process would share the work)."""
     devices = jax.device_count()
     if config.execution.client_state == "host":
-        raise RunError("--client-state host keeps the population in one process's memory; a multi-process run "
-                       "shards it over the processes' devices: use --client-state device")
+        raise RunError(f"{arg('client_state', 'host')} keeps the population in one process's memory; a multi-process "
+                       f"run shards it over the processes' devices: use {arg('client_state', 'device')}")
     if config.execution.client_parallelism == "measure":
-        raise RunError("--client-parallelism measure times each process on its own and could pick different "
-                       "programs; a multi-process run uses vmap: drop the flag or pass --client-parallelism vmap")
+        raise RunError(f"{arg('client_parallelism', 'measure')} times each process on its own and could pick "
+                       f"different programs; a multi-process run uses vmap: drop it or pass "
+                       f"{arg('client_parallelism', 'vmap')}")
     if engine.mode != "vmap":
-        raise RunError(f"a multi-process run splits the cohort through vmap; --client-parallelism "
-                       f"{config.execution.client_parallelism} would repeat all the work on every process: use auto "
-                       "or vmap")
+        raise RunError(f"a multi-process run splits the cohort through vmap; "
+                       f"{arg('client_parallelism', config.execution.client_parallelism)} would repeat all the work "
+                       "on every process: use auto or vmap")
     if engine.client_sharding is None:
         raise RunError(f"a multi-process run splits each round's {engine.clients_per_round} clients over all "
-                       f"{devices} devices ({jax.process_count()} processes): --clients-per-round must be a "
+                       f"{devices} devices ({jax.process_count()} processes): {arg('clients_per_round')} must be a "
                        f"multiple of {devices}")
 
 
@@ -734,14 +733,14 @@ class OpenRun:
         if bad:
             if self.bar is not None:
                 self.bar.close()
-            raise RunError(f"training diverged{self.label}: the loss is NaN/inf at round {bad[0]}; lower --lr "
-                           f"(now {config.lr}) or check the data preprocessing (--preprocess)")
+            raise RunError(f"training diverged{self.label}: the loss is NaN/inf at round {bad[0]}; lower {arg('lr')} "
+                           f"(now {config.lr}) or check the data preprocessing ({arg('preprocess')})")
         if broken:
             if self.bar is not None:
                 self.bar.close()
             raise RunError(f"evaluation diverged{self.label}: the test loss is NaN/inf at round {totals['round']} "
                            "(the model's outputs are not finite), so no accuracy is reported; check the model's "
-                           "normalisation (a BatchNorm running variance below 0 gives NaN) or lower --lr "
+                           f"normalisation (a BatchNorm running variance below 0 gives NaN) or lower {arg('lr')} "
                            f"(now {config.lr})")
         return row
 

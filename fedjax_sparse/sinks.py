@@ -13,7 +13,7 @@ import csv
 import os
 from pathlib import Path
 
-from fedjax_sparse.errors import RunError
+from fedjax_sparse.errors import RunError, arg
 
 LOG_KINDS = ("csv", "tensorboard")
 
@@ -23,7 +23,7 @@ def parse_log(spec: str) -> tuple[str, ...]:
     kinds = tuple(k.strip() for k in (spec or "").split(",") if k.strip() and k.strip() != "jsonl")
     unknown = [k for k in kinds if k not in LOG_KINDS]
     if unknown:
-        raise RunError(f"unknown --log {', '.join(unknown)}; valid: {', '.join(LOG_KINDS)} (comma-separated; "
+        raise RunError(f"unknown {arg('log', ', '.join(unknown))}; valid: {', '.join(LOG_KINDS)} (comma-separated; "
                        "metrics.jsonl is always written)")
     return kinds
 
@@ -38,7 +38,7 @@ class MetricSinks:
             try:
                 from tensorboardX import SummaryWriter
             except ImportError:
-                raise RunError("--log tensorboard needs tensorboardX: "
+                raise RunError(f"{arg('log', 'tensorboard')} needs tensorboardX: "
                                "pip install 'fedjax_sparse[tensorboard]'") from None
             self._tb = SummaryWriter(logdir=str(out / "tensorboard"))
 

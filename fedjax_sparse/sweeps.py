@@ -48,12 +48,13 @@ import numpy as np
 
 from fedjax_sparse.algorithms.registry import algorithm_builder, algorithm_names, resolve_options
 from fedjax_sparse.checkpoint import has_checkpoint, locked_out_dir, read_metrics
-from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig, validate
+from fedjax_sparse.config import (EXECUTION_FIELDS, OPTION_PREFIXES, RunConfig, parse_overrides, same_setting,
+                                  typed_axes, validate, with_overrides)
 from fedjax_sparse.data.arrays import PartitionedData
 from fedjax_sparse.engine import Engine
-from fedjax_sparse.errors import RunError, in_callers_words
+from fedjax_sparse.errors import RunError, arg, in_callers_words, in_python
 from fedjax_sparse.experiment import Experiment, build, with_components, wrap_algorithm
-from fedjax_sparse.flags import flag_of
+from fedjax_sparse.settings import flag_of
 from fedjax_sparse.replicas import RunGroup, resolve_replica_parallelism, seed_list, unshareable_reason
 from fedjax_sparse.runner import RESUMABLE_CHANGES, RunResult, open_run, resumed_config
 
@@ -61,7 +62,7 @@ from fedjax_sparse.runner import RESUMABLE_CHANGES, RunResult, open_run, resumed
 TRACEABLE_FIELDS = ("lr",)
 # RunConfig fields a sweep may not vary: the seed has --seeds; the rest are where and how it runs.
 NOT_SWEPT = ("seed", "out", "data_dir", "download", "algorithm", "dataset", "execution", "options",
-             "model_options", "rounds", "eval_every")
+             "model_options", "dataset_options", "rounds", "eval_every")
 SELECT_KEYS = ("best_accuracy", "final_accuracy")
 
 
@@ -74,40 +75,15 @@ class Member:
 
 
 def parse_sweep(specs: Sequence[str]) -> dict[str, list]:
-    """``["lr=0.01,0.1", "option.alpha=0.001,0.002"]`` -> ``{"lr": [0.01, 0.1], ...}`` (numbers and
-    booleans parsed; other values stay strings). One-line RunError on a malformed or repeated key."""
-    axes: dict[str, list] = {}
-    for spec in specs:
-        key, sep, values = spec.partition("=")
-        key = key.strip()
-        if not sep or not key or not values.strip():
-            raise RunError(f"--sweep takes KEY=V1,V2,..., got {spec!r}: e.g. --sweep lr=0.01,0.1")
-        if key in axes:
-            raise RunError(f"--sweep names {key!r} twice; give all its values once: --sweep {key}=V1,V2")
-        parsed = [parse_value(v.strip()) for v in values.split(",") if v.strip()]
-        if len(set(map(repr, parsed))) != len(parsed):
-            raise RunError(f"--sweep {key} lists a value twice: {values}")
-        axes[key] = parsed
-    return axes
-
-
-def parse_value(text: str) -> Any:
-    """A value given on the command line (``--sweep``, ``bench --compare``): true/false, integers and
-    floats parsed, the rest a string (an ``--option``'s string is parsed by the algorithm's typed options)."""
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+    """``["lr=0.01,0.1", "option.alpha=0.001,0.002"]`` -> ``{"lr": ["0.01", "0.1"], ...}``: the values as
+    text, typed by :func:`sweep` for the configuration they vary (``config.parse_overrides``, the grammar of
+    every KEY=VALUE flag). One-line RunError on a malformed or repeated key."""
+    return parse_overrides(specs, "--sweep", lists=True)
 
 
 # Keys an object given to ``sweep`` decides (its config name is a label): sweeping them would change nothing.
 OBJECT_DECIDES = {"model": ("model", "model_option."),
-                  "dataset": ("dataset", "data_dir", "download", "dataset_options"),
+                  "dataset": ("dataset", "data_dir", "download", "dataset_option."),
                   "partitioned data": ("num_clients", "partition", "min_client_samples", "partition_file"),
                   "algorithm": ("algorithm", "option.")}
 
@@ -134,24 +110,25 @@ def check_axes(config: RunConfig, axes: dict[str, list], objects: Sequence[str] 
         decided = [key for key in axes if any(key == k or (k.endswith(".") and key.startswith(k))
                                               for k in OBJECT_DECIDES[kind])]
         if decided:
-            raise RunError(f"--sweep {decided[0]}: the {kind} is an object, which decides it; sweep over objects "
-                           "with a loop of fjs.run, or give the component by name")
+            raise RunError(f"{arg('sweep')} {decided[0]}: the {kind} is an object, which decides it; sweep over "
+                           "objects with a loop of fjs.run, or give the component by name")
     if not axes:
-        raise RunError("a sweep needs at least one --sweep KEY=V1,V2 (several seeds alone: --seeds)")
+        raise RunError(f"a sweep needs at least one {arg('sweep', 'KEY=V1,V2')} (several seeds alone: {arg('seeds')})")
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     for key, values in axes.items():
         if not values:
-            raise RunError(f"--sweep {key} has no values")
+            raise RunError(f"{arg('sweep')} {key} has no values")
         prefix, _, name = key.partition(".")
-        if prefix in ("option", "model_option") and name:
+        if prefix in OPTION_PREFIXES and name:
             continue
         if key in EXECUTION_FIELDS:
-            raise RunError(f"--sweep {key}: execution settings change no number; sweep what is computed")
+            raise RunError(f"{arg('sweep')} {key}: execution settings change no number; sweep what is computed")
         if key == "seed":
-            raise RunError("--sweep seed: give the seeds with --seeds 0 1 2 (every grid point runs each)")
+            raise RunError(f"{arg('sweep')} seed: give the seeds with {arg('seeds', [0, 1, 2])} (every grid point "
+                           "runs each)")
         if key not in fields or key in NOT_SWEPT:
-            raise RunError(f"--sweep cannot vary {key!r}; sweep a RunConfig field (lr, local_epochs, "
-                           "malicious_fraction, ...), option.NAME or model_option.NAME")
+            raise RunError(f"{arg('sweep')} cannot vary {key!r}; sweep a RunConfig field (lr, local_epochs, "
+                           "malicious_fraction, ...), option.NAME, model_option.NAME or dataset_option.NAME")
 
 
 def grid(axes: dict[str, list]) -> list[tuple]:
@@ -166,31 +143,13 @@ def point_label(point: tuple) -> str:
     return ",".join(f"{key}={value}" for key, value in point).replace("/", "_")
 
 
-def apply_point(config: RunConfig, point: tuple) -> RunConfig:
-    """``config`` with the point's values (``option.NAME``, ``model_option.NAME``, a RunConfig or
-    Execution field), unchecked."""
-    options, model_options = dict(config.options), dict(config.model_options)
-    fields: dict[str, Any] = {}
-    execution: dict[str, Any] = {}
-    for key, value in point:
-        prefix, _, name = key.partition(".")
-        if prefix == "option":
-            options[name] = value
-        elif prefix == "model_option":
-            model_options[name] = value
-        else:
-            (execution if key in EXECUTION_FIELDS else fields)[key] = value
-    return dataclasses.replace(config, options=options, model_options=model_options,
-                               execution=dataclasses.replace(config.execution, **execution), **fields)
-
-
 def members_of(config: RunConfig, axes: dict[str, list], seeds: Sequence[int]) -> list[Member]:
     out = Path(config.out) if config.out else None
     members = []
     for point in grid(axes):
         for seed in seeds:
             member_out = str(out / point_label(point) / f"seed{seed}") if out else None
-            members.append(Member(point, int(seed), dataclasses.replace(apply_point(config, point), seed=int(seed),
+            members.append(Member(point, int(seed), dataclasses.replace(with_overrides(config, point), seed=int(seed),
                                                                           out=member_out)))
     return members
 
@@ -324,20 +283,24 @@ def sweep(config: RunConfig, axes: dict[str, list] | None = None, seeds: Sequenc
     axes = None if axes is None else axis_lists(axes)
     if seeds is not None and (not seeds or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds)):
         raise RunError(f"a sweep needs distinct non-negative seeds, got {seeds}")
+    if axes is not None:
+        # The keys in the sweep's words, then text values typed for the configuration they vary: the
+        # recorded one when resuming (its algorithm's options), so that they compare with the recorded grid.
+        check_axes(config, axes, objects)
+        axes = typed_axes(RunConfig.from_json(previous["config"]) if previous else config, axes, "sweep")
     if previous:
         assert out is not None
         config, axes, seeds, select, notice = resume_plan(config, axes, seeds, select, previous, given, out)
         if notice:
             print(notice, file=sys.stderr)
     elif axes is None:
-        raise RunError("a sweep needs at least one --sweep KEY=V1,V2"
+        raise RunError(f"a sweep needs at least one {arg('sweep', 'KEY=V1,V2')}"
                        + (f" ({out} holds no sweep.json to resume)" if resume and out is not None else ""))
     seeds = [0] if seeds is None else seeds
     select = select or "best_accuracy"
-    check_axes(config, axes, objects)
     parse_select(select)
     if config.execution.client_state == "host":
-        raise RunError("a sweep stacks its members' clients on the device; sweep with --client-state device")
+        raise RunError(f"a sweep stacks its members' clients on the device; sweep with {arg('client_state', 'device')}")
     members = members_of(config, axes, seeds)
     for member in members:   # every member's configuration is checked before anything runs
         validate(member.config, objects=parts.given())
@@ -349,8 +312,8 @@ def sweep(config: RunConfig, axes: dict[str, list] | None = None, seeds: Sequenc
             out.mkdir(parents=True, exist_ok=True)
             stack.enter_context(locked_out_dir(out))
             if not resume and not overwrite and (out / "sweep.json").exists():
-                raise RunError(f"{out} already holds a sweep; pass --resume to continue it, --overwrite to replace "
-                               "it, or another --out")
+                raise RunError(f"{out} already holds a sweep; pass {arg('resume')} to continue it, {arg('overwrite')} "
+                               f"to replace it, or another {arg('out')}")
         results: dict[int, RunResult] = {}
 
         def open_member(index: int):
@@ -475,7 +438,7 @@ def _finished_without_checkpoint(config: RunConfig, out: Path) -> RunResult | No
         recorded = RunConfig.from_json(json.loads(config_path.read_text())["config"])
     except (ValueError, TypeError, KeyError) as e:
         raise RunError(f"{out} holds a run whose summary.json or config.json cannot be read ({e}); move the folder "
-                       "away or pass --overwrite to rerun the member") from None
+                       f"away or pass {arg('overwrite')} to rerun the member") from None
     rows = read_metrics(out)
     if not rows or int(rows[-1].get("round", 0)) < config.rounds:
         return None
@@ -498,7 +461,6 @@ def resume_plan(config: RunConfig, axes: dict[str, list] | None, seeds: list[int
 
     Anything else is refused in one RunError listing every difference, with the fix (another out,
     or overwrite). ``notice``: one line naming the new points and seeds when the sweep grows."""
-    cli = given is not None
     recorded = RunConfig.from_json(record["config"])
     old_axes: dict[str, list] = {k: list(v) for k, v in record["axes"].items()}
     old_seeds = [int(s) for s in record["seeds"]]
@@ -511,24 +473,23 @@ def resume_plan(config: RunConfig, axes: dict[str, list] | None, seeds: list[int
     asked = [f for f in fields if given is None or f in given]
 
     def shown(name: str, value) -> str:
-        return f"{flag_of(name)} {value!r}" if cli else f"{name}={value!r}"
+        return f"{name}={value!r}" if in_python() else f"{flag_of(name)} {value!r}"
     for name in asked:
         if name in RESUMABLE_CHANGES:
             continue
         mine, theirs = getattr(config, name), getattr(recorded, name)
         if isinstance(mine, dict) and isinstance(theirs, dict):
-            prefix = "option." if name == "options" else "model_option." if name == "model_options" else ""
+            prefix = {field: prefix for prefix, field in OPTION_PREFIXES.items()}[name]
             for key, value in mine.items():
-                if f"{prefix}{key}" not in swept and str(value) != str(theirs.get(key)):
+                if f"{prefix}.{key}" not in swept and not same_setting(recorded, f"{prefix}.{key}", value,
+                                                                       theirs.get(key)):
                     problems.append(f"{shown(name, {key: value})} (recorded: {theirs.get(key)!r})")
         elif mine != theirs:
             problems.append(f"{shown(name, mine)} (recorded: {theirs!r})")
     if problems:
-        fix = "run it in a new --out, or replace it with --overwrite (without --resume)" if cli else \
-            "run it in another config.out, or replace it with overwrite=True (without resume)"
-        raise RunError(f"{out} holds a sweep that {'--resume' if cli else 'resume=True'} can only continue or extend "
-                       f"(more values of its swept keys, more seeds), but this would change it: {'; '.join(problems)}; "
-                       f"{fix}")
+        raise RunError(f"{out} holds a sweep that {arg('resume')} can only continue or extend (more values of its "
+                       f"swept keys, more seeds), but this would change it: {'; '.join(problems)}; run it in a new "
+                       f"{arg('out')}, or replace it with {arg('overwrite')} (without {arg('resume')})")
     # Swept fields and the seed take the recorded base values; the rest is runner.resumed_config's merge.
     clean = dataclasses.replace(
         config, seed=recorded.seed, **{k: getattr(recorded, k) for k in swept if "." not in k},
@@ -575,7 +536,8 @@ def parse_select(select: str) -> tuple[str, float | None]:
             return key, float(budget)
         except ValueError:
             pass
-    raise RunError(f"unknown --sweep-select {select!r}; valid: best_accuracy, final_accuracy, accuracy_at_gbit:X")
+    raise RunError(f"unknown {arg('sweep_select', select, quote=True)}; valid: best_accuracy, final_accuracy, "
+                   "accuracy_at_gbit:X")
 
 
 def _accuracy_at_gbit(out: Path | None, budget: float) -> float | None:

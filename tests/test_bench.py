@@ -10,6 +10,7 @@ import pytest
 import fedjax_sparse as fjs
 from fedjax_sparse import accounting, bench
 from fedjax_sparse.cli import main
+from fedjax_sparse.config import typed_axes
 from fedjax_sparse.models import make_model
 
 QUICK = ["--dataset", "digits", "--num-clients", "6", "--clients-per-round", "3", "--local-epochs", "1",
@@ -83,7 +84,7 @@ def test_bench_cli_times_variants_side_by_side_and_writes_the_json(tmp_path, cap
     ("client_parallelism=map,,vmap", "empty value"),
     ("client_parallelism=map,bogus", "client_parallelism=bogus"),
     ("matmul_precision=default,fastest", "'fastest'"),
-    ("clients_per_round=3,many", "clients_per_round=many"),
+    ("clients_per_round=3,many", "clients_per_round='many': expected an integer"),
 ])
 def test_bench_refuses_a_bad_compare_in_one_line(compare, named, capsys):
     code = main(["bench", *QUICK, "--compare", compare, "--quiet"])
@@ -93,7 +94,7 @@ def test_bench_refuses_a_bad_compare_in_one_line(compare, named, capsys):
 
 
 def test_bench_refuses_what_a_benchmark_cannot_time(capsys):
-    for extra, named in ((["--seeds", "0", "1"], "--seeds"), (["--sweep", "lr=0.1,0.2"], "--compare"),
+    for extra, named in ((["--seeds", "0", "1"], "--seeds"), (["--sweep", "lr=0.1,0.2"], "compare"),
                          (["--rounds-timed", "0"], "--rounds-timed")):
         code = main(["bench", *QUICK, *extra, "--quiet"])
         err = capsys.readouterr().err
@@ -130,12 +131,19 @@ def test_bench_xla_flags_variants_run_in_child_processes(tmp_path):
 
 
 def test_parse_compare_reads_values_and_xla_flag_lists():
-    assert bench.parse_compare(["lr=0.1,1", "option.ramp=true,false", "eval_batch_size=none,64",
-                                "xla_flags=none;--a=1,2 --b=x"]) == {
-        "lr": [0.1, 1], "option.ramp": [True, False], "eval_batch_size": [None, 64], "xla_flags": ["", "--a=1,2 --b=x"]}
+    # Text (xla_flags' "none": no flag), typed for the configuration compared (config.typed_axes).
+    spafl = fjs.RunConfig(algorithm="spafl")
+    texts = bench.parse_compare(["lr=0.1,1", "option.ramp=true,false", "eval_batch_size=none,64",
+                                 "xla_flags=none;--a=1,2 --b=x"])
+    assert texts["xla_flags"] == ["", "--a=1,2 --b=x"]
+    assert typed_axes(spafl, {k: v for k, v in texts.items() if k != "xla_flags"}, "compare") == {
+        "lr": [0.1, 1], "option.ramp": [True, False], "eval_batch_size": [None, 64]}
     # The children's command line reads back to the same axes.
-    axes = {"lr": [0.1, 1], "option.ramp": [True, False], "xla_flags": ["", "--a=1,2 --b=x"]}
-    assert bench.parse_compare([bench.compare_spec(k, v) for k, v in axes.items()]) == axes
+    axes = {"lr": [0.1, 1], "option.ramp": [True, False]}
+    assert typed_axes(spafl, bench.parse_compare([bench.compare_spec(k, v) for k, v in axes.items()]),
+                      "compare") == axes
+    assert bench.parse_compare([bench.compare_spec("xla_flags", ["", "--a=1,2 --b=x"])]) == {
+        "xla_flags": ["", "--a=1,2 --b=x"]}
     with pytest.raises(fjs.RunError, match="twice"):
         bench.parse_compare(["lr=0.1", "lr=0.2"])
 

@@ -181,6 +181,18 @@ def test_unknown_name_and_option():
         load_dataset("digits", bogus=1)
 
 
+def test_data_set_options_are_typed_wherever_they_come_from():
+    """``bool("false")`` was True: a config file's or a flag's ``"false"`` gave iid data."""
+    plain = load_dataset("synthetic", num_clients=3, iid=False)
+    as_text = load_dataset("synthetic", num_clients="3", iid="false")
+    np.testing.assert_array_equal(plain.train_x, as_text.train_x)
+    with pytest.raises(DataError, match=r"--dataset-option test_fraction='half' of data set digits: expected a "
+                                        r"number"):
+        load_dataset("digits", test_fraction="half")
+    with pytest.raises(DataError, match=r"unknown option\(s\) bogus .*valid options: test_fraction=0.2, split_seed=0"):
+        load_dataset("digits", bogus=1)
+
+
 def test_download_without_tfds_gives_install_hint(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # makes the import fail
     with pytest.raises(DataError, match=r"pip install -e '\.\[tfds\]'"):

@@ -16,7 +16,7 @@ import pytest
 import fedjax_sparse as fjs
 from fedjax_sparse import sweeps
 from fedjax_sparse.cli import main
-from fedjax_sparse.config import RunConfig
+from fedjax_sparse.config import RunConfig, typed_axes
 from fedjax_sparse.errors import RunError
 
 BASE = dict(algorithm="spafl", dataset="digits", num_clients=6, clients_per_round=3, local_epochs=1,
@@ -36,14 +36,17 @@ def same_rows(a: list[dict], b: list[dict]) -> None:
 
 @pytest.mark.fast
 def test_parse_sweep_values_and_one_line_refusals():
-    assert sweeps.parse_sweep(["lr=0.01,0.1", "option.ramp=true,false", "model_option.init=model,x"]) == {
-        "lr": [0.01, 0.1], "option.ramp": [True, False], "model_option.init": ["model", "x"]}
-    assert sweeps.parse_sweep(["local_epochs=1,2"]) == {"local_epochs": [1, 2]}
-    for bad, needle in ((["lr"], "takes KEY=V1,V2"), (["lr=0.1", "lr=0.2"], "names 'lr' twice"),
-                        (["lr=0.1,0.1"], "lists a value twice"), (["=1,2"], "takes KEY=V1,V2")):
-        with pytest.raises(RunError, match=needle):
-            sweeps.parse_sweep(bad)
     config = RunConfig.from_json(BASE)
+    # Text, typed for the configuration swept (config.typed_axes: the algorithm's options, the model's).
+    axes = sweeps.parse_sweep(["lr=0.01,0.1", "option.ramp=true,false", "model_option.init=model,x"])
+    assert typed_axes(config, axes, "sweep") == {
+        "lr": [0.01, 0.1], "option.ramp": [True, False], "model_option.init": ["model", "x"]}
+    assert typed_axes(config, sweeps.parse_sweep(["local_epochs=1,2"]), "sweep") == {"local_epochs": [1, 2]}
+    for bad, needle in ((["lr"], "takes KEY=V1,V2"), (["lr=0.1", "lr=0.2"], "names 'lr' twice"),
+                        (["lr=0.1,0.1"], "lists a value twice"), (["=1,2"], "takes KEY=V1,V2"),
+                        (["lr=0.1,0.10"], "lists a value twice")):
+        with pytest.raises(RunError, match=needle):
+            typed_axes(config, sweeps.parse_sweep(bad), "sweep")
     for axes, needle in (({"seed": [1, 2]}, "--seeds"), ({"client_parallelism": ["map"]}, "execution"),
                          ({"bogus": [1]}, "cannot vary 'bogus'"), ({}, "at least one --sweep")):
         with pytest.raises(RunError, match=needle):

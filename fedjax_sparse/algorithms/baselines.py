@@ -35,6 +35,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fedjax_sparse.errors import arg
 from fedjax_sparse import accounting
 from fedjax_sparse.algorithms.fedavg import FedAvgServerState, dense_client_update, global_model_predict
 from fedjax_sparse.algorithms.base import (Algorithm, Task, client_metrics, cohort_mean, replicate,
@@ -253,7 +254,7 @@ def caldas(task: Task, *, keep, drop_dense, per_client, rescale, weighted) -> Al
     if not model.sequential:
         # weight_inclusion reads a layer's kept inputs from its input_layer, which a residual stream breaks
         raise ValueError(f"caldas: model {model.name} is not sequential (residual or attention); federated "
-                         "dropout needs a sequential --model such as cnn7 or lenet5_caffe")
+                         f"dropout needs a sequential {arg('model')} such as cnn7 or lenet5_caffe")
     layers = droppable_layers(model, drop_dense)
     model.check_unit_drops("caldas", layers, "drops the units of its hidden layers")
     optimizer = sgd(task.lr)

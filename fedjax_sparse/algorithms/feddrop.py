@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedjax_sparse.errors import arg
 from fedjax_sparse import accounting
 from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, tree_weighted_mean
 from fedjax_sparse.algorithms.registry import register_algorithm
@@ -297,7 +298,8 @@ def _dropout_fedavg(task: Task, name: str, *, budget, mu, synchronized, rescale,
         # eq. (10) takes a layer's input sparsity from its input_layer's dropout, which a residual
         # stream (identity + dropped branch) does not follow
         raise ValueError(f"{name}: model {model.name} is not sequential (residual or attention); FedDrop's "
-                         "channel dropout and FLOPs model need a sequential --model such as cnn7 or lenet5_caffe")
+                         f"channel dropout and FLOPs model need a sequential {arg('model')} such as cnn7 or "
+                         "lenet5_caffe")
     layout = ChannelLayout.from_model(model)
     # Its FLOPs model counts how many of a layer's inputs are dropped, not which rows read them: any order.
     model.check_unit_drops(name, layout.names, "drops the output channels of the conv layers", any_order=True)

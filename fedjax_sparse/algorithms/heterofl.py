@@ -47,6 +47,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fedjax_sparse.errors import arg
 from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import local_train, sgd
@@ -59,8 +60,8 @@ def width_layout(model: Model, name: str, sliced: bool, whose: str) -> WidthLayo
     widths its own code does not fix (a Flax module cannot run a cut-out sub-model)."""
     if sliced and model.fixed_widths:
         raise ValueError(f"{name}: model {model.name} fixes its layers' widths in its own code (a Flax module), so "
-                         "no narrower sub-model can be cut out of it; add --option sliced=false (the full model "
-                         "with the dropped channels zeroed: the same numbers as slicing, tested on the zoo)")
+                         f"no narrower sub-model can be cut out of it; add {arg('option', 'sliced=false')} (the full "
+                         "model with the dropped channels zeroed: the same numbers as slicing, tested on the zoo)")
     check_layer_kinds(model, name, ("dense", "conv"), "narrows dense/conv layers' output channels",
                       other_macs=False, grouped=False)
     model.check_unit_drops(name, [layer.name for layer in model.layers[:-1]],

@@ -76,6 +76,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
+from fedjax_sparse.errors import arg
 from fedjax_sparse.algorithms.base import Algorithm, ServerContext
 from fedjax_sparse.algorithms.baselines import CaldasServerState, ScaffoldServerState
 from fedjax_sparse.algorithms.compose import StatisticsSplit, UpdateServer, flatten_messages
@@ -90,7 +91,7 @@ DP_REFUSAL = ("DP-FedAvg clips and noises float updates, and no DP mechanism for
               "widths is implemented")
 DROPOUT_REFUSAL = ("with optimize=true its server re-optimises each sampled client's keep probabilities from that "
                    "client's own returned model (trajectory similarity), a per-client use of the messages that the "
-                   "private mean does not cover; use --option optimize=false or --algorithm unidrop")
+                   "private mean does not cover")
 
 
 # ---------------------------------------------------------------------------- the mechanism
@@ -327,7 +328,8 @@ def dp_refusal(name: str, options: Any = None) -> str | None:
     registry's ``unwrappable=``), and FedDrop with ``optimize=True`` (its default; ``DROPOUT_REFUSAL``).
     ``options``: a dict (CLI strings are coerced) or the options instance; a ValueError for invalid ones."""
     if name == "feddrop" and resolve_options(name, options).optimize:
-        return f"with_dp cannot wrap {name}: {DROPOUT_REFUSAL}"
+        return f"with_dp cannot wrap {name}: {DROPOUT_REFUSAL}; use {arg('option', 'optimize=false')} or " \
+               f"{arg('algorithm', 'unidrop')}"
     reason = wrapper_refusal(name, options)
     return None if reason is None else f"with_dp cannot wrap {name}: {reason}; {DP_REFUSAL}"
 

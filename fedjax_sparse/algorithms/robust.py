@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import optax
 from jax.flatten_util import ravel_pytree
 
+from fedjax_sparse.errors import arg
 from fedjax_sparse import accounting
 from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, replicate
 from fedjax_sparse.algorithms.compose import ATTACKS, WRAPPER_AGGREGATORS, UpdateServer, with_aggregator, with_attack
@@ -249,9 +250,9 @@ def multi_krum_algorithm(task: Task, **options) -> Algorithm:
 SIGNSGD_OPTIONS = dict(server_lr=1e-3, attack="reverse", **TRAIN_OPTIONS, **THREAT_OPTIONS)
 
 
-@register_algorithm("signsgd", SIGNSGD_OPTIONS, unwrappable="its clients send signs (int8), not float updates, "
-                    "and the server takes their majority vote (SignSGD has its own attack: --option "
-                    "malicious_fraction=F)",
+@register_algorithm("signsgd", SIGNSGD_OPTIONS, unwrappable=lambda options: "its clients send signs (int8), not float "
+                    "updates, and the server takes their majority vote (SignSGD has its own attack: "
+                    f"{arg('option', 'malicious_fraction=F')})",
                     description="SignSGD with majority vote", paper="Bernstein et al., ICLR 2019",
                     lr=0.01)   # its clients' momentum is 0.9 by default (see catalog.DEFAULT_LR)
 def signsgd(task: Task, *, server_lr, attack, momentum, weight_decay, lr_decay, lr_schedule,

@@ -89,6 +89,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedjax_sparse.errors import arg
 from fedjax_sparse import accounting
 from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, cohort_mean, replicate
 from fedjax_sparse.algorithms.registry import register_algorithm
@@ -350,7 +351,7 @@ def check_no_dead_layers(setup: SpaflSetup, model: Model, name: str = "spafl") -
         raise ValueError(
             f"{name}: layer(s) {', '.join(dead)} of model {model.name} start fully pruned (every row has "
             f"mean|w| = 0, not above its initial threshold 0: an all-zero kernel) and would never train; keep "
-            f"them dense with --option dense_layers={listed}, or initialise them non-zero")
+            f"them dense with {arg('option', f'dense_layers={listed}')}, or initialise them non-zero")
 
 
 def mean_layer_density(setup: SpaflSetup, kept: Mapping[str, jax.Array]) -> jax.Array:

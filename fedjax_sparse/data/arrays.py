@@ -59,9 +59,9 @@ from typing import Any
 
 import numpy as np
 
-from fedjax_sparse.data.datasets import NPZ_PREFIX, Dataset, load_dataset
+from fedjax_sparse.data.datasets import NPZ_PREFIX, Dataset, dataset_options, load_dataset
 
-from fedjax_sparse.errors import DataError, in_callers_words
+from fedjax_sparse.errors import DataError, arg, in_callers_words
 from fedjax_sparse.data.federated import FederatedData, build_federated_data
 from fedjax_sparse.data.partition import Partition, partition_dataset
 
@@ -498,15 +498,15 @@ def partition(dataset: Dataset, spec: str, num_clients: int, seed: int = 0, *,
     return PartitionedData(dataset, part)
 
 
-@in_callers_words(arguments={"--download": "download=True", "--data-dir": "data_dir=VALUE"})
+@in_callers_words(arguments={"download": ("download=True",) * 2, "data_dir": ("data_dir=VALUE", "data_dir"),
+                             "dataset_option": ("KEYWORD", "its keyword arguments")})
 def load(name: str, data_dir: str | os.PathLike | None = None, *, download: bool = False, **options) -> Dataset:
     """A built-in data set by name (`load_dataset`), or your own ``.npz`` file as ``"npz:PATH"`` (the
     path as given, relative to the current directory; `data_dir` is ignored; `load_npz`; no options)."""
     if isinstance(name, str) and name.startswith(NPZ_PREFIX):
-        if options:
-            raise DataError(f"{name}: unknown option(s) {', '.join(sorted(options))}; valid options: none")
+        dataset_options(name, options)   # a .npz file has none: any is refused in the data sets' words
         if download:
-            raise DataError(f"{name}: --download does not apply to a local .npz file; drop --download")
+            raise DataError(f"{name}: {arg('download')} does not apply to a local .npz file; drop {arg('download')}")
         path = name[len(NPZ_PREFIX):]
         if not path:
             raise DataError(f"'{name}' names no file; pass npz:PATH, e.g. npz:/data/mine.npz")

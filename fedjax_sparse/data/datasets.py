@@ -43,14 +43,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-from fedjax_sparse.errors import DataError
+from fedjax_sparse.errors import DataError, arg, in_cli
+from fedjax_sparse.schema import Option, listing, resolve
 
 __all__ = [
     "DATASETS",
+    "DATASET_OPTIONS",
     "DEFAULT_DATA_DIR_ENV",
     "KNOWN_MD5",
     "NPZ_PREFIX",
     "Dataset",
+    "dataset_options",
     "load_dataset",
     "read_idx",
 ]
@@ -119,6 +122,24 @@ DATASETS: tuple[str, ...] = (
     "synthetic",
 )
 
+# Each data set's options (`load_dataset`'s keywords; RunConfig.dataset_options, --dataset-option KEY=VALUE),
+# typed: a flag's or a config file's "false" is False, not bool("false").
+_FILE_OPTIONS = {"verify_checksums": Option(bool, True, "check the files against their published MD5; false "
+                                                         "accepts a re-packed copy")}
+DATASET_OPTIONS: dict[str, dict[str, Option]] = {
+    **{name: _FILE_OPTIONS for name in DATASETS if name not in ("digits", "synthetic")},
+    "digits": {"test_fraction": Option(float, 0.2, "share of each class held out for testing"),
+               "split_seed": Option(int, 0, "seed of the train/test split")},
+    "synthetic": {"alpha": Option(float, 1.0, "spread of the clients' models"),
+                  "beta": Option(float, 1.0, "spread of the clients' inputs"),
+                  "num_clients": Option(int, 30, "clients generated; a run passes its --num-clients"),
+                  "seed": Option(int, 0, "generator seed; a run passes its --seed"),
+                  "iid": Option(bool, False, "one model and input mean for every client"),
+                  "dimension": Option(int, 60, "features per example"),
+                  "num_classes": Option(int, 10, "classes"),
+                  "train_fraction": Option(float, 0.8, "share of each client's examples for training")},
+}
+
 # `load_dataset` name prefix for a user's .npz file: "npz:PATH" (see fedjax_sparse.data.arrays).
 NPZ_PREFIX = "npz:"
 
@@ -178,10 +199,10 @@ _TFDS_HINT = "install the tfds extra: pip install -e '.[tfds]'"
 
 
 def _fix_hint(data_dir_given: bool) -> str:
-    where = "pass --data-dir pointing at a folder with these files"
+    where = f"pass {arg('data_dir')} pointing at a folder with these files"
     if not data_dir_given:
         where += f" (or set {DEFAULT_DATA_DIR_ENV})"
-    return f"{where}, or use --download ({_TFDS_HINT})"
+    return f"{where}, or use {arg('download')} ({_TFDS_HINT})"
 
 
 def _check_md5(dataset: str, path: Path, raw: bytes, verify: bool, display: str | None = None) -> None:
@@ -198,13 +219,14 @@ def _check_md5(dataset: str, path: Path, raw: bytes, verify: bool, display: str 
             # Another dataset's original file (--data-dir at the wrong folder, or the wrong --dataset).
             other, other_file = owner
             raise DataError(
-                f"{display or path}: these are {other}'s {other_file}: use --dataset {other}, "
-                f"or point --data-dir at {dataset}'s files"
+                f"{display or path}: these are {other}'s {other_file}: use {arg('dataset', other)}, "
+                f"or point {arg('data_dir')} at {dataset}'s files"
             )
         raise DataError(
             f"{display or path}: checksum mismatch: expected {expected}, got {got}; "
-            "re-download the original file (or, for a re-packed copy, set \"dataset_options\": "
-            "{\"verify_checksums\": false} in a --config file; API: verify_checksums=False)"
+            "re-download the original file (or, for a re-packed copy, "
+            f"{arg('dataset_option', 'verify_checksums=false')}"
+            + in_cli(', in a --config file "dataset_options": {"verify_checksums": false}') + ")"
         )
 
 
@@ -234,7 +256,7 @@ def _resolve_root(name: str, data_dir: str | os.PathLike | None) -> tuple[Path, 
     if name == "cifar10_sample":
         files = ", ".join(_CIFAR10_SAMPLE_FILES)
         raise DataError(
-            f"cifar10_sample has no default location: pass --data-dir pointing at the folder holding {files}"
+            f"cifar10_sample has no default location: pass {arg('data_dir')} pointing at the folder holding {files}"
         )
     return Path(_DEFAULT_DATA_DIR), False
 
@@ -285,11 +307,21 @@ def _find_files(
     )
 
 
-def _check_options(name: str, options: dict[str, Any], allowed: tuple[str, ...]) -> None:
-    unknown = sorted(set(options) - set(allowed))
+def dataset_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Every option of data set ``name`` (`DATASET_OPTIONS`; none for another name), ``options`` (texts or
+    values) typed and the others at their defaults; a one-line DataError for an unknown key (listing the
+    valid ones) or a value of another type."""
+    schema = DATASET_OPTIONS.get(name, {})
+    unknown = sorted(set(options) - set(schema))
     if unknown:
-        valid = ", ".join(allowed) if allowed else "none"
-        raise DataError(f"{name}: unknown option(s) {', '.join(unknown)}; valid options: {valid}")
+        raise DataError(f"{name}: unknown option(s) {', '.join(unknown)} ({arg('dataset_option', 'KEY=VALUE')}); "
+                        "valid options: "
+                        f"{listing(schema)}")
+    try:
+        given = resolve(schema, options, arg("dataset_option"), f"data set {name}")
+    except ValueError as e:
+        raise DataError(str(e)) from None
+    return {**{key: option.default for key, option in schema.items()}, **given}
 
 
 def _labels_int32(name: str, where: str, y: np.ndarray, num_classes: int, offset: int = 0) -> np.ndarray:
@@ -618,7 +650,7 @@ def _load_svhn(data_dir, verify_checksums: bool) -> Dataset:
 # --------------------------------------------------------------------------- generated / embedded
 
 
-def _load_digits(test_fraction: float = 0.2, split_seed: int = 0) -> Dataset:
+def _load_digits(test_fraction: float, split_seed: int) -> Dataset:
     """scikit-learn's 1797 8x8 digits as uint8 [n, 8, 8, 1] (0..16 scaled by 255//16), stratified split.
 
     The split uses our own numpy Generator (not sklearn's splitter) so it stays
@@ -643,16 +675,8 @@ def _load_digits(test_fraction: float = 0.2, split_seed: int = 0) -> Dataset:
     )
 
 
-def _load_synthetic(
-    alpha: float = 1.0,
-    beta: float = 1.0,
-    num_clients: int = 30,
-    seed: int = 0,
-    iid: bool = False,
-    dimension: int = 60,
-    num_classes: int = 10,
-    train_fraction: float = 0.8,
-) -> Dataset:
+def _load_synthetic(alpha: float, beta: float, num_clients: int, seed: int, iid: bool, dimension: int,
+                    num_classes: int, train_fraction: float) -> Dataset:
     """FedProx Synthetic(alpha, beta) (Li et al., MLSys 2020, ``generate_synthetic``).
 
     Client k has ``lognormal(4, 2) + 50`` samples (integer part); its model is
@@ -729,7 +753,7 @@ def _load_tfds(name: str, data_dir) -> Dataset:
     try:
         import tensorflow_datasets as tfds
     except ImportError as e:
-        raise DataError(f"{name}: --download needs tensorflow_datasets; {_TFDS_HINT}") from e
+        raise DataError(f"{name}: {arg('download')} needs tensorflow_datasets; {_TFDS_HINT}") from e
     tfds_name, num_classes, offset, transpose = _TFDS_NAMES[name]
     try:
         splits = tfds.as_numpy(
@@ -745,7 +769,7 @@ def _load_tfds(name: str, data_dir) -> Dataset:
     except Exception as e:  # network, quota and builder errors all end here
         raise DataError(
             f"{name}: tfds could not load '{tfds_name}' ({type(e).__name__}: {e}); "
-            "check the network connection or pass --data-dir with the original files"
+            f"check the network connection or pass {arg('data_dir')} with the original files"
         ) from e
     arrays = []
     for x, y in splits:
@@ -772,11 +796,10 @@ def load_dataset(name: str, data_dir: str | os.PathLike | None = None, *, downlo
         ``synthetic``; with ``download=True`` it is TFDS's cache folder.
       download: fetch through tensorflow_datasets instead of reading local
         files (needs the ``tfds`` extra and network access).
-      **options: dataset-specific options:
-        file-based datasets: ``verify_checksums=True``;
-        ``digits``: ``test_fraction=0.2``, ``split_seed=0``;
-        ``synthetic``: ``alpha=1.0, beta=1.0, num_clients=30, seed=0, iid=False,
-        dimension=60, num_classes=10, train_fraction=0.8``.
+      **options: the data set's options, as `DATASET_OPTIONS` declares them (type, default, what;
+        ``python -m fedjax_sparse list`` shows them): ``verify_checksums`` for the file-based ones,
+        ``test_fraction``, ``split_seed`` for ``digits``, the generator's for ``synthetic``; text is
+        read as the declared type.
 
     Your own ``.npz`` files are read by `fedjax_sparse.data.load` (``"npz:PATH"``).
 
@@ -790,21 +813,15 @@ def load_dataset(name: str, data_dir: str | os.PathLike | None = None, *, downlo
         raise DataError(
             f"unknown dataset '{name}'; valid names: {', '.join(DATASETS)}, or npz:PATH for your own .npz file"
         )
+    options = dataset_options(name, options)
     if name == "digits":
-        _check_options(name, options, ("test_fraction", "split_seed"))
         return _load_digits(**options)
     if name == "synthetic":
-        _check_options(
-            name,
-            options,
-            ("alpha", "beta", "num_clients", "seed", "iid", "dimension", "num_classes", "train_fraction"),
-        )
         return _load_synthetic(**options)
-    _check_options(name, options, ("verify_checksums",))
-    verify = bool(options.get("verify_checksums", True))
+    verify = options["verify_checksums"]
     if download:
         if name not in _TFDS_NAMES:
-            raise DataError(f"{name}: cannot be downloaded; pass --data-dir (use cifar10 for the full set)")
+            raise DataError(f"{name}: cannot be downloaded; pass {arg('data_dir')} (use cifar10 for the full set)")
         return _load_tfds(name, data_dir)
     if name in _IDX_SPECS:
         return _load_idx_dataset(name, data_dir, verify)

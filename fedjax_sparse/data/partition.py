@@ -44,6 +44,8 @@ from typing import Any
 
 import numpy as np
 
+from fedjax_sparse.errors import arg
+
 __all__ = [
     "PARTITION_SCHEMES",
     "Partition",
@@ -191,7 +193,7 @@ def _draw_dirichlet(
         )
     raise ValueError(
         f"could not give every client >= {min_train_samples} train samples in {max_redraws} Dirichlet draws "
-        f"(alpha={alpha}, num_clients={num_clients}); --min-client-samples (min_train_samples) is too large for "
+        f"(alpha={alpha}, num_clients={num_clients}); {arg('min_client_samples')} (min_train_samples) is too large for "
         "this alpha and number of clients: lower it, raise alpha, or use fewer clients"
     )
 
@@ -336,11 +338,11 @@ def partition_dataset(
     if scheme != "natural" and need > n_train:
         # No draw can work: said before any (a Dirichlet scheme would redraw max_redraws times first),
         # with the number of clients that can.
-        lower = ", or a lower --min-client-samples" if min_train_samples > 1 else ""
+        lower = f", or a lower {arg('min_client_samples')}" if min_train_samples > 1 else ""
         raise ValueError(
             f"{num_clients} clients of at least {min_train_samples} train example{'s' * (min_train_samples != 1)} "
-            f"each (--min-client-samples {min_train_samples}) need {need} train examples; the training set has "
-            f"{n_train}: use at most {n_train // min_train_samples} clients (--num-clients){lower}"
+            f"each ({arg('min_client_samples', min_train_samples)}) need {need} train examples; the training set "
+            f"has {n_train}: use at most {n_train // min_train_samples} clients ({arg('num_clients')}){lower}"
         )
     rng = np.random.default_rng(seed)
 
@@ -362,8 +364,9 @@ def partition_dataset(
     smallest = min(len(t) for t in train)
     if smallest < min_train_samples:
         raise ValueError(
-            f"partition '{spec}' gives a client only {smallest} train samples (< --min-client-samples "
-            f"{min_train_samples}) with {num_clients} clients on {n_train} samples; use fewer clients"
+            f"partition '{spec}' gives a client only {smallest} train samples (< "
+            f"{arg('min_client_samples', min_train_samples)}) with {num_clients} clients on {n_train} samples; use "
+            "fewer clients"
         )
     return Partition(
         train_indices=[np.sort(t).astype(np.int64) for t in train],

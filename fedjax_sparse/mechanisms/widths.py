@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_sparse.errors import arg
 from fedjax_sparse import accounting
 from fedjax_sparse.models.base import Hooks, Model
 
@@ -70,7 +71,7 @@ class WidthLayout:
             raise ValueError(f"width scaling (heterofl, fjord) needs every parameter to belong to a weight layer "
                              f"or to be a per-channel entry the model declares (Model.channel_entries); "
                              f"{model.name} also has {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}: "
-                             "choose a --model such as cnn7, lenet5_caffe or resnet18_narrow")
+                             f"choose a {arg('model')} such as cnn7, lenet5_caffe or resnet18_narrow")
         attached_values = [0] * len(model.layers)
         for entry, i in attached:
             for key, value in {**variables["params"][entry], **variables.get("batch_stats", {}).get(entry, {})}.items():

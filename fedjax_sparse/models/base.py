@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from fedjax_sparse.errors import arg
 from fedjax_sparse.models import layers as L
 
 Variables = dict
@@ -437,7 +438,7 @@ def sequential(name: str, input_shape: Sequence[int], num_classes: int,
 def _check_spatial(model_name, input_shape, where, shape):
     if shape[0] < 1 or shape[1] < 1:
         raise ValueError(f"{model_name} does not fit {tuple(input_shape)} inputs: the feature map is empty "
-                         f"after {where}; use larger images or another --model")
+                         f"after {where}; use larger images or another {arg('model')}")
 
 
 def shape_tuple(shape) -> tuple[int, ...]:

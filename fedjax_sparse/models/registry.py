@@ -4,8 +4,9 @@ from __future__ import annotations
 import inspect
 from typing import Callable
 
-from fedjax_sparse.errors import in_callers_words
+from fedjax_sparse.errors import arg, in_callers_words
 from fedjax_sparse.models.base import Model
+from fedjax_sparse.schema import Option, resolve
 
 _BUILDERS: dict[str, Callable[..., Model]] = {}
 
@@ -41,6 +42,22 @@ def model_options(name: str) -> dict[str, object]:
     return accepted
 
 
+def resolve_model_options(name: str, options: dict) -> dict:
+    """``options`` of the registered model ``name`` (texts or values) typed as their defaults are (a
+    ``--model-option hidden=100`` is 100, ``init=3`` the string '3'); a one-line ValueError for an
+    unknown model, an unknown key (listing the accepted ones) or a value of another type."""
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown model {name!r}; valid models: {', '.join(model_names())}")
+    accepted = model_options(name)
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        valid = ", ".join(f"{k}={v!r}" for k, v in accepted.items()) or "none"
+        raise ValueError(f"unknown {arg('model_option')} {', '.join(unknown)} for model {name}; accepted: {valid}")
+    # A default of None declares no type: its value is read as JSON spells it.
+    schema = {key: Option(None if default is None else type(default), default) for key, default in accepted.items()}
+    return resolve(schema, options, arg("model_option"), f"model {name}")
+
+
 def is_model_reference(name: str) -> bool:
     """Whether ``name`` has the form ``package.module:Name`` (a user's Flax module)."""
     module, sep, attribute = name.partition(":")
@@ -60,30 +77,31 @@ def load_model_reference(name: str, **options):
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"--model {name}: cannot import {module_name} ({e}); run from the folder that holds it "
+        raise ValueError(f"{arg('model', name)}: cannot import {module_name} ({e}); run from the folder that holds it "
                          "or install it") from None
     if not hasattr(module, attribute):
-        raise ValueError(f"--model {name}: {module_name} has no attribute {attribute!r}")
+        raise ValueError(f"{arg('model', name)}: {module_name} has no attribute {attribute!r}")
     target = getattr(module, attribute)
     what = "a Flax module (flax.linen / flax.nnx), a Model, or a factory building one without arguments"
     if isinstance(target, type) and not _is_model_class(target):
-        raise ValueError(f"--model {name}: {module_name}.{attribute} is the class {target.__name__}, not {what}")
+        raise ValueError(f"{arg('model', name)}: {module_name}.{attribute} is the class {target.__name__}, not {what}")
     if _is_model(target):
         if options:
-            raise ValueError(f"--model {name} is an instance; --model-option needs a class or factory")
+            raise ValueError(f"{arg('model', name)} is an instance; {arg('model_option')} needs a class or factory")
         return target
     if not callable(target):
-        raise ValueError(f"--model {name}: {module_name}.{attribute} is a {type(target).__name__}, not {what}")
+        raise ValueError(f"{arg('model', name)}: {module_name}.{attribute} is a {type(target).__name__}, not {what}")
     if not isinstance(target, type) and _needs_arguments(target, options):
-        raise ValueError(f"--model {name}: {module_name}.{attribute} is a function that needs argument(s) "
+        raise ValueError(f"{arg('model', name)}: {module_name}.{attribute} is a function that needs argument(s) "
                          f"{', '.join(_needs_arguments(target, options))}, not {what}")
     try:
         built = target(**options)
     except TypeError as e:
-        raise ValueError(f"--model {name}: building it failed ({e}); a Module class must build without "
-                         "arguments (or with --model-option KEY=VALUE ones)") from None
+        raise ValueError(f"{arg('model', name)}: building it failed ({e}); a Module class must build without "
+                         f"arguments (or with {arg('model_option', 'KEY=VALUE')} ones)") from None
     if not _is_model(built):
-        raise ValueError(f"--model {name}: {module_name}.{attribute}() returned a {type(built).__name__}, not {what}")
+        raise ValueError(f"{arg('model', name)}: {module_name}.{attribute}() returned a {type(built).__name__}, "
+                         f"not {what}")
     return built
 
 
@@ -122,11 +140,4 @@ def make_model(name: str, input_shape, num_classes: int, **options) -> Model:
         if isinstance(target, Model):
             return target
         return from_flax(target, input_shape, num_classes=num_classes, name=name)
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown model {name!r}; valid models: {', '.join(model_names())}")
-    accepted = model_options(name)
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        valid = ", ".join(f"{k}={v!r}" for k, v in accepted.items()) or "none"
-        raise ValueError(f"unknown --model-option {', '.join(unknown)} for model {name}; accepted: {valid}")
-    return _BUILDERS[name](tuple(input_shape), int(num_classes), **options)
+    return _BUILDERS[name](tuple(input_shape), int(num_classes), **resolve_model_options(name, options))
