@@ -46,6 +46,7 @@ from fedjax_sparse import accounting
 from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, cohort_mean, replicate, tree_weighted_mean
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import local_train, predict_fn, sgd
+from fedjax_sparse.errors import arg
 
 # The fields of every state class are declared in the sorted order of the dict keys the state had
 # before it was typed: checkpoints store the state's leaves in flatten order (sorted keys for a
@@ -138,7 +139,7 @@ def make_server_optimizer(name: str, server_lr, *, server_momentum=0.9, server_b
     if name == "adagrad":
         # optax adds eps under the root and starts the sum at 0 here: sqrt(tau**2 + sum g**2).
         return optax.adagrad(server_lr, initial_accumulator_value=0.0, eps=server_tau ** 2)
-    raise ValueError(f"--option server_optimizer={name!r}: expected one of {', '.join(SERVER_OPTIMIZERS)}")
+    raise ValueError(f"{arg('option', f'server_optimizer={name!r}')}: expected one of {', '.join(SERVER_OPTIMIZERS)}")
 
 
 def check_server_options(algorithm: str, optimizer: str, given: dict, defaults: dict) -> None:
@@ -149,13 +150,16 @@ def check_server_options(algorithm: str, optimizer: str, given: dict, defaults: 
     concrete = {k: v for k, v in given.items() if isinstance(v, (int, float))}
     for key, value in concrete.items():
         if key in READ_BY and optimizer not in READ_BY[key] and value != defaults.get(key, value):
-            raise ValueError(f"--option {key}={value} of algorithm {algorithm}: server_optimizer={optimizer} does not "
-                             f"read it (only {', '.join(READ_BY[key])}); drop it or choose one of those")
+            raise ValueError(f"{arg('option', f'{key}={value}')} of algorithm {algorithm}: "
+                             f"server_optimizer={optimizer} does not read it (only {', '.join(READ_BY[key])}); "
+                             "drop it or choose one of those")
     for key in ("server_momentum", "server_b1", "server_b2"):
         if key in concrete and not 0.0 <= concrete[key] < 1.0:
-            raise ValueError(f"--option {key}={concrete[key]} of algorithm {algorithm}: expected 0 <= {key} < 1")
+            raise ValueError(f"{arg('option', f'{key}={concrete[key]}')} of algorithm {algorithm}: expected "
+                             f"0 <= {key} < 1")
     if optimizer in READ_BY["server_tau"] and "server_tau" in concrete and not concrete["server_tau"] > 0:
-        raise ValueError(f"--option server_tau={concrete['server_tau']} of algorithm {algorithm}: expected tau > 0 "
+        raise ValueError(f"{arg('option', 'server_tau=' + str(concrete['server_tau']))} of algorithm {algorithm}: "
+                         "expected tau > 0 "
                          "(it keeps the adaptive step finite where the second moment is 0)")
 
 
