@@ -491,7 +491,12 @@ def main(argv=None) -> int:
         return 0
     root = Path(args.out) / args.participation
     if not args.report_only:
-        run_all(args, root)
+        try:
+            run_all(args, root)
+        except fjs.RunStopped as stop:
+            # The stopped run checkpointed; the same command skips finished runs and resumes this one.
+            print(f"{str(stop).split(';')[0]}; the same command resumes it", file=sys.stderr, flush=True)
+            return stop.exit_code
     report(args, root)
     return 0
 

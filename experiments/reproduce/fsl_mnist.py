@@ -323,9 +323,16 @@ def main(argv=None) -> int:
                 if (method, pct) not in runs:
                     runs.append((method, pct))
     if not args.report_only:
-        for method, pct in runs:
-            for seed in args.seeds:
-                run_one(method, pct, seed, args, out / run_name(method, pct) / f"seed{seed}")
+        try:
+            for method, pct in runs:
+                for seed in args.seeds:
+                    run_one(method, pct, seed, args, out / run_name(method, pct) / f"seed{seed}")
+        except fjs.RunStopped as stop:
+            # The stopped run checkpointed; the report shows what has finished (and the stopped run's
+            # last evaluated round), and the same command skips finished runs and resumes this one.
+            write_report(out, args.tables, args.seeds)
+            print(f"{str(stop).split(';')[0]}; the same command resumes it", file=sys.stderr, flush=True)
+            return stop.exit_code
     write_report(out, args.tables, args.seeds)
     return 0
 
