@@ -50,7 +50,9 @@ class RunStopped(Exception):
     """A run stopped by SIGTERM or SIGINT after checkpointing (``round``: the rounds it completed).
     The CLI prints the message and exits with ``exit_code`` (128 + the signal's number)."""
 
-    def __init__(self, signum: int, round_: int, out: Path | None):
+    def __init__(self, signum: int, round_: int, out: Path | None, *, several: bool = False):
+        """``several``: the stop of several runs (``--seeds``, ``--sweep``) in ``out``, each checkpointed;
+        the same command (call) with resume continues every one of them."""
         self.signal, self.round = signum, round_
         self.exit_code = 128 + signum
         name = signal.Signals(signum).name
@@ -58,6 +60,9 @@ class RunStopped(Exception):
             what = f"nothing was saved (no {arg('out')})"
         elif round_ == 0:
             what = "no round had finished, nothing to resume: run the same command again"
+        elif several:
+            what = (f"every run in {out} checkpointed; continue with the same "
+                    + ("call and resume=True" if in_python() else "command and --resume"))
         else:
             what = f"continue with: {resume_command(out)}"
         super().__init__(f"{name}: stopped at round {round_}; {what}")

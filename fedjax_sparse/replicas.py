@@ -40,11 +40,11 @@ import numpy as np
 
 from fedjax_sparse.checkpoint import has_checkpoint, locked_out_dir
 from fedjax_sparse.config import RunConfig
-from fedjax_sparse.errors import RunError, arg, in_callers_words
+from fedjax_sparse.errors import RunError, RunStopped, arg, in_callers_words
 from fedjax_sparse.data.federated import FederatedData, pad_index_rows
 from fedjax_sparse.engine import Engine, metrics_to_host
 from fedjax_sparse.progress import Progress
-from fedjax_sparse.runner import RunResult, open_run
+from fedjax_sparse.runner import RunResult, StopSignals, open_run
 
 REPLICA_PARALLELISM = ("auto", "vmap", "sequential")
 
@@ -144,6 +144,7 @@ def run_replicas(config: RunConfig, seeds: Sequence[int], *, parallelism: str = 
     mode = resolve_replica_parallelism(parallelism)
     out = Path(config.out) if config.out else None
     with contextlib.ExitStack() as stack:
+        signals = stack.enter_context(StopSignals())
         if out is not None:
             stack.enter_context(locked_out_dir(out))
         opened: list = []
@@ -168,7 +169,7 @@ def run_replicas(config: RunConfig, seeds: Sequence[int], *, parallelism: str = 
         t_start = time.perf_counter()
         if runs:
             hooks = [on_eval_for_seed(r.config.seed) if on_eval_for_seed else None for r in runs]
-            group = RunGroup(runs, mode if shared else "separate", progress, hooks)
+            group = RunGroup(runs, mode if shared else "separate", progress, hooks, signals=signals, out=out)
             try:
                 for run, state in zip(runs, group.run()):
                     results[run.config.seed] = RunResult(run.finish(), state, rows=run.rows, config=run.config)
@@ -200,11 +201,15 @@ class RunGroup:
     traced values ``hp`` (a dict of arrays) and ``hyper_parameters[i]`` are member i's values, so
     members that differ in them (a sweep's learning rates, algorithm options) share the program.
     ``keep_going``: a member whose training diverges is recorded in ``diverged`` (its message) and
-    dropped; the others go on (else the divergence is raised)."""
+    dropped; the others go on (else the divergence is raised).
+    ``signals``: a stop (SIGTERM / SIGINT) it received ends :meth:`run` between two chunks, after every
+    member has booked the chunk, with a checkpoint of each member (:class:`RunStopped`; ``out``: the
+    group's folder, named by the message)."""
 
     def __init__(self, runs, mode: str, progress: bool, hooks, program=None, keep_going: bool = False,
-                 label: Callable | None = None):
+                 label: Callable | None = None, signals: StopSignals | None = None, out: Path | None = None):
         self.runs, self.mode = runs, mode
+        self.signals, self.out = signals, out
         self.engine: Engine = runs[0].exp.engine
         self.rebuild: Callable[[dict], Engine] | None = program[0] if program is not None else None
         self.hps: list[dict] = program[1] if program is not None else []
@@ -283,9 +288,12 @@ class RunGroup:
         target = max(r.round for r in runs)
         for i, run in enumerate(runs):
             while run.round < target and i not in self.diverged:
+                self._stop_if_asked()
                 self._advance_one(i, min(run.next_chunk(), target - run.round), first[i])
                 first[i] = False
         while True:
+            # Between chunks only: every member has booked the last one, so their checkpoints agree.
+            self._stop_if_asked()
             active = [i for i in range(len(runs)) if i not in self.diverged]
             n = runs[active[0]].next_chunk() if active else 0
             if n <= 0:
@@ -320,6 +328,19 @@ class RunGroup:
                           if runs[i].rows and runs[i].rows[-1]["accuracy"] is not None]
             self.bar.update(lead.round, float(np.mean(accuracies)) if accuracies else None)
         return [r.state for r in runs]
+
+    def _stop_if_asked(self) -> None:
+        signals = self.signals
+        if signals is None or signals.received is None:
+            return
+        signals.say_unsaid()
+        active = [run for i, run in enumerate(self.runs) if i not in self.diverged]
+        if all(run.round >= run.config.rounds for run in active):
+            return   # a signal after the last round stops nothing: the runs finish
+        for run in active:
+            if run.out is not None and run.saved_round != run.round:
+                run.checkpoint()
+        raise RunStopped(signals.received, min(run.round for run in active), self.out, several=True)
 
     def close(self) -> None:
         self.bar.close()

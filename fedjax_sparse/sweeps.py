@@ -56,7 +56,7 @@ from fedjax_sparse.errors import RunError, arg, in_callers_words, in_python
 from fedjax_sparse.experiment import Experiment, build, with_components, wrap_algorithm
 from fedjax_sparse.settings import flag_of
 from fedjax_sparse.replicas import RunGroup, resolve_replica_parallelism, seed_list, unshareable_reason
-from fedjax_sparse.runner import RESUMABLE_CHANGES, RunResult, open_run, resumed_config
+from fedjax_sparse.runner import RESUMABLE_CHANGES, RunResult, StopSignals, open_run, resumed_config
 
 # Keys whose values a program may take as traced arrays (if the algorithm's builder allows: tried).
 TRACEABLE_FIELDS = ("lr",)
@@ -308,6 +308,7 @@ def sweep(config: RunConfig, axes: dict[str, list] | None = None, seeds: Sequenc
     diverged: dict[str, str] = dict(previous.get("diverged", {}))
     t_start = time.perf_counter()
     with contextlib.ExitStack() as stack:
+        signals = stack.enter_context(StopSignals())
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
             stack.enter_context(locked_out_dir(out))
@@ -354,7 +355,8 @@ def sweep(config: RunConfig, axes: dict[str, list] | None = None, seeds: Sequenc
                              "members": len(group), "mode": group_mode,
                              **({"why_separate": reason} if reason else {})})
             runner_group = RunGroup(runs, group_mode, progress, [None] * len(runs), program, keep_going=True,
-                                    label=lambda r: f" ({r.out.parent.name}/{r.out.name})" if r.out else "")
+                                    label=lambda r: f" ({r.out.parent.name}/{r.out.name})" if r.out else "",
+                                    signals=signals, out=out)
             try:
                 states = runner_group.run()
                 for j, ((index, run), state) in enumerate(zip(group, states)):

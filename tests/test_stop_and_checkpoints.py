@@ -389,3 +389,43 @@ def test_a_signal_at_every_other_line_of_the_bookkeeping_resumes_identically(tmp
         shutil.rmtree(tmp_path / f"line{k}")
     print(f"\n{len(moments)} of {bookkeeping_lines} line events, each stopped and resumed identically; stopped "
           f"at round: {dict(sorted(ended.items(), key=lambda kv: -1 if kv[0] is None else kv[0]))} (None: finished)")
+
+
+# ---------------------------------------------------------------- several runs in one process
+def _member_rows(out: Path) -> dict[str, list[dict]]:
+    return {str(p.parent.relative_to(out)): rows(p.parent) for p in sorted(out.rglob("metrics.jsonl"))}
+
+
+@pytest.mark.parametrize("kind", ["seeds", "sweep"])
+def test_a_stop_of_seeds_or_a_sweep_checkpoints_every_member_and_resumes_to_the_uninterrupted_runs(
+        tmp_path, monkeypatch, kind):
+    """--seeds and --sweep run several members in one process: a SIGTERM (here inside the 3rd evaluation)
+    stops them all between two chunks, each with a checkpoint of the same round, one line says so, and
+    the same call with resume ends with every member's uninterrupted metrics (before: no handler, the
+    default action ended the process with no checkpoint and no word)."""
+    import fedjax_sparse as fjs
+    from fedjax_sparse.engine import Engine
+    from fedjax_sparse.replicas import run_replicas
+
+    def go(out: Path, resume: bool = False):
+        config = flat_config(**EVERY_ROUND, out=str(out))
+        if kind == "seeds":
+            return run_replicas(config, [0, 1], parallelism="sequential", resume=resume, progress=False)
+        return fjs.sweep(config, {"lr": [0.05, 0.1]}, seeds=[0], parallelism="sequential", resume=resume,
+                         progress=False)
+
+    go(tmp_path / "straight")
+    out = tmp_path / "stopped"
+    with monkeypatch.context() as patch:
+        _send_inside(patch, Engine, "evaluate", (3,))
+        with pytest.raises(RunStopped) as stop:
+            go(out)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL   # the handlers are put back
+    members = sorted(p.parent for p in out.rglob("config.json"))
+    assert len(members) == 2
+    stopped = stop.value.round
+    assert 0 < stopped < 6 and stop.value.exit_code == 143
+    assert f"every run in {out} checkpointed; continue with the same call and resume=True" in str(stop.value)
+    assert [_latest_checkpoint(m) for m in members] == [stopped, stopped]
+    go(out, resume=True)
+    assert _member_rows(out) == _member_rows(tmp_path / "straight")
