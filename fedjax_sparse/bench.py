@@ -234,7 +234,7 @@ def step_cost(engine, state, data, rounds: int = 50) -> dict:
     """One local step's cost (``programs.local_step_cost``: FLOPs and bytes accessed per platform, for
     the clients that step in lockstep and per client-step) and the schedule's padding: executed /
     useful client-steps over the cohorts of ``rounds`` rounds from ``state``'s key."""
-    from fedjax_sparse.engine import executed_client_steps
+    from fedjax_sparse.core.engine import executed_client_steps
     lockstep = {"vmap": engine.cohort_capacity, "packed": engine.pack_width}.get(engine.mode, 1)
     cost = programs.local_step_cost(lambda s, d: engine.round_step(s, d), state, data)
     per_client = {platform: {key: value / lockstep for key, value in costs.items() if key != "compiled"}

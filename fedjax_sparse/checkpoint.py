@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_sparse.errors import RunError, arg
-from fedjax_sparse.engine import EngineState
+from fedjax_sparse.core.engine import EngineState
 
 LEGACY_CHECKPOINT = "checkpoint.npz"
 CHECKPOINT_DIR = "checkpoints"

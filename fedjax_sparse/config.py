@@ -327,7 +327,7 @@ def algorithm_option_values(algorithm: str, options: dict) -> dict:
 def check_sampling(config: RunConfig) -> None:
     """One-line RunError for a client sampling the run cannot take (which algorithms can is decided
     when the algorithm is built: ``Algorithm.varying_cohort``)."""
-    from fedjax_sparse.engine import CLIENT_SAMPLINGS
+    from fedjax_sparse.core.engine import CLIENT_SAMPLINGS
     if config.client_sampling not in CLIENT_SAMPLINGS:
         raise RunError(f"unknown {arg('client_sampling', config.client_sampling, quote=True)}; valid: "
                        f"{', '.join(CLIENT_SAMPLINGS)}")

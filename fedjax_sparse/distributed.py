@@ -3,14 +3,14 @@
 Every process runs the same program (SPMD, "multi-controller" JAX): it loads the data, builds
 the experiment and calls the same jitted round. :func:`initialize` joins the processes into one
 runtime; then ``jax.devices()`` lists every process's devices, and the engine splits the sampled
-cohort over one global ``clients`` mesh (:attr:`fedjax_sparse.engine.Engine.client_sharding`), so
+cohort over one global ``clients`` mesh (:attr:`fedjax_sparse.core.engine.Engine.client_sharding`), so
 each process trains ``K / devices`` clients per device and XLA inserts the cross-process
 reduction of the server aggregate (gloo on CPU, NCCL on GPU).
 
 What lives where:
 
 * the population's state [N, ...] is split along N over all devices when N is a multiple of the
-  device count (:attr:`fedjax_sparse.engine.Engine.population_sharding`; built in place, so no
+  device count (:attr:`fedjax_sparse.core.engine.Engine.population_sharding`; built in place, so no
   process holds all of it), else replicated; the server state and the data pool are replicated
   (:func:`to_global`): each process holds a full copy, as a single-process run does.
 * the round's per-client work is sharded; metrics and the server state come back replicated, so

@@ -20,7 +20,7 @@ from fedjax_sparse.algorithms import Algorithm, Task, compose, make_algorithm
 from fedjax_sparse.config import RunConfig, model_name, resolved_dp_accountant, validate
 from fedjax_sparse.errors import DataError, DataWarning, ModelWarning, RunError, arg, in_callers_words
 from fedjax_sparse.data.federated import FederatedData, build_federated_data
-from fedjax_sparse.engine import Engine, choose_pack_width, poisson_capacity
+from fedjax_sparse.core.engine import Engine, choose_pack_width, poisson_capacity
 from fedjax_sparse.models import Model, make_model
 from fedjax_sparse.models.flax_adapter import from_flax
 

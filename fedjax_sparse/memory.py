@@ -24,7 +24,7 @@ behind them"). What is counted, in bytes:
   gathered + row written back + message), plus one new server state. Not counted: the extra
   clients an algorithm trains inside a round (FSL's attackers).
 * ``evaluation_bytes``: the largest evaluation program, the same way (the personal models'
-  path the engine takes, :mod:`fedjax_sparse.evaluation`, and the global model's pass over the
+  path the engine takes, :mod:`fedjax_sparse.core.evaluation`, and the global model's pass over the
   union of the test sets), each at its batch: inputs, forward intermediates, and the personal
   rows it gathers.
 * ``device_total_bytes`` = server + client state on the device + data + the larger of training
@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from fedjax_sparse.algorithms.base import ClientContext
+from fedjax_sparse.core.algorithm import ClientContext
 from fedjax_sparse.errors import RunError, arg
 from fedjax_sparse.data.federated import ClientData
 from fedjax_sparse.models import layers as L

@@ -29,9 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_sparse.data.federated import FederatedData
-from fedjax_sparse.engine import Engine, EngineState, metrics_to_host
+from fedjax_sparse.core.engine import Engine, EngineState, metrics_to_host
 from fedjax_sparse.errors import RunError, arg
-from fedjax_sparse.evaluation import Evaluator, hits_and_losses, personal_summary
+from fedjax_sparse.core.evaluation import Evaluator, hits_and_losses, personal_summary
 
 
 class HostPopulation:

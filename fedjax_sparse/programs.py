@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import jax
 
-from fedjax_sparse.training import LOCAL_STEP_SCOPE, without_local_steps
+from fedjax_sparse.core.training import LOCAL_STEP_SCOPE, without_local_steps
 
 # HLO instructions that launch no kernel of their own (bookkeeping, views, control flow whose bodies
 # are counted separately).

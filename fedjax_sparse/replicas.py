@@ -42,7 +42,7 @@ from fedjax_sparse.checkpoint import has_checkpoint, locked_out_dir
 from fedjax_sparse.config import RunConfig
 from fedjax_sparse.errors import RunError, arg, in_callers_words
 from fedjax_sparse.data.federated import FederatedData, pad_index_rows
-from fedjax_sparse.engine import Engine, metrics_to_host
+from fedjax_sparse.core.engine import Engine, metrics_to_host
 from fedjax_sparse.progress import Progress
 from fedjax_sparse.runner import RunResult, open_run
 

@@ -42,7 +42,7 @@ from fedjax_sparse.config import (EXECUTION_FIELDS, OPTION_PREFIXES, RunConfig, 
                                   typed_value, with_default_lr, with_overrides)
 from fedjax_sparse.errors import RunError, RunInterrupted, RunStopped, arg, in_callers_words
 from fedjax_sparse.data.federated import FederatedData
-from fedjax_sparse.engine import COHORT_METRICS, STEP_METRICS, Engine, EngineState
+from fedjax_sparse.core.engine import COHORT_METRICS, STEP_METRICS, Engine, EngineState
 from fedjax_sparse.sinks import MetricSinks
 
 from fedjax_sparse.experiment import Experiment, build, privacy_accountant, privacy_sampling, with_components

@@ -95,7 +95,7 @@ class RunFields:
     clients_per_round: int = setting(5, group="algorithm", help="clients sampled per round K (<= N)")
     resample_every: int = setting(
         1, group="algorithm", help="keep each sampled cohort for this many rounds (default 1)")
-    client_sampling: str = setting(   # fedjax_sparse.engine, docs/privacy.md
+    client_sampling: str = setting(   # fedjax_sparse.core.engine, docs/privacy.md
         "fixed", group="algorithm",
         help="fixed (default: exactly K of N each round) | poisson (each client independently with probability "
              "K / N: cohorts of varying size; DP accounted as published)")

@@ -51,7 +51,7 @@ from fedjax_sparse.checkpoint import has_checkpoint, locked_out_dir, read_metric
 from fedjax_sparse.config import (EXECUTION_FIELDS, OPTION_PREFIXES, RunConfig, parse_overrides, same_setting,
                                   typed_axes, validate, with_overrides)
 from fedjax_sparse.data.arrays import PartitionedData
-from fedjax_sparse.engine import Engine
+from fedjax_sparse.core.engine import Engine
 from fedjax_sparse.errors import RunError, arg, in_callers_words, in_python
 from fedjax_sparse.experiment import Experiment, build, with_components, wrap_algorithm
 from fedjax_sparse.settings import flag_of

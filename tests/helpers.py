@@ -96,7 +96,7 @@ def assert_sliced_equals_masked(name, options, rounds=2, model="cnn_small", shap
     import jax.numpy as jnp
 
     from fedjax_sparse.algorithms import make_algorithm
-    from fedjax_sparse.engine import Engine
+    from fedjax_sparse.core.engine import Engine
 
     _, data = tiny_federated(sizes, shape=shape)
     task = make_task(data, model=model, lr=0.1, batch_size=batch_size)

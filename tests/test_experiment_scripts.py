@@ -61,7 +61,7 @@ def test_feddrop_paper_unit_is_forward_macs_per_example():
     """Our FLOPs (2 per MAC, training = 3 x forward) / 6 = the FedDrop paper's unit (forward MACs):
     hand count of the Table 6 CNN, then the paper's Table 5 (r = 0.5, R = 100, E = 8, 100 clients
     holding FMNIST's 60,000 training images: 281.85 expected TFLOPs). A factor 2 gives 843.8."""
-    from fedjax_sparse.accounting import layer_forward_flops
+    from fedjax_sparse.core.accounting import layer_forward_flops
     from fedjax_sparse.models import make_model
     model = make_model("feddrop_fmnist_cnn", (28, 28, 1), 10)
     # Forward MACs per image: out positions x out channels x kernel x in channels, then the dense layers.

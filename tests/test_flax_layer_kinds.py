@@ -13,9 +13,9 @@ import pytest
 import flax.linen as nn
 from flax import nnx
 
-from fedjax_sparse import accounting
+from fedjax_sparse.core import accounting
 from fedjax_sparse.algorithms.spafl import init_thresholds, make_setup, row_masks
-from fedjax_sparse.algorithms.base import Task
+from fedjax_sparse.core.algorithm import Task
 from fedjax_sparse.algorithms.registry import make_algorithm
 from fedjax_sparse.mechanisms import threshold_masks as masks
 from fedjax_sparse.models.flax_adapter import einsum_out_axes, from_flax

@@ -23,7 +23,7 @@ from fedjax_sparse.data.federated import ClientData, build_federated_data
 from fedjax_sparse.mechanisms.syncdrop import ChannelLayout, SparseFlopsModel
 from fedjax_sparse.models import make_model
 from fedjax_sparse.models.base import Conv, Dense, Flatten, Hooks, sequential
-from fedjax_sparse.training import masked_cross_entropy
+from fedjax_sparse.core.training import masked_cross_entropy
 
 from helpers import tiny_federated
 

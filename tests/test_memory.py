@@ -211,7 +211,7 @@ def test_with_settings_matches_a_fresh_estimate():
 
 def test_a_run_that_cannot_fit_stops_before_compiling_in_one_line(tmp_path, monkeypatch, capsys):
     from fedjax_sparse.cli import main
-    from fedjax_sparse.engine import Engine
+    from fedjax_sparse.core.engine import Engine
     compiled = []
     out = tmp_path / "run"
     with monkeypatch.context() as patch:

@@ -24,7 +24,7 @@ from fedjax_sparse import memory
 from fedjax_sparse.cli import main
 from fedjax_sparse.data.partition import partition_dataset
 from fedjax_sparse.errors import DataWarning, RunError
-from fedjax_sparse.engine import reduce_client_metrics
+from fedjax_sparse.core.engine import reduce_client_metrics
 
 from helpers import tiny_dataset
 

@@ -13,8 +13,8 @@ import pytest
 
 from fedjax_sparse import privacy
 from fedjax_sparse.algorithms import Algorithm, make_algorithm
-from fedjax_sparse.algorithms.base import ServerContext, client_metrics, cohort_mean
-from fedjax_sparse.engine import Engine, poisson_capacity, sample_poisson_clients
+from fedjax_sparse.core.algorithm import ServerContext, client_metrics, cohort_mean
+from fedjax_sparse.core.engine import Engine, poisson_capacity, sample_poisson_clients
 from fedjax_sparse.errors import RunError
 from tests.helpers import flat_config, make_task, tiny_federated
 

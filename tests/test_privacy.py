@@ -18,7 +18,7 @@ from fedjax_sparse.algorithms.feddrop import FedDropServerState
 from fedjax_sparse.algorithms.private import (DP_NOISE_STREAM, DpMechanism, accounting_keys, clip_rows, dp_refusal,
                                               noisy_sum, update_reference, with_dp)
 from fedjax_sparse.algorithms.spafl import SpaflServerState
-from fedjax_sparse.engine import Engine
+from fedjax_sparse.core.engine import Engine
 from helpers import make_task, tiny_federated
 
 INF = float("inf")

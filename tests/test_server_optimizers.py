@@ -22,7 +22,7 @@ from fedjax_sparse.algorithms import ServerContext, algorithm_names, make_algori
 from fedjax_sparse.algorithms.fedavg import FedAvgMServerState, FedAvgServerState, FedOptServerState
 from fedjax_sparse.checkpoint import load_checkpoint, save_checkpoint
 from fedjax_sparse.cli import main
-from fedjax_sparse.engine import Engine
+from fedjax_sparse.core.engine import Engine
 from helpers import make_task, tiny_federated
 
 SIZES = (10, 37, 64, 23, 50, 41)

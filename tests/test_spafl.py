@@ -8,7 +8,7 @@ import pytest
 
 from fedjax_sparse.algorithms import ClientContext, ServerContext, Task, make_algorithm
 from fedjax_sparse.data.federated import ClientData
-from fedjax_sparse.engine import Engine, reduce_client_metrics
+from fedjax_sparse.core.engine import Engine, reduce_client_metrics
 from fedjax_sparse.models import make_model
 
 from helpers import hand_accuracies, tiny_dataset, tiny_federated

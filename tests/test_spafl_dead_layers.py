@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fedjax_sparse.algorithms import make_algorithm
-from fedjax_sparse.engine import Engine
+from fedjax_sparse.core.engine import Engine
 from fedjax_sparse.models import make_model
 
 from helpers import make_task, tiny_federated

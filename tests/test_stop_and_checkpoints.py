@@ -54,7 +54,7 @@ def test_chunk_clock_sizes_chunks_by_time_in_powers_of_two():
 
 def _advances(monkeypatch):
     """Records the number of rounds of each chunk the engine runs."""
-    from fedjax_sparse.engine import Engine
+    from fedjax_sparse.core.engine import Engine
     sizes = []
     real = Engine.advance
 
@@ -98,7 +98,7 @@ def test_checkpoint_every_and_the_clock_add_checkpoints_between_evaluations(tmp_
 
 def _signal_at(monkeypatch, where: str, signum=signal.SIGTERM):
     """Sends ``signum`` to this process at one point of the run (once)."""
-    from fedjax_sparse.engine import Engine
+    from fedjax_sparse.core.engine import Engine
     sent = []
 
     def send():
@@ -255,7 +255,7 @@ def _send_inside(patch, target, name: str, calls: tuple[int, ...], signum=signal
 ])
 def test_a_stop_anywhere_resumes_to_the_uninterrupted_run(tmp_path, monkeypatch, every_round, where, call,
                                                           stopped_at):
-    from fedjax_sparse.engine import Engine
+    from fedjax_sparse.core.engine import Engine
     from fedjax_sparse.progress import Progress
     from fedjax_sparse.sinks import MetricSinks
     out = tmp_path / "run"
@@ -297,7 +297,7 @@ def test_a_second_ctrl_c_says_truthfully_what_can_be_resumed(tmp_path, monkeypat
     and following it ends with the uninterrupted run (before: "rerun the same command with --resume",
     which then found nothing to resume when no checkpoint had been written)."""
     from fedjax_sparse.cli import main
-    from fedjax_sparse.engine import Engine
+    from fedjax_sparse.core.engine import Engine
     out = tmp_path / "run"
     args = ["run", "--algorithm", "fedavg", "--dataset", "digits", "--model", "cnn_small", "--num-clients", "6",
             "--clients-per-round", "3", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.1", "--partition",

@@ -45,7 +45,7 @@ def measure(config: fjs.RunConfig, tmp: Path, synchronous_checkpoints: bool) -> 
     each chunk of rounds."""
     from fedjax_sparse import runner
     from fedjax_sparse.checkpoint import Checkpointer
-    from fedjax_sparse.engine import Engine
+    from fedjax_sparse.core.engine import Engine
     records, evaluations, chunks = [], [], []
     real = (runner.OpenRun.record, runner.OpenRun._evaluate_and_log, Engine.advance, Checkpointer.__init__)
 

@@ -125,7 +125,7 @@ def run_jax(args, workdir: Path) -> tuple[dict, dict]:
                      "accuracy": ev["accuracy"], "test_loss": ev["test_loss"],
                      "density_all_clients": ev.get("density_all_clients")})
         print("[jax]", json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    from fedjax_sparse.evaluation import resolve_personal_eval
+    from fedjax_sparse.core.evaluation import resolve_personal_eval
     info = {"jax": jax.__version__, "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
             "path": {"round": "engine.advance(state, data, 1, 'scan') then engine.evaluate (as fjs.run)",
                      "client_parallelism": engine.mode, "personal_eval": config.execution.personal_eval,
@@ -148,7 +148,7 @@ def fixed_batch_check(exp, params0, client_rows, steps: int) -> list[float]:
 
     import importlib
     spafl = importlib.import_module("fedjax_sparse.algorithms.spafl")
-    from fedjax_sparse.training import Batch
+    from fedjax_sparse.core.training import Batch
     data, bs = exp.data, exp.config.batch_size
     options = {**spafl.SPAFL_OPTIONS, **exp.config.options}
     setup = spafl.make_setup(exp.model, options)

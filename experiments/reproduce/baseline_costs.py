@@ -17,7 +17,7 @@ import argparse
 
 import jax
 
-from fedjax_sparse import accounting
+from fedjax_sparse.core import accounting
 from fedjax_sparse.algorithms.heterofl import WidthLayout
 from fedjax_sparse.models import make_model
 

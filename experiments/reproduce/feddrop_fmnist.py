@@ -28,7 +28,7 @@ plus ``tradeoff.png`` (FLOPs vs communication to reach each target, Pareto
 front per method), ``keep_probs.png`` (Fig. 9) and the sampled-vs-expected
 FLOPs error of FedDrop (App. D.5). ``--report-only`` rebuilds them.
 
-FLOPs convention (ours, ``fedjax_sparse.accounting``): a multiply-accumulate is
+FLOPs convention (ours, ``fedjax_sparse.core.accounting``): a multiply-accumulate is
 2 FLOPs, training = forward + 2 x forward backward = 3 x forward, so one
 training example costs 6 x its forward MACs; FedDrop's are expected FLOPs
 under the keep probabilities; summed over the sampled clients. The paper counts
@@ -60,7 +60,7 @@ BASE = papers.FEDDROP_FMNIST_BASE
 ALL_METHODS = ("feddrop", "unidrop", "fedavg", "fedprox", "scaffold", "caldas")
 
 # Our FLOPs per FLOP of the FedDrop paper (exact for the MACs; the paper also adds ReLU outputs,
-# +0.34 % on the FMNIST CNN). Ours (fedjax_sparse.accounting): 2 FLOPs per multiply-accumulate and
+# +0.34 % on the FMNIST CNN). Ours (fedjax_sparse.core.accounting): 2 FLOPs per multiply-accumulate and
 # training = forward + backward (2 x forward) = 3 x forward, i.e. 3 x 2 = 6 FLOPs per forward MAC of
 # every example trained on. The paper's "FLOPs" are forward MACs per example (times examples), no
 # factor 2 and no backward pass:

@@ -12,7 +12,7 @@ import importlib
 import inspect
 import pkgutil
 
-from fedjax_sparse.algorithms.base import (Algorithm, ClientContext, ServerContext, Task, client_metrics,
+from fedjax_sparse.core.algorithm import (Algorithm, ClientContext, ServerContext, Task, client_metrics,
                                            replicate, tree_weighted_mean)
 from fedjax_sparse.algorithms.supervised import local_train, predict_fn, sgd
 from fedjax_sparse.algorithms.registry import (algorithm_defaults, algorithm_entry, algorithm_names, algorithm_options,
@@ -20,7 +20,7 @@ from fedjax_sparse.algorithms.registry import (algorithm_defaults, algorithm_ent
 
 # Building blocks for your own algorithms: local_train (local SGD epochs over a client's data),
 # sgd (PyTorch-style SGD as an optax chain), predict_fn, tree_weighted_mean, client_metrics.
-_INFRASTRUCTURE = {"base", "registry", "supervised"}
+_INFRASTRUCTURE = {"registry", "supervised"}
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     if _module not in _INFRASTRUCTURE and not _module.startswith("_"):
         importlib.import_module(f"{__name__}.{_module}")

@@ -42,8 +42,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_sparse import accounting
-from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, cohort_mean, replicate, tree_weighted_mean
+from fedjax_sparse.core import accounting
+from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics, cohort_mean, replicate, tree_weighted_mean
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import local_train, predict_fn, sgd
 from fedjax_sparse.errors import arg

@@ -41,15 +41,15 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_sparse.errors import arg
-from fedjax_sparse import accounting
-from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, tree_weighted_mean
+from fedjax_sparse.core import accounting
+from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics, tree_weighted_mean
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import predict_fn, sgd
 from fedjax_sparse.mechanisms.syncdrop import (INIT_SCHEMES, ChannelLayout, SparseFlopsModel, channel_scale_hooks,
                                               channel_uniforms, dropout_aware_init, dropout_scale, keep_mask,
                                               solve_scaling)
 from fedjax_sparse.models.base import Model, check_layer_kinds
-from fedjax_sparse.training import masked_cross_entropy, model_rng, run_local_epochs
+from fedjax_sparse.core.training import masked_cross_entropy, model_rng, run_local_epochs
 
 PSD_SHIFTS = ("always", "negative", "none")
 

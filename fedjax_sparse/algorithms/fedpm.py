@@ -41,11 +41,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_sparse import accounting
-from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, tree_weighted_mean
+from fedjax_sparse.core import accounting
+from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics, tree_weighted_mean
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.models.base import Hooks, Model
-from fedjax_sparse.training import masked_cross_entropy, model_rng, run_local_epochs
+from fedjax_sparse.core.training import masked_cross_entropy, model_rng, run_local_epochs
 
 ESTIMATORS = ("mode", "mean")
 EVAL_MASKS = ("sample", "threshold")

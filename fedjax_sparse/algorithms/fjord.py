@@ -36,14 +36,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_sparse import accounting
-from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics
+from fedjax_sparse.core import accounting
+from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics
 from fedjax_sparse.algorithms.heterofl import WIDTH_UNWRAPPABLE, HeteroFLMessage, width_layout
 from fedjax_sparse.mechanisms.widths import WidthLayout, per_entry_mean
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import sgd
 from fedjax_sparse.models.base import Model
-from fedjax_sparse.training import masked_cross_entropy, model_rng, run_local_epochs
+from fedjax_sparse.core.training import masked_cross_entropy, model_rng, run_local_epochs
 
 
 def sample_width(key: jax.Array, p_min: float, p_max: float) -> jax.Array:

@@ -61,15 +61,15 @@ import numpy as np
 import optax
 
 from fedjax_sparse.errors import arg
-from fedjax_sparse import accounting
-from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics
+from fedjax_sparse.core import accounting
+from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.robust import LR_SCHEDULES, local_lr, make_threat
 from fedjax_sparse.algorithms.supervised import predict_fn
 from fedjax_sparse.mechanisms import attacks
 from fedjax_sparse.mechanisms import supermask as sm
 from fedjax_sparse.models.base import Hooks
-from fedjax_sparse.training import Batch, masked_cross_entropy, model_rng, run_local_epochs
+from fedjax_sparse.core.training import Batch, masked_cross_entropy, model_rng, run_local_epochs
 
 FSL_OPTIONS = dict(subnet_fraction=0.5, upload_fraction=1.0, weight_init="signed_constant", mask_by="abs",
                    momentum=0.9, weight_decay=1e-4, lr_decay=0.999, lr_schedule="cosine_epoch",

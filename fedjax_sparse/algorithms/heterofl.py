@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_sparse.errors import arg
-from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics
+from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import local_train, sgd
 from fedjax_sparse.mechanisms.widths import WidthLayout, per_entry_mean

@@ -77,7 +77,7 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
 from fedjax_sparse.errors import arg
-from fedjax_sparse.algorithms.base import Algorithm, ServerContext
+from fedjax_sparse.core.algorithm import Algorithm, ServerContext
 from fedjax_sparse.algorithms.baselines import CaldasServerState, ScaffoldServerState
 from fedjax_sparse.algorithms.compose import StatisticsSplit, UpdateServer, flatten_messages
 from fedjax_sparse.algorithms.feddrop import FedDropServerState

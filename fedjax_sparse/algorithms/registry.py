@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from fedjax_sparse.algorithms.base import Algorithm, Task
+from fedjax_sparse.core.algorithm import Algorithm, Task
 
 
 @dataclasses.dataclass(frozen=True)

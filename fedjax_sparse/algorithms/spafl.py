@@ -90,13 +90,13 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_sparse.errors import arg
-from fedjax_sparse import accounting
-from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, cohort_mean, replicate
+from fedjax_sparse.core import accounting
+from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics, cohort_mean, replicate
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.data.federated import ClientData
 from fedjax_sparse.mechanisms import threshold_masks as masks_lib
 from fedjax_sparse.models.base import LAYER_KINDS, Hooks, LayerInfo, Model, check_layer_kinds
-from fedjax_sparse.training import Batch, masked_cross_entropy, model_rng, run_local_epochs
+from fedjax_sparse.core.training import Batch, masked_cross_entropy, model_rng, run_local_epochs
 
 SPAFL_OPTIONS = dict(
     alpha=0.002, ramp=False, momentum=0.9, keep_optimizer_state=True, clip_norm=0.0,

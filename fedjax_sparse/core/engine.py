@@ -64,11 +64,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_sparse.errors import arg
-from fedjax_sparse.accounting import Cost, cost_per_round
-from fedjax_sparse.algorithms.base import (COST_METRICS, REQUIRED_CLIENT_METRICS, Algorithm, ClientContext,
+from fedjax_sparse.core.accounting import Cost, cost_per_round
+from fedjax_sparse.core.algorithm import (COST_METRICS, REQUIRED_CLIENT_METRICS, Algorithm, ClientContext,
                                            ServerContext)
 from fedjax_sparse.data.federated import ClientData, FederatedData
-from fedjax_sparse.evaluation import Evaluator
+from fedjax_sparse.core.evaluation import Evaluator
 
 CLIENT_PARALLELISM = ("auto", "vmap", "map", "packed")
 # "packed": the executed / useful client-steps ratio its group width is chosen to stay under.
@@ -204,7 +204,7 @@ class Engine:
     # experiments/results/, see CHANGELOG).
     # False: evaluate every client separately (the general path; same numbers, tested).
     eval_shared_global_pass: bool = True
-    # Personalised evaluation (fedjax_sparse.evaluation): "auto" = "per_client".
+    # Personalised evaluation (fedjax_sparse.core.evaluation): "auto" = "per_client".
     personal_eval: str = "auto"
     # Shard the sampled clients over all local devices (vmap mode only).
     shard_clients: bool = True
@@ -531,12 +531,12 @@ class Engine:
     # ------------------------------------------------------------------ evaluation
     @functools.cached_property
     def evaluator(self) -> Evaluator:
-        """Evaluation lives in fedjax_sparse.evaluation; the engine's eval_* fields configure it."""
+        """Evaluation lives in fedjax_sparse.core.evaluation; the engine's eval_* fields configure it."""
         return Evaluator(self.algorithm, self.num_clients, eval_batch_size=self.eval_batch_size,
                          eval_shared_global_pass=self.eval_shared_global_pass, personal_eval=self.personal_eval)
 
     def evaluate(self, state: EngineState, data: FederatedData) -> dict:
-        """See :meth:`fedjax_sparse.evaluation.Evaluator.evaluate`."""
+        """See :meth:`fedjax_sparse.core.evaluation.Evaluator.evaluate`."""
         return self.evaluator.evaluate(state, data)
 
 

@@ -16,7 +16,7 @@ clients. ``client_update`` must return in ``metrics`` at least the keys of
 :data:`REQUIRED_CLIENT_METRICS` (``loss``, ``num_examples``; build them with
 :func:`client_metrics`). Cost accounting is an optional part
 (:data:`ACCOUNTING_METRICS`): FLOPs and bits, when reported, are exact
-:class:`fedjax_sparse.accounting.Cost` values the host sums over clients and
+:class:`fedjax_sparse.core.accounting.Cost` values the host sums over clients and
 rounds as Python ints; an algorithm that does not count them gets ``null``
 (unknown) in ``metrics.jsonl``, never a made-up 0. ``loss`` is averaged weighted
 by examples, everything else uniformly over the sampled clients.
@@ -34,7 +34,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedjax_sparse.accounting import as_cost
+from fedjax_sparse.core.accounting import as_cost
 from fedjax_sparse.data.federated import ClientData
 from fedjax_sparse.models.base import Model
 

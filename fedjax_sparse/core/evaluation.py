@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedjax_sparse.algorithms.base import Algorithm
+from fedjax_sparse.core.algorithm import Algorithm
 from fedjax_sparse.data.federated import FederatedData
 from fedjax_sparse.models import layers as L
 
