@@ -22,7 +22,7 @@ from fedjax_sparse.errors import DataError, DataWarning, ModelWarning, RunError,
 from fedjax_sparse.data.federated import FederatedData, build_federated_data
 from fedjax_sparse.core.engine import Engine, choose_pack_width, poisson_capacity
 from fedjax_sparse.models import Model, make_model
-from fedjax_sparse.models.flax_adapter import from_flax
+from fedjax_sparse.models.flax.adapter import from_flax
 
 
 @dataclasses.dataclass

@@ -27,7 +27,8 @@ from fedjax_sparse.algorithms import Task
 from fedjax_sparse.algorithms.registry import make_algorithm
 from fedjax_sparse.mechanisms import supermask as sm
 from fedjax_sparse.mechanisms.widths import WidthLayout
-from fedjax_sparse.models import flax_adapter, from_flax
+from fedjax_sparse.models.flax import adapter as flax_adapter
+from fedjax_sparse.models import from_flax
 from tests.helpers import tiny_dataset
 
 ROW_AND_UNIT = [("spafl", {}), ("feddrop", {}), ("unidrop", {}), ("caldas", {}), ("heterofl", {"sliced": False}),

@@ -18,7 +18,7 @@ from fedjax_sparse.algorithms.spafl import init_thresholds, make_setup, row_mask
 from fedjax_sparse.core.algorithm import Task
 from fedjax_sparse.algorithms.registry import make_algorithm
 from fedjax_sparse.mechanisms import threshold_masks as masks
-from fedjax_sparse.models.flax_adapter import einsum_out_axes, from_flax
+from fedjax_sparse.models.flax.adapter import einsum_out_axes, from_flax
 
 
 # ------------------------------------------------------------------ models written with Flax's own layers

@@ -115,7 +115,13 @@ def test_no_module_reads_another_modules_private_attributes():
     assert found == []
 
 
-@pytest.mark.parametrize("old", ["fedjax_sparse.masks", "fedjax_sparse.dropout", "fedjax_sparse.supermask"])
+@pytest.mark.parametrize("old", ["fedjax_sparse.masks", "fedjax_sparse.dropout", "fedjax_sparse.supermask",
+                                 "fedjax_sparse.engine", "fedjax_sparse.training", "fedjax_sparse.evaluation",
+                                 "fedjax_sparse.accounting", "fedjax_sparse.algorithms.base",
+                                 "fedjax_sparse.models.spafl_models", "fedjax_sparse.models.feddrop_models",
+                                 "fedjax_sparse.models.fsl_models", "fedjax_sparse.models.flax_adapter",
+                                 "fedjax_sparse.models.macs", "fedjax_sparse.models.flax_probes",
+                                 "fedjax_sparse.models.program_flow"])
 def test_the_old_module_paths_are_gone(old):
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module(old)

@@ -16,7 +16,7 @@ What is derived, from one abstract forward pass (no FLOPs spent):
   (``"recurrent"``, linen's ``nn.RNN`` and ``nnx.RNN``; a lifted scan traces the cell more than once, which is
   the same use) and a layer repeated by a lifted scan (``"scanned"``: ``nn.scan`` over layers, NNX blocks
   built by ``nnx.vmap`` and run by ``nnx.scan``; one kernel per repetition stacked on leading axes);
-* from the module's own program (:mod:`~fedjax_sparse.models.program_flow`; each layer's call runs in a
+* from the module's own program (:mod:`~fedjax_sparse.models.flax.program_flow`; each layer's call runs in a
   named scope tagged with its name, and every value is followed through sub-programs, so layers under
   ``nn.remat``, ``nn.jit``, ``nn.scan``, ``nn.vmap``, ``nnx.remat``, ``nnx.scan`` and ``nnx.vmap`` are seen as the
   others): MACs per example (every dot and convolution, scans times their length, at batch 1 and 2) of the
@@ -64,7 +64,7 @@ parameter and statistic: a zero-initialised head would make both sides' logits 0
 the model (``ValueError`` naming the largest difference and the first layer that differs) unless the
 logits agree to 1e-4 of their scale.
 
-Normalisation and padding (:mod:`~fedjax_sparse.models.flax_probes`, on a probe with every parameter
+Normalisation and padding (:mod:`~fedjax_sparse.models.flax.probes`, on a probe with every parameter
 and statistic perturbed): a unit the mechanisms drop must be exactly zero where the next weight
 layer reads it (zero kernel gradient on those rows, training and evaluation mode); where a
 normalisation the adapter does not handle sits between (``GroupNorm``, ``LayerNorm``, a library's own
@@ -114,7 +114,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_sparse.models import layers as L
-from fedjax_sparse.models import macs as macs_lib
+from fedjax_sparse.models.flax import macs as macs_lib
 from fedjax_sparse.models.base import Hooks, LayerInfo, Model, shape_tuple
 
 Path = tuple  # a module path inside the user's variables, e.g. ("Block_0", "Dense_0") or ("layers", 0)
@@ -263,7 +263,7 @@ class _Calls:
     mode "reference": the module's own code everywhere (no fast path, no hooks), with the adapter's
     BatchNorm/Dropout modes: what ``from_flax``'s equivalence check compares "run" against; each weight
     layer's call runs in a ``jax.named_scope`` tagged with its name (``macs.TAG``), from which the program's
-    data flow, products and costs are read (:mod:`~fedjax_sparse.models.program_flow`).
+    data flow, products and costs are read (:mod:`~fedjax_sparse.models.flax.program_flow`).
     ``layer_outputs`` keeps each weight layer's output (before its hook) in "run"/"reference" mode,
     which names the first layer where the two differ (not for layers inside a lifted transform, whose
     outputs live on its own trace).
@@ -1028,7 +1028,7 @@ def _program_flows(model_name: str, apply_nested: Callable, to_nested: Callable,
                    input_shape: tuple, names: Sequence[str]) -> dict:
     """{batch: ProgramFlow} of the module's own forward pass (evaluation mode) at batch 1 and 2: the
     difference of their costs is what one more example costs."""
-    from fedjax_sparse.models.program_flow import program_flow
+    from fedjax_sparse.models.flax.program_flow import program_flow
 
     def forward(v, x):
         return apply_nested(to_nested(v), x, _Calls("reference"), False)[0]
@@ -1252,7 +1252,7 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     variables = init_fn(jax.random.PRNGKey(0))
     # Every parameter and statistic moved off its initial value: a zero-initialised head would make both sides'
     # logits 0 whatever the layers before it compute.
-    from fedjax_sparse.models import flax_probes
+    from fedjax_sparse.models.flax import probes as flax_probes
     probe_variables = flax_probes.perturbed(variables, set(names), _PROBE_KEY + 1)
     _check_same_network(model_name, adapted, own, probe_variables, input_shape, modes)
     del probe_variables

@@ -1,7 +1,7 @@
 """What a traced forward pass says about each weight layer: its inputs, its products, their contraction.
 
 ``from_flax`` runs the module's own code with each weight layer's call inside a ``jax.named_scope``
-tagged with its name (:func:`fedjax_sparse.models.macs.layer_scope`) and reads the jaxpr once
+tagged with its name (:func:`fedjax_sparse.models.flax.macs.layer_scope`) and reads the jaxpr once
 (:func:`program_flow`), following every value through sub-programs: ``pjit``/``jit``, ``remat``
 (``nn.remat``, ``nnx.remat``), ``custom_jvp``/``custom_vjp``, ``cond`` (sources from every branch, MACs of
 the largest), and ``scan`` (its carry to a fixed point, its body's products times its length), so a
@@ -20,7 +20,7 @@ seen with its true inputs and costs. Per weight layer it gives:
 
 A value's dependencies are followed conservatively (an equation's outputs depend on all its inputs),
 which is exact for the chains, sums and concatenations of a network's data flow. Products inside a
-``while`` loop are refused (``ValueError``), as in :mod:`~fedjax_sparse.models.macs`.
+``while`` loop are refused (``ValueError``), as in :mod:`~fedjax_sparse.models.flax.macs`.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from typing import Sequence
 import jax
 import jax.extend  # noqa: F401  (jax.extend.core: not imported by `import jax`)
 
-from fedjax_sparse.models import macs as macs_lib
+from fedjax_sparse.models.flax import macs as macs_lib
 
 # A value's dependencies: (sources, parameters, made in). ``sources``: layer indices (-1: the model input) whose
 # outputs it is computed from; ``parameters``: for a value computed from parameters alone (a kernel transform, a

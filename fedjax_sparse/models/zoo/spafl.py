@@ -1,6 +1,6 @@
 """The SpaFL paper's CIFAR models (Kim et al., NeurIPS 2024, Appendix A.1).
 
-LeNet-5-Caffe (FMNIST) is ``lenet5_caffe`` in :mod:`fedjax_sparse.models.zoo`.
+LeNet-5-Caffe (FMNIST) is ``lenet5_caffe`` in :mod:`fedjax_sparse.models.zoo.generic`.
 
 * ``cnn7``: the CIFAR-10 "7-layer CNN" of the reference code: four 5x5 VALID
   convs (64, 64, 128, 128) each with BatchNorm + ReLU, max-pool after conv2
