@@ -343,7 +343,7 @@ def part_spafl_eval_every_25(args) -> dict:
 def part_sweep_3x3(args) -> dict:
     """Issue 33: the whole 3 x 3 grid (lr x SpaFL's alpha, one seed) vmapped through one program, against
     one member run alone the same way (a one-point sweep); both end to end (build, compile, files)."""
-    from fedjax_sparse import sweeps
+    from fedjax_sparse.driver import sweeps
     rounds = 4 if args.smoke else 20
     config = spafl_config(args, rounds=rounds, eval_every=rounds)
     grid = {"lr": [0.0005, 0.001, 0.002], "option.alpha": [0.001, 0.002, 0.004]}

@@ -26,7 +26,7 @@ Per variant (units in the names; the JSON schema is ``SCHEMA``, documented in :f
 * ``peak_device_memory_mib`` (the allocator's peak, null where the backend keeps none, e.g. XLA:CPU)
   and ``peak_host_memory_mib`` (``ru_maxrss``): the process's peaks up to the end of the variant, so
   a variant after a larger one repeats its peak (``isolate=True``: each variant its own process);
-  ``memory_estimate_device_mib``: the shape-based estimate of ``fedjax_sparse.memory`` (a run's
+  ``memory_estimate_device_mib``: the shape-based estimate of ``fedjax_sparse.core.memory`` (a run's
   refusal uses the same; a configuration that does not fit is refused in one line here too);
 * ``metrics``: every round's engine metrics (the compiling round first), e.g. ``loss`` [1 + R];
 * with ``count_kernels`` (``--count-kernels``): ``local_step``, what one iteration of the local-step
@@ -62,14 +62,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse import memory, programs, timing
-from fedjax_sparse import population as host_population
-from fedjax_sparse.config import (EXECUTION_FIELDS, OPTION_PREFIXES, RunConfig, model_name, parse_overrides,
-                                  typed_axes, validate, with_overrides)
+from fedjax_sparse.core import memory
+from fedjax_sparse import programs, timing
+from fedjax_sparse.driver import population as host_population
+from fedjax_sparse.driver.config import (EXECUTION_FIELDS, OPTION_PREFIXES, RunConfig, model_name, parse_overrides,
+                                         typed_axes, validate, with_overrides)
 from fedjax_sparse.errors import RunError, arg
-from fedjax_sparse.experiment import Components, Experiment, build, with_components
-from fedjax_sparse.progress import jsonable
-from fedjax_sparse.sweeps import grid
+from fedjax_sparse.driver.experiment import Components, Experiment, build, with_components
+from fedjax_sparse.driver.progress import jsonable
+from fedjax_sparse.driver.sweeps import grid
 
 SCHEMA = "fedjax_sparse.bench/1"
 PRECISION_KEY = "matmul_precision"
@@ -268,7 +269,7 @@ def time_variant(config: RunConfig, point: tuple, rounds_timed: int, parts: Comp
         state, population = _initial_state(exp)
         engine = exp.engine
         if config.execution.client_parallelism == "measure":
-            from fedjax_sparse import runner
+            from fedjax_sparse.driver import runner
             mode, measured = runner.measure_client_parallelism(engine, state, exp.data)
             engine = dataclasses.replace(engine, client_parallelism=mode)
         advance = _round_advancer(exp, engine, state, population)

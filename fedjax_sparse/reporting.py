@@ -14,9 +14,9 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fedjax_sparse.checkpoint import read_metrics
+from fedjax_sparse.driver.checkpoint import read_metrics
 from fedjax_sparse.errors import RunError, arg, in_cli
-from fedjax_sparse.progress import dp_text
+from fedjax_sparse.driver.progress import dp_text
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -51,7 +51,7 @@ class RunRecord:
         clip = self.summary.get("dp_clip", self.config.get("dp_clip"))
         if clip is None:
             return None
-        from fedjax_sparse.config import resolved_dp_accountant
+        from fedjax_sparse.driver.config import resolved_dp_accountant
         latest = next((r["dp_epsilon"] for r in reversed(self.rows) if r.get("dp_epsilon") is not None), None)
         z = self.summary.get("dp_noise_multiplier", self.algorithm_options.get(
             "dp_noise_multiplier", self.config.get("dp_noise_multiplier")))
@@ -143,7 +143,7 @@ def load_runs(paths) -> list[RunRecord]:
 
 def _record(item, name: str) -> RunRecord:
     """A folder's run, or an in-memory result's (``name``: its legend label without a config)."""
-    from fedjax_sparse.runner import RunResult
+    from fedjax_sparse.driver.runner import RunResult
     if isinstance(item, RunResult):
         config = item.config.to_json() if item.config is not None else {}
         return RunRecord(Path(name), config, list(item.rows), dict(item.summary))
@@ -153,7 +153,7 @@ def _record(item, name: str) -> RunRecord:
 
 
 def _is_sweep(item) -> bool:
-    from fedjax_sparse import sweeps
+    from fedjax_sparse.driver import sweeps
     return isinstance(item, sweeps.SweepResult) or (isinstance(item, (str, Path)) and sweeps.is_sweep(item))
 
 
@@ -264,7 +264,7 @@ def plot_runs(paths, out: str | Path | None = None, *, x: str | None = None, y: 
 
 def _sweep_curves(sweep) -> dict[str, list[RunRecord]]:
     """The sweep's (its folder's or a :class:`SweepResult`'s) members' runs by grid point."""
-    from fedjax_sparse import sweeps
+    from fedjax_sparse.driver import sweeps
     if isinstance(sweep, sweeps.SweepResult):
         return {label: [_record(r, f"{label}/seed{seed}") for seed, r in by_seed.items() if r is not None]
                 for label, by_seed in sweep.by_point.items() if any(r is not None for r in by_seed.values())}
@@ -349,7 +349,7 @@ def report_table(paths) -> str:
     without summary.json, or short of its config's rounds, is marked "round R/T (running or stopped)".
     ``paths``: as for :func:`plot_runs` (folders and/or results, a list or ``{label: ...}``); a sweep
     (folder or :class:`SweepResult`) gives its own table."""
-    from fedjax_sparse import sweeps
+    from fedjax_sparse.driver import sweeps
     entries = list(paths.items()) if isinstance(paths, dict) else [(None, p) for p in paths]
     if any(_is_sweep(item) for _, item in entries):
         def one(label, item) -> str:

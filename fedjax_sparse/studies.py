@@ -12,7 +12,7 @@ summary.json); runs with a summary.json are skipped, interrupted ones resume fro
 run whose training or test loss turns NaN/inf gets ``diverged.json`` (``DIVERGED``), the study goes on, reruns skip it
 and the report counts it apart ("2 (+1 diverged)") and out of the means (``--replicas`` runs stop at
 the first divergence). ``--replicas sequential|vmap|auto`` runs each method's seeds as replicas in
-one process (``fedjax_sparse.replicas``: the same files and numbers, one compiled program). For the
+one process (``fedjax_sparse.driver.replicas``: the same files and numbers, one compiled program). For the
 SpaFL family ``MaskRecorder`` records, after every evaluation, every client's first-layer row mask and
 density (``spafl_masks.npz``). ``write_report`` writes ``OUT/results.md`` / ``results.json``
 (accuracy mean ± std over seeds, best round and final; total Gbit; total FLOPs; density; next to the
@@ -109,7 +109,7 @@ def method_config(study: dict, method: str, seed: int, args, out: Path | str) ->
 def run_method_replicas(study: dict, method: str, args, out: Path) -> None:
     """Every seed of one method as replicas in one process (``--replicas``): the same
     ``OUT/<method>/seed<k>/`` files as one run per seed, one compiled program."""
-    from fedjax_sparse import replicas
+    from fedjax_sparse.driver import replicas
     spec = study["methods"][method]
     config = method_config(study, method, args.seeds[0], args, out)
     spafl = is_spafl(spec["algorithm"])
@@ -124,7 +124,7 @@ def run_one(study: dict, method: str, seed: int, args, out: Path) -> dict | None
     folder gets ``diverged.json`` (the error), the study goes on with the next run, the report
     counts it apart, and reruns skip it (delete the folder to try again). Returns the summary,
     or None for a diverged run."""
-    from fedjax_sparse.checkpoint import has_checkpoint
+    from fedjax_sparse.driver.checkpoint import has_checkpoint
     from fedjax_sparse.errors import RunError
     spec = study["methods"][method]
     config = method_config(study, method, seed, args, out)
@@ -152,7 +152,7 @@ def run_one(study: dict, method: str, seed: int, args, out: Path) -> dict | None
 def load_run(path: Path) -> dict | None:
     """One run folder: its metrics rows, summary, divergence, config and recorded masks (None
     when it has no metrics yet)."""
-    from fedjax_sparse.checkpoint import read_metrics
+    from fedjax_sparse.driver.checkpoint import read_metrics
     rows = read_metrics(path)
     if not rows:
         return None
@@ -338,7 +338,7 @@ def parse_args(argv, studies: dict, default_study: str, extra: Callable | None =
     parser.add_argument("--eval-every", type=int, default=None)
     parser.add_argument("--client-parallelism", default="auto", choices=["auto", "map", "vmap"])
     parser.add_argument("--replicas", default="off", choices=["off", "auto", "sequential", "vmap"],
-                        help="run each method's seeds as replicas in one process (fedjax_sparse.replicas; "
+                        help="run each method's seeds as replicas in one process (fedjax_sparse.driver.replicas; "
                              "same files and numbers, one compiled program); off: one run per seed")
     parser.add_argument("--report-only", action="store_true", help="only rebuild the table and plots")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")

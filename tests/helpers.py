@@ -145,7 +145,7 @@ def load_script(path: str):
 
 def flat_config(**fields):
     """A RunConfig from flat keys, execution's among them, as config.json and config files give them."""
-    from fedjax_sparse.config import RunConfig
+    from fedjax_sparse.driver.config import RunConfig
     return RunConfig.from_json(fields)
 
 

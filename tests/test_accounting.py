@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fedjax_sparse.core import accounting
-from fedjax_sparse import runner
+from fedjax_sparse.driver import runner
 from fedjax_sparse.mechanisms import supermask as sm
 from fedjax_sparse.core.accounting import Cost, cost_per_round
 from fedjax_sparse.algorithms import Algorithm, Task, client_metrics, make_algorithm

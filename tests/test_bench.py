@@ -11,7 +11,7 @@ import fedjax_sparse as fjs
 from fedjax_sparse.core import accounting
 from fedjax_sparse import bench
 from fedjax_sparse.cli import main
-from fedjax_sparse.config import typed_axes
+from fedjax_sparse.driver.config import typed_axes
 from fedjax_sparse.models import make_model
 
 QUICK = ["--dataset", "digits", "--num-clients", "6", "--clients-per-round", "3", "--local-epochs", "1",

@@ -11,7 +11,7 @@ import pytest
 from fedjax_sparse.algorithms import Algorithm, ClientContext, Task, client_metrics, make_algorithm
 from fedjax_sparse.data.federated import ClientData
 from fedjax_sparse.core.accounting import Cost
-from fedjax_sparse.progress import format_summary
+from fedjax_sparse.driver.progress import format_summary
 from fedjax_sparse.core.engine import Engine, metrics_to_host, reduce_client_metrics, sample_clients
 from fedjax_sparse.models import make_model
 from fedjax_sparse.core.training import run_local_epochs
@@ -410,7 +410,7 @@ def test_an_algorithm_without_cost_accounting_reports_unknown_not_zero(tmp_path)
     """metrics.jsonl and summary.json say null (unknown) for costs an algorithm does not count."""
     import json
 
-    from fedjax_sparse import runner
+    from fedjax_sparse.driver import runner
     config = runner.RunConfig(algorithm="fedavg", dataset="digits", num_clients=6, clients_per_round=3,
                               local_epochs=1, batch_size=32, rounds=2, partition="iid", out=str(tmp_path / "r"))
     exp = runner.build(config)

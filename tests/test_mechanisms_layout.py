@@ -11,7 +11,7 @@ import fedjax_sparse.mechanisms as mechanisms
 
 MECHANISMS_DIR = pathlib.Path(mechanisms.__file__).parent
 MODULES = sorted(p.stem for p in MECHANISMS_DIR.glob("*.py") if p.stem != "__init__")
-FORBIDDEN = ("fedjax_sparse.algorithms", "fedjax_sparse.core.engine", "fedjax_sparse.runner", "fedjax_sparse.data")
+FORBIDDEN = ("fedjax_sparse.algorithms", "fedjax_sparse.core.engine", "fedjax_sparse.driver.runner", "fedjax_sparse.data")
 
 
 def _imported_modules(path: pathlib.Path) -> set[str]:

@@ -121,7 +121,10 @@ def test_no_module_reads_another_modules_private_attributes():
                                  "fedjax_sparse.models.spafl_models", "fedjax_sparse.models.feddrop_models",
                                  "fedjax_sparse.models.fsl_models", "fedjax_sparse.models.flax_adapter",
                                  "fedjax_sparse.models.macs", "fedjax_sparse.models.flax_probes",
-                                 "fedjax_sparse.models.program_flow"])
+                                 "fedjax_sparse.models.program_flow", *(f"fedjax_sparse.{name}" for name in (
+                                     "config", "settings", "catalog", "experiment", "pinning", "privacy", "runner",
+                                     "progress", "checkpoint", "sinks", "sweeps", "replicas", "population",
+                                     "distributed", "memory"))])
 def test_the_old_module_paths_are_gone(old):
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module(old)

@@ -10,7 +10,7 @@ import pytest
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from scipy import optimize, stats
 
-from fedjax_sparse import privacy
+from fedjax_sparse.driver import privacy
 from fedjax_sparse.algorithms import Algorithm, ServerContext, make_algorithm
 from fedjax_sparse.algorithms.compose import UpdateServer
 from fedjax_sparse.algorithms.baselines import CaldasServerState, ScaffoldServerState

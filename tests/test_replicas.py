@@ -7,9 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from fedjax_sparse import replicas, runner
+from fedjax_sparse.driver import replicas, runner
 from fedjax_sparse.cli import main
-from fedjax_sparse.config import RunConfig
+from fedjax_sparse.driver.config import RunConfig
 from fedjax_sparse.errors import RunError
 from fedjax_sparse.core.evaluation import Evaluator
 

@@ -7,8 +7,8 @@ import pytest
 
 from fedjax_sparse.cli import main
 from fedjax_sparse.reporting import legend_labels, report_table
-from fedjax_sparse.progress import Progress
-from fedjax_sparse.sinks import MetricSinks, parse_log
+from fedjax_sparse.driver.progress import Progress
+from fedjax_sparse.driver.sinks import MetricSinks, parse_log
 
 from helpers import fake_run
 

@@ -20,7 +20,7 @@ import pytest
 
 from fedjax_sparse.algorithms import ServerContext, algorithm_names, make_algorithm, tree_weighted_mean
 from fedjax_sparse.algorithms.fedavg import FedAvgMServerState, FedAvgServerState, FedOptServerState
-from fedjax_sparse.checkpoint import load_checkpoint, save_checkpoint
+from fedjax_sparse.driver.checkpoint import load_checkpoint, save_checkpoint
 from fedjax_sparse.cli import main
 from fedjax_sparse.core.engine import Engine
 from helpers import make_task, tiny_federated

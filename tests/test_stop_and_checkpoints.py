@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from fedjax_sparse import runner
-from fedjax_sparse.runner import ChunkClock
+from fedjax_sparse.driver import runner
+from fedjax_sparse.driver.runner import ChunkClock
 from fedjax_sparse.errors import RunStopped
 
 from helpers import flat_config
@@ -256,8 +256,8 @@ def _send_inside(patch, target, name: str, calls: tuple[int, ...], signum=signal
 def test_a_stop_anywhere_resumes_to_the_uninterrupted_run(tmp_path, monkeypatch, every_round, where, call,
                                                           stopped_at):
     from fedjax_sparse.core.engine import Engine
-    from fedjax_sparse.progress import Progress
-    from fedjax_sparse.sinks import MetricSinks
+    from fedjax_sparse.driver.progress import Progress
+    from fedjax_sparse.driver.sinks import MetricSinks
     out = tmp_path / "run"
     fields = dict(EVERY_ROUND, out=str(out), log="csv")
     kwargs = {}

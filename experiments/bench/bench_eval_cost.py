@@ -43,8 +43,8 @@ def measure(config: fjs.RunConfig, tmp: Path, synchronous_checkpoints: bool) -> 
     """One real run evaluating every round: the seconds of each ``OpenRun.record`` call (everything the
     run does between two chunks: evaluation, row, logs, checkpoint), of each evaluation alone, and of
     each chunk of rounds."""
-    from fedjax_sparse import runner
-    from fedjax_sparse.checkpoint import Checkpointer
+    from fedjax_sparse.driver import runner
+    from fedjax_sparse.driver.checkpoint import Checkpointer
     from fedjax_sparse.core.engine import Engine
     records, evaluations, chunks = [], [], []
     real = (runner.OpenRun.record, runner.OpenRun._evaluate_and_log, Engine.advance, Checkpointer.__init__)

@@ -30,7 +30,7 @@ The setting is ``experiments/reproduce/spafl_fmnist.py``'s (``fedjax_sparse.pape
 Dirichlet 0.2 with per-client test mix, 10 per round, 5 local epochs, batch 64, LeNet-5-Caffe,
 raw 0-255 inputs, lr 0.001, momentum 0.9 kept per client, alpha 0.002 with the ramp). Both sides
 get the same draws: the partition built by the project (``--seed``), the project's initial
-weights (exported in ``fedjax_sparse/pinning.py``'s layouts) and one cohort schedule (numpy,
+weights (exported in ``fedjax_sparse/driver/pinning.py``'s layouts) and one cohort schedule (numpy,
 ``--seed``) that the JAX engine replays via ``cohort_schedule``; they are written to a temporary
 folder with the images and read by the PyTorch process (``--torch-python``), which prints its
 timings as JSON. Shuffling RNGs differ (torch vs JAX).
@@ -88,7 +88,7 @@ def run_jax(args, workdir: Path) -> tuple[dict, dict]:
     """Builds the experiment, exports its draws to ``workdir`` and times the JAX rounds."""
     import jax
 
-    from fedjax_sparse import pinning
+    from fedjax_sparse.driver import pinning
     total = args.warmup + args.rounds
     rng = np.random.default_rng(args.seed)
     pinning.write_cohort_schedule(

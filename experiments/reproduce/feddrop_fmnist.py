@@ -156,7 +156,7 @@ class KeepProbRecorder:
 
 
 def run_all(args, root: Path) -> None:
-    from fedjax_sparse.checkpoint import has_checkpoint
+    from fedjax_sparse.driver.checkpoint import has_checkpoint
     for method in args.methods:
         for name, spec in configurations(method, args):
             out = root / method / name
@@ -172,7 +172,7 @@ def run_all(args, root: Path) -> None:
 
 # ---------------------------------------------------------------------------- analysis
 def load_rows(path: Path) -> list[dict]:
-    from fedjax_sparse.checkpoint import read_metrics
+    from fedjax_sparse.driver.checkpoint import read_metrics
     return read_metrics(path)
 
 

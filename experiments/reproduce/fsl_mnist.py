@@ -105,7 +105,7 @@ def make_config(method: str, malicious_pct: int, seed: int, args, out: Path | No
 
 
 def run_one(method: str, malicious_pct: int, seed: int, args, out: Path) -> None:
-    from fedjax_sparse.checkpoint import has_checkpoint
+    from fedjax_sparse.driver.checkpoint import has_checkpoint
     from fedjax_sparse.errors import RunError
     if (out / "summary.json").exists() or (out / DIVERGED).exists():
         print(f"[skip] {out} is complete", flush=True)
@@ -128,7 +128,7 @@ def run_one(method: str, malicious_pct: int, seed: int, args, out: Path) -> None
 # ---------------------------------------------------------------------------- reporting
 def load_final(path: Path) -> dict | None:
     """The last evaluated round of one run (None when it has not been evaluated yet)."""
-    from fedjax_sparse.checkpoint import read_metrics
+    from fedjax_sparse.driver.checkpoint import read_metrics
     rows = read_metrics(path)
     if not rows:
         return None

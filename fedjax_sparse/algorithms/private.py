@@ -51,7 +51,7 @@ estimator (1/K each), so the two differ whenever the sampled clients' sizes diff
 
 What the guarantee covers: the sequence of server states (everything computed from the private
 aggregates is post-processing), with a trusted server that clips and noises; the accountant is
-``fedjax_sparse.privacy`` (one ``GaussianDpEvent`` per round, the cohort sampled as the engine does).
+``fedjax_sparse.driver.privacy`` (one ``GaussianDpEvent`` per round, the cohort sampled as the engine does).
 It does not hold when the server uses the individual messages (wrap ``with_dp`` outside
 ``with_aggregator``: the robust aggregator then sees K identical rows) or when clients' states leave
 them in other ways. Non-float messages (FSL's rankings, FedPM's masks, SignSGD's signs, HeteroFL's

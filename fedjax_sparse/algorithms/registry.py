@@ -17,7 +17,7 @@ refuses the combination in one line before anything is built.
 
 What ``python -m fedjax_sparse list`` says about it is in its registration too: a one-line
 ``description``, its ``paper``, and the client learning rate ``lr`` a run takes when none is given
-(:mod:`fedjax_sparse.catalog` reads them from here), so a new algorithm is one file.
+(:mod:`fedjax_sparse.driver.catalog` reads them from here), so a new algorithm is one file.
 """
 from __future__ import annotations
 

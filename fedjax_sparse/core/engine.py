@@ -10,7 +10,7 @@ One round (pure, jittable)::
     scatter the new client states back
 
 Rounds are composed with ``lax.scan`` in chunks (``run_rounds``); a thin
-Python driver (``fedjax_sparse.runner``) evaluates, logs and checkpoints
+Python driver (``fedjax_sparse.driver.runner``) evaluates, logs and checkpoints
 between chunks. ``round_fn`` is the same round jitted alone (the per-round
 path, for comparison and for debugging).
 
@@ -47,7 +47,7 @@ Devices: with more than one device and ``vmap``, the sampled clients are
 sharded over a 1-D ``clients`` mesh (K must divide evenly; otherwise the round
 runs on one device). XLA partitions the vmapped client updates and inserts
 the cross-device reduction for the server aggregate. In a multi-process run
-(``fedjax_sparse.distributed``) the mesh spans every process's devices, ``auto``
+(``fedjax_sparse.driver.distributed``) the mesh spans every process's devices, ``auto``
 means ``vmap``, the population's state is split along N (``population_sharding``),
 and metrics and the server state come back replicated, so every process reads them.
 """
@@ -66,7 +66,7 @@ import numpy as np
 from fedjax_sparse.errors import arg
 from fedjax_sparse.core.accounting import Cost, cost_per_round
 from fedjax_sparse.core.algorithm import (COST_METRICS, REQUIRED_CLIENT_METRICS, Algorithm, ClientContext,
-                                           ServerContext)
+                                          ServerContext)
 from fedjax_sparse.data.federated import ClientData, FederatedData
 from fedjax_sparse.core.evaluation import Evaluator
 
@@ -361,7 +361,7 @@ class Engine:
 
         ``resident`` [U] (sorted client ids): ``state.clients`` holds only these clients' rows
         (leaves [U, ...]), a superset of this round's cohort (a host-resident population brings
-        just the rows a chunk of rounds needs; :mod:`fedjax_sparse.population`). None: all N."""
+        just the rows a chunk of rounds needs; :mod:`fedjax_sparse.driver.population`). None: all N."""
         alg = self.algorithm
         round_key = jax.random.fold_in(state.key, state.round)
         _, key_clients, key_shared, key_server = jax.random.split(round_key, 4)  # first: cohort()'s

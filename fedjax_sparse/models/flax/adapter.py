@@ -1078,7 +1078,7 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     the input and the train flag, and ``ValueError`` (one line: the problem and the fix) for a module
     that fails on ``[batch, *input_shape]`` inputs (the exception and the user's file and line), has no
     parameters, could not be built here (its weights' shapes against the device's memory, before any
-    real weight is made: :func:`fedjax_sparse.memory.check_weights_fit`) or whose adapted forward pass
+    real weight is made: :func:`fedjax_sparse.core.memory.check_weights_fit`) or whose adapted forward pass
     differs from its own (see the module docstring).
 
     Returns a ``Model`` whose ``params`` are ``{entry: {leaf: array}}`` keyed by module path
@@ -1111,7 +1111,7 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
                          "LinearGeneral, Einsum or Embed layer); the algorithms here train a model's weight layers: "
                          "give it at least one")
     # Refused from the shapes alone: nothing below is concrete until the checks make real weights (4.).
-    from fedjax_sparse import memory
+    from fedjax_sparse.core import memory
     memory.check_weights_fit(model_name, nested0)
     extra = sorted(set(nested0) - {"params", "batch_stats"})
     if extra and any(jax.tree_util.tree_leaves(nested0[c]) for c in extra):

@@ -47,16 +47,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_sparse.algorithms.registry import algorithm_builder, algorithm_names, resolve_options
-from fedjax_sparse.checkpoint import has_checkpoint, locked_out_dir, read_metrics
-from fedjax_sparse.config import (EXECUTION_FIELDS, OPTION_PREFIXES, RunConfig, parse_overrides, same_setting,
-                                  typed_axes, validate, with_overrides)
+from fedjax_sparse.driver.checkpoint import has_checkpoint, locked_out_dir, read_metrics
+from fedjax_sparse.driver.config import (EXECUTION_FIELDS, OPTION_PREFIXES, RunConfig, parse_overrides, same_setting,
+                                         typed_axes, validate, with_overrides)
 from fedjax_sparse.data.arrays import PartitionedData
 from fedjax_sparse.core.engine import Engine
 from fedjax_sparse.errors import RunError, arg, in_callers_words, in_python
-from fedjax_sparse.experiment import Experiment, build, with_components, wrap_algorithm
-from fedjax_sparse.settings import flag_of
-from fedjax_sparse.replicas import RunGroup, resolve_replica_parallelism, seed_list, unshareable_reason
-from fedjax_sparse.runner import RESUMABLE_CHANGES, RunResult, open_run, resumed_config
+from fedjax_sparse.driver.experiment import Experiment, build, with_components, wrap_algorithm
+from fedjax_sparse.driver.settings import flag_of
+from fedjax_sparse.driver.replicas import RunGroup, resolve_replica_parallelism, seed_list, unshareable_reason
+from fedjax_sparse.driver.runner import RESUMABLE_CHANGES, RunResult, open_run, resumed_config
 
 # Keys whose values a program may take as traced arrays (if the algorithm's builder allows: tried).
 TRACEABLE_FIELDS = ("lr",)

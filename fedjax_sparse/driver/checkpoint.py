@@ -342,7 +342,7 @@ def save_checkpoint(out: Path, state: EngineState, totals: dict, population=None
                     rows: list[dict] | None = None) -> None:
     """A new checkpoint generation for round ``totals["round"]`` (atomic; the previous one is kept),
     written before it returns. ``population``: a host population
-    (:class:`fedjax_sparse.population.HostPopulation`), saved in the same generation (its slot table
+    (:class:`fedjax_sparse.driver.population.HostPopulation`), saved in the same generation (its slot table
     and the rows of the clients trained so far); ``rows``: the metrics rows up to that round."""
     checkpointer = Checkpointer(out, asynchronous=False)
     try:

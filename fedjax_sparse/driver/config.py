@@ -1,5 +1,5 @@
 """A run's configuration: ``RunConfig`` (its fields, the CLI flags and config-file keys, are declared
-with their flags in :mod:`fedjax_sparse.settings`), reading it, KEY=VALUE overrides, its validation, and
+with their flags in :mod:`fedjax_sparse.driver.settings`), reading it, KEY=VALUE overrides, its validation, and
 the one-line ``RunError`` users see."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from fedjax_sparse.models import model_names
 from fedjax_sparse.models.registry import is_model_reference, resolve_model_options
 from fedjax_sparse.errors import RunError, arg, in_callers_words, in_cli
 from fedjax_sparse.schema import Option, describe, fits, from_text, listing, resolve
-from fedjax_sparse.settings import EXECUTION_FIELDS, Execution, RunFields, flag_of
+from fedjax_sparse.driver.settings import EXECUTION_FIELDS, Execution, RunFields, flag_of
 
 # The execution modes a run offers: those with a recorded win (docs/design.md, "Execution modes").
 CLIENT_PARALLELISM = ("auto", "vmap", "map", "packed", "measure")
@@ -37,7 +37,7 @@ DEFAULT_MODELS = {
 @dataclasses.dataclass
 class RunConfig(RunFields):
     """A run's configuration: what is computed, its fields declared once with their flags in
-    :class:`fedjax_sparse.settings.RunFields` (``python -m fedjax_sparse run --help`` lists them, by group,
+    :class:`fedjax_sparse.driver.settings.RunFields` (``python -m fedjax_sparse run --help`` lists them, by group,
     with their defaults), and how it runs, ``execution`` (:class:`Execution`). ``config.json`` holds its
     :meth:`to_json`, :meth:`from_json` reads that back (and config files); :func:`validate` checks it."""
 
@@ -213,10 +213,10 @@ def same_setting(config: RunConfig, key: str, a: Any, b: Any) -> bool:
 
 def with_default_lr(config: RunConfig) -> RunConfig:
     """``config`` with its learning rate set: the given one, else its algorithm's default
-    (:func:`fedjax_sparse.catalog.default_lr`); config.json records the one used."""
+    (:func:`fedjax_sparse.driver.catalog.default_lr`); config.json records the one used."""
     if config.lr is not None:
         return config
-    from fedjax_sparse.catalog import default_lr
+    from fedjax_sparse.driver.catalog import default_lr
     return dataclasses.replace(config, lr=default_lr(config.algorithm))
 
 
@@ -290,7 +290,7 @@ def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()
     check_privacy(config)
     if not 0.0 <= config.trim_fraction < 0.5:
         raise RunError(f"{arg('trim_fraction')} must be in [0, 0.5), got {config.trim_fraction}")
-    from fedjax_sparse.sinks import parse_log
+    from fedjax_sparse.driver.sinks import parse_log
     parse_log(ex.log)
     if ex.client_storage != "float32" and ex.client_state != "host":
         raise RunError(f"{arg('client_storage', ex.client_storage)} stores the clients' rows on the host: add "

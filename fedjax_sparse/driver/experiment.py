@@ -1,8 +1,8 @@
 """Building an experiment: a ``RunConfig`` (and optionally your own model, data or algorithm
 objects) -> data, partition, model, task, algorithm and engine, as one ``Experiment``.
 
-``build`` does everything a run does before its first round; ``fedjax_sparse.runner.run`` drives the
-rounds, ``fedjax_sparse.progress`` reports them.
+``build`` does everything a run does before its first round; ``fedjax_sparse.driver.runner.run`` drives the
+rounds, ``fedjax_sparse.driver.progress`` reports them.
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse import pinning
+from fedjax_sparse.driver import pinning
 from fedjax_sparse.algorithms import Algorithm, Task, compose, make_algorithm
-from fedjax_sparse.config import RunConfig, model_name, resolved_dp_accountant, validate
+from fedjax_sparse.driver.config import RunConfig, model_name, resolved_dp_accountant, validate
 from fedjax_sparse.errors import DataError, DataWarning, ModelWarning, RunError, arg, in_callers_words
 from fedjax_sparse.data.federated import FederatedData, build_federated_data
 from fedjax_sparse.core.engine import Engine, choose_pack_width, poisson_capacity
@@ -76,7 +76,7 @@ def with_components(config: RunConfig, model=None, data=None, algorithm=None) ->
     their names in their place, so config.json records what ran: the algorithm's name, the model's
     name, the data's name, and a partitioned dataset's client count and partition."""
     from fedjax_sparse.algorithms import Algorithm
-    from fedjax_sparse.catalog import default_lr
+    from fedjax_sparse.driver.catalog import default_lr
     from fedjax_sparse.data.arrays import PartitionedData
     from fedjax_sparse.data.datasets import Dataset
     if config.lr is None:   # the algorithm's default (an object's: catalog.DEFAULT_LR); config.json records it
@@ -305,10 +305,10 @@ def wrap_algorithm(algorithm: Algorithm, config: RunConfig) -> Algorithm:
 
 def noise_multiplier(config: RunConfig) -> float:
     """``--dp-noise-multiplier``, or the one ``--dp-target-epsilon`` calibrates for the run's rounds
-    (the run's sampling and accountant: ``privacy_sampling``, ``privacy_accountant``; fedjax_sparse.privacy)."""
+    (the run's sampling and accountant: ``privacy_sampling``, ``privacy_accountant``; fedjax_sparse.driver.privacy)."""
     if config.dp_noise_multiplier is not None:
         return float(config.dp_noise_multiplier)
-    from fedjax_sparse import privacy
+    from fedjax_sparse.driver import privacy
     assert config.dp_target_epsilon is not None   # config.check_privacy
     return privacy.calibrate_noise_multiplier(config.dp_target_epsilon, config.rounds, config.dp_delta,
                                               num_clients=config.num_clients,
@@ -323,7 +323,7 @@ def privacy_accountant(config: RunConfig) -> str:
 
 def privacy_sampling(config: RunConfig) -> str:
     """The accountant's name for the run's client sampling: ``without_replacement`` (fixed K of N,
-    replace-one adjacency) or ``poisson`` (add/remove-one; fedjax_sparse.privacy)."""
+    replace-one adjacency) or ``poisson`` (add/remove-one; fedjax_sparse.driver.privacy)."""
     return "poisson" if config.client_sampling == "poisson" else "without_replacement"
 
 

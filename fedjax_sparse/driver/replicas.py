@@ -38,13 +38,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse.checkpoint import has_checkpoint, locked_out_dir
-from fedjax_sparse.config import RunConfig
+from fedjax_sparse.driver.checkpoint import has_checkpoint, locked_out_dir
+from fedjax_sparse.driver.config import RunConfig
 from fedjax_sparse.errors import RunError, arg, in_callers_words
 from fedjax_sparse.data.federated import FederatedData, pad_index_rows
 from fedjax_sparse.core.engine import Engine, metrics_to_host
-from fedjax_sparse.progress import Progress
-from fedjax_sparse.runner import RunResult, open_run
+from fedjax_sparse.driver.progress import Progress
+from fedjax_sparse.driver.runner import RunResult, open_run
 
 REPLICA_PARALLELISM = ("auto", "vmap", "sequential")
 

@@ -33,20 +33,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse import distributed, memory
-from fedjax_sparse import population as host_population
-from fedjax_sparse.checkpoint import (Checkpointer, clear_outputs, latest_checkpoint, locked_out_dir,
-                                      prepare_out_dir, recover_metrics, restore_checkpoint,
-                                      write_metrics)
-from fedjax_sparse.config import (EXECUTION_FIELDS, OPTION_PREFIXES, RunConfig, resolved_dp_accountant, same_setting,
-                                  typed_value, with_default_lr, with_overrides)
+from fedjax_sparse.driver import distributed
+from fedjax_sparse.core import memory
+from fedjax_sparse.driver import population as host_population
+from fedjax_sparse.driver.checkpoint import (Checkpointer, clear_outputs, latest_checkpoint, locked_out_dir,
+                                             prepare_out_dir, recover_metrics, restore_checkpoint,
+                                             write_metrics)
+from fedjax_sparse.driver.config import (EXECUTION_FIELDS, OPTION_PREFIXES, RunConfig, resolved_dp_accountant,
+                                         same_setting, typed_value, with_default_lr, with_overrides)
 from fedjax_sparse.errors import RunError, RunInterrupted, RunStopped, arg, in_callers_words
 from fedjax_sparse.data.federated import FederatedData
 from fedjax_sparse.core.engine import COHORT_METRICS, STEP_METRICS, Engine, EngineState
-from fedjax_sparse.sinks import MetricSinks
+from fedjax_sparse.driver.sinks import MetricSinks
 
-from fedjax_sparse.experiment import Experiment, build, privacy_accountant, privacy_sampling, with_components
-from fedjax_sparse.progress import COST_KEYS, Progress, exact_number, format_summary, jsonable, summarize
+from fedjax_sparse.driver.experiment import Experiment, build, privacy_accountant, privacy_sampling, with_components
+from fedjax_sparse.driver.progress import COST_KEYS, Progress, exact_number, format_summary, jsonable, summarize
 
 
 # packed too where its groups are wider than one client (else it is map).
@@ -80,7 +81,7 @@ class RunResult:
     ``state``: the final :class:`EngineState` (``state.server``: the algorithm's typed server state,
     ``state.clients``: the clients' states stacked ``[N, ...]``; None for a sweep's member unless the
     sweep keeps states); ``population``: with
-    ``--client-state host``, the clients' rows (:class:`fedjax_sparse.population.HostPopulation`;
+    ``--client-state host``, the clients' rows (:class:`fedjax_sparse.driver.population.HostPopulation`;
     ``state.clients`` is then None), else None; ``rows``: the per-evaluation rows, in order, the dicts
     ``metrics.jsonl`` gets (also without ``out``; after a resume, the whole run's: the file's earlier
     rows and the new ones); ``config``: the run's resolved configuration.
@@ -165,7 +166,7 @@ def changed_config(config: RunConfig, change: dict[str, Any]) -> tuple[RunConfig
     the CLI's text, typed as ``config`` declares them) and what changed, ``{key: {"from": old, "to": new}}``.
     Any other key is refused in one line (what else a resume may change is :data:`RESUMABLE_CHANGES`); the
     result is validated."""
-    from fedjax_sparse.config import override_key, validate
+    from fedjax_sparse.driver.config import override_key, validate
     typed = {}
     for key, value in change.items():
         key = override_key(key)
@@ -201,7 +202,7 @@ def run(config: RunConfig, *, model=None, data=None, algorithm=None, resume: boo
     ``{"lr": 0.01, "option.alpha": 0.01}``, the learning rate and algorithm options the resumed rounds use
     from the checkpoint on (see :func:`changed_config`; recorded in config.json's ``resumed`` with the
     round, marked by ``report`` and ``plot``). The output folder is locked for the run.
-    In a multi-process run (:mod:`fedjax_sparse.distributed`) every process calls ``run``;
+    In a multi-process run (:mod:`fedjax_sparse.driver.distributed`) every process calls ``run``;
     process 0 locks the folder and writes the files.
     """
     config, parts = with_components(config, model, data, algorithm)
@@ -570,7 +571,7 @@ class OpenRun:
         # --dp-clip: round r -> epsilon after it at --dp-delta, for the run's sampling and accountant.
         self.dp_epsilon: Callable[[int], float] | None = None
         if config.dp_clip is not None:
-            from fedjax_sparse import privacy
+            from fedjax_sparse.driver import privacy
             self.dp_epsilon = privacy.epsilon_by_round(
                 float(exp.algorithm.hparams["dp_noise_multiplier"]), config.rounds, config.dp_delta,
                 num_clients=config.num_clients, clients_per_round=config.clients_per_round,

@@ -1,5 +1,5 @@
 """A run's settings, each declared once with its flag: what is computed (``RunFields``, the fields of
-:class:`fedjax_sparse.config.RunConfig`, which adds reading and validation) and how it runs
+:class:`fedjax_sparse.driver.config.RunConfig`, which adds reading and validation) and how it runs
 (:class:`Execution`, ``RunConfig.execution``). A field's metadata holds its flag's help group and help
 (its flag is ``--`` + its name with dashes; its type its annotation's); the CLI of ``run``, ``bench`` and
 ``--sweep`` builds its flags and help groups from them (``RUN_FLAGS``, ``GROUPS``), and
@@ -11,6 +11,7 @@ import dataclasses
 import typing
 from typing import Any
 
+from fedjax_sparse import errors
 from fedjax_sparse.schema import kinds
 
 # `run --help`'s groups, in order (a flag that is no setting names its group where the CLI adds it).
@@ -44,12 +45,12 @@ class Execution:
         help="auto (map on a CPU, packed on one accelerator, vmap across several or across processes) | vmap | map | "
              "packed (clients sorted by size, in lockstep groups that pad at most ~1.2x) | measure (time one round "
              "of map, vmap and packed, use the fastest; recorded in config.json)")
-    eval_batch_size: int | None = setting(   # None: fedjax_sparse.experiment.auto_eval_batch_size
+    eval_batch_size: int | None = setting(   # None: fedjax_sparse.driver.experiment.auto_eval_batch_size
         group="execution", help="evaluation batch size (default: from the clients' test-set sizes)")
     personal_eval: str = setting(
         "auto", group="execution", help="personalised evaluation: auto (default) = per_client (one call per client, "
                                         "whole test set, native convolutions)")
-    client_state: str = setting(   # fedjax_sparse.population
+    client_state: str = setting(   # fedjax_sparse.driver.population
         "device", group="execution",
         help="where the clients' persistent state lives: device (default, all N rows) | host (host memory, "
              "copy-on-write; only each chunk's cohort rows go to the device: populations of 10^5+ clients)")
@@ -78,7 +79,7 @@ class Execution:
 @dataclasses.dataclass
 class RunFields:
     """What a run computes (and where it reads and writes): ``RunConfig``'s fields, declared here with
-    their flags; see :class:`fedjax_sparse.config.RunConfig`."""
+    their flags; see :class:`fedjax_sparse.driver.config.RunConfig`."""
     algorithm: str = setting("fedavg", group="algorithm", help="algorithm name (see `list`)")
     dataset: str = setting(
         "digits", group="data",
@@ -102,7 +103,7 @@ class RunFields:
     rounds: int = setting(30, group="algorithm", help="number of rounds")
     local_epochs: int = setting(2, group="algorithm", help="local epochs E per round")
     batch_size: int = setting(32, group="algorithm", help="local batch size")
-    lr: float | None = setting(   # None: the algorithm's default (fedjax_sparse.catalog), recorded as used
+    lr: float | None = setting(   # None: the algorithm's default (fedjax_sparse.driver.catalog), recorded as used
         group="algorithm",
         help="client learning rate (default: the algorithm's, `list` shows it: 0.1, SpaFL's and SignSGD's 0.01)")
     partition: str = setting(
@@ -123,7 +124,7 @@ class RunFields:
     attack: str | None = setting(group="robustness", help="model-poisoning attack around any algorithm: min_max")
     malicious_fraction: float = setting(   # fixed client ids, seeded by --seed
         0.0, group="robustness", help="fraction of malicious clients for --attack")
-    # Client-level differential privacy (fedjax_sparse.algorithms.private; accounting in fedjax_sparse.privacy).
+    # Client-level differential privacy (fedjax_sparse.algorithms.private; accounting in fedjax_sparse.driver.privacy).
     dp_clip: float | None = setting(
         group="privacy", help="client-level DP (DP-FedAvg): clip each sampled client's update to this L2 norm")
     dp_noise_multiplier: float | None = setting(
@@ -137,13 +138,13 @@ class RunFields:
         "auto", group="privacy",
         help="DP: the accountant of epsilon and --dp-target-epsilon: auto (default: pld with --client-sampling "
              "poisson, else rdp) | rdp | pld (--client-sampling poisson only)")
-    # Pinned draws (fedjax_sparse.pinning): replay another run's partition, initial weights, cohorts.
+    # Pinned draws (fedjax_sparse.driver.pinning): replay another run's partition, initial weights, cohorts.
     partition_file: str | None = setting(
         group="data", help="pinned partition: a fedjax_sparse.partition/1 JSON (client -> train/test indices; "
                            "`partition --out` writes one)")
     init_params: str | None = setting(
         group="model", help="pinned initial weights: .npz keyed params/<layer>/<name> (layouts in "
-                            "fedjax_sparse/pinning.py)")
+                            "fedjax_sparse/driver/pinning.py)")
     cohort_schedule: str | None = setting(
         group="algorithm", help="pinned cohorts: a fedjax_sparse.cohorts/1 JSON, the client ids of every round")
     options: dict = setting(factory=dict, group="algorithm", flag="--option",
@@ -157,6 +158,7 @@ class RunFields:
 
 
 EXECUTION_FIELDS = tuple(f.name for f in dataclasses.fields(Execution))
+errors.declare_execution_fields(EXECUTION_FIELDS)
 # The settings' flags: (flag, field, type, help, group); a KEY=VALUE flag's type is dict, a switch's bool.
 RUN_FLAGS = [(f.metadata.get("flag") or flag_of(f.name), f.name,
               next(k for k in kinds(typing.get_type_hints(cls)[f.name]) if k is not type(None)),

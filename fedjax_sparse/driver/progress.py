@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from fedjax_sparse import timing
-from fedjax_sparse.config import resolved_dp_accountant
+from fedjax_sparse.driver.config import resolved_dp_accountant
 
 
 COST_KEYS = ("uplink_bits", "downlink_bits", "flops")
@@ -155,7 +155,7 @@ def _dp_statistics(exp) -> dict:
 
 def _poisson_dp_summary(config, exp) -> dict:
     """Poisson sampling's accounting: epsilon after all rounds by RDP and by PLD (rows carry RDP's)."""
-    from fedjax_sparse import privacy
+    from fedjax_sparse.driver import privacy
     z = float(exp.algorithm.hparams.get("dp_noise_multiplier"))
     kwargs = dict(num_clients=config.num_clients, clients_per_round=config.clients_per_round, sampling="poisson")
     epsilons = {"dp_epsilon_rdp": privacy.epsilon(z, config.rounds, config.dp_delta, accountant="rdp", **kwargs),

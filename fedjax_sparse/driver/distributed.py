@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from fedjax_sparse.errors import RunError
-from fedjax_sparse.settings import flag_of
+from fedjax_sparse.driver.settings import flag_of
 
 ENVIRONMENT = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
                "process_id": "JAX_PROCESS_ID"}

@@ -94,7 +94,8 @@ def load_partition_file(path: str | Path, dataset, num_clients: int):
     doc = _read_json(path, flag)
     if not isinstance(doc, dict) or doc.get("format") != PARTITION_FORMAT or not isinstance(doc.get("clients"), list):
         raise PinningError(f"{flag} {path} is not a {PARTITION_FORMAT} file (a JSON object with "
-                           f"\"format\": \"{PARTITION_FORMAT}\" and a \"clients\" list); see fedjax_sparse/pinning.py")
+                           f"\"format\": \"{PARTITION_FORMAT}\" and a \"clients\" list); "
+                           "see fedjax_sparse/driver/pinning.py")
     name = doc.get("dataset")
     if name is not None and name != dataset.name:
         raise PinningError(f"{flag} {path} partitions dataset {name!r}, but {arg('dataset')} is {dataset.name!r}")
@@ -160,7 +161,7 @@ def load_init_params(path: str | Path, template: Mapping, *,
             arrays = {k: f[k] for k in f.files}
     except (OSError, ValueError) as e:
         raise PinningError(f"{flag} {path} is not a readable .npz file ({e}); regenerate it with "
-                           "fedjax_sparse.pinning.save_init_params") from None
+                           "fedjax_sparse.driver.pinning.save_init_params") from None
     expected = flatten_variables(template)
     missing = sorted(set(expected) - set(arrays))
     unknown = sorted(k for k in set(arrays) - set(expected) if not k.startswith(extra_prefixes))
@@ -171,7 +172,7 @@ def load_init_params(path: str | Path, template: Mapping, *,
         if tuple(arrays[key].shape) != tuple(ref.shape):
             raise PinningError(f"{flag} {path}: {key} has shape {tuple(arrays[key].shape)}, the model needs "
                                f"{tuple(ref.shape)} (layouts: conv HWIO, dense [in, out]; "
-                               "see fedjax_sparse/pinning.py)")
+                               "see fedjax_sparse/driver/pinning.py)")
         if not np.all(np.isfinite(arrays[key])):
             raise PinningError(f"{flag} {path}: {key} holds NaN or inf values")
     variables: dict = {}

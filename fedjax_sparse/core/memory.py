@@ -9,7 +9,7 @@ behind them"). What is counted, in bytes:
   the client state is all N rows (``per_client_row_bytes`` each). On the device: every row (split
   over the devices when a multi-process run shards the population), or with ``--client-state
   host`` only the rows of one device program: R x K, padded (R = the longest chunk,
-  ``min(host_chunk_rounds, eval_every, rounds)``; ``fedjax_sparse.population``).
+  ``min(host_chunk_rounds, eval_every, rounds)``; ``fedjax_sparse.driver.population``).
 * ``data_bytes``: the :class:`FederatedData` arrays (image pool, labels, index rows, counts), all
   on the device.
 * ``activation_bytes``: the working memory of a round. One client's ``client_update`` is traced
@@ -62,7 +62,7 @@ from fedjax_sparse.models import layers as L
 
 LIMIT_ENV = "FEDJAX_SPARSE_MEMORY_LIMIT_BYTES"
 # population.evaluate: personal models evaluated this many at a time, never-trained clients in one
-# pass of this batch (fedjax_sparse.population's defaults).
+# pass of this batch (fedjax_sparse.driver.population's defaults).
 HOST_EVAL_CLIENTS = 256
 HOST_EVAL_BATCH = 512
 # Two batch sizes the evaluation forward pass is traced at (bytes = intercept + slope x examples).
