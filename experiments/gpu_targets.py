@@ -29,7 +29,7 @@ Settings are the papers' own (``fedjax_sparse.papers``, as ``experiments/reprodu
 ``fsl_mnist.py`` and ``feddrop_fmnist.py`` run them; ``fedavg_fmnist_10`` is
 ``papers.ROUND_BENCHMARKS["fedavg_fmnist"]``); the SpaFL runs are ``fjs.run`` end to end
 (build, compilation, evaluation and files included), without the persistent compilation cache. The
-round timings (``fsl_cohort``, ``feddrop_100``, ``fedavg_fmnist_10``) are ``fedjax_sparse.bench.bench``,
+round timings (``fsl_cohort``, ``feddrop_100``, ``fedavg_fmnist_10``) are ``fedjax_sparse.tools.bench.bench``,
 what ``python -m fedjax_sparse bench`` runs: the runner's scan program, one compiling round, then
 ``--rounds-timed`` rounds each synchronised; each variant's record (seconds per round and spread,
 client-steps/s, achieved TFLOP/s from the FLOPs accounting and its share of the device's float32
@@ -88,9 +88,9 @@ def import_package() -> None:
     import jax as jax_module
 
     import fedjax_sparse as fjs_module
-    from fedjax_sparse import bench as bench_module
+    from fedjax_sparse.tools import bench as bench_module
     from fedjax_sparse import papers as papers_module
-    from fedjax_sparse import timing as timing_module
+    from fedjax_sparse.tools import timing as timing_module
     jax, fjs, bench, papers, timing = jax_module, fjs_module, bench_module, papers_module, timing_module
 
 # part -> backend -> [(quantity, comparison, target)]; the parts are measured in this order. Issue 40's
@@ -182,7 +182,7 @@ def fedavg_config(args):
 
 # ---------------------------------------------------------------------------- parts
 def timed(args, config, compare=None, count_kernels: bool = False) -> dict:
-    """``fedjax_sparse.bench.bench`` of ``config`` (and its ``compare`` variants) in this process."""
+    """``fedjax_sparse.tools.bench.bench`` of ``config`` (and its ``compare`` variants) in this process."""
     return bench.bench(config, compare, rounds_timed=args.rounds_timed, matmul_size=512 if args.smoke else None,
                        count_kernels=count_kernels)
 

@@ -55,7 +55,7 @@ _EXPORTS = {
     "RunConfig": "fedjax_sparse.driver.config", "RunError": "fedjax_sparse.errors",
     "Engine": "fedjax_sparse.core.engine", "EngineState": "fedjax_sparse.core.engine",
     "Hooks": "fedjax_sparse.models.base", "Model": "fedjax_sparse.models.base",
-    "plot_runs": "fedjax_sparse.reporting", "report_table": "fedjax_sparse.reporting",
+    "plot_runs": "fedjax_sparse.tools.reporting", "report_table": "fedjax_sparse.tools.reporting",
     "Experiment": "fedjax_sparse.driver.experiment", "RunResult": "fedjax_sparse.driver.runner",
     "RunStopped": "fedjax_sparse.errors",
     "sweep": "fedjax_sparse.driver.sweeps", "SweepResult": "fedjax_sparse.driver.sweeps",
@@ -92,7 +92,7 @@ if TYPE_CHECKING:  # what type checkers and the API reference see
     from fedjax_sparse.driver.config import RunConfig  # noqa: F401
     from fedjax_sparse.core.engine import Engine, EngineState  # noqa: F401
     from fedjax_sparse.models.base import Hooks, Model  # noqa: F401
-    from fedjax_sparse.reporting import plot_runs, report_table  # noqa: F401
+    from fedjax_sparse.tools.reporting import plot_runs, report_table  # noqa: F401
     from fedjax_sparse.errors import RunError, RunStopped  # noqa: F401
     from fedjax_sparse.driver.experiment import Experiment, build  # noqa: F401
     from fedjax_sparse.driver.progress import format_summary  # noqa: F401

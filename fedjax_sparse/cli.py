@@ -120,7 +120,7 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     _group(parser, "configuration").add_argument("--config",
                                                  help="JSON config file (RunConfig fields); flags given override it")
     _group(parser, "configuration").add_argument(
-        "--setting", metavar="NAME", help="a paper's experiment (fedjax_sparse/papers.py: spafl_fmnist, "
+        "--setting", metavar="NAME", help="a paper's experiment (fedjax_sparse/papers/settings.py: spafl_fmnist, "
         "feddrop_fmnist, fsl_mnist, their methods as spafl_fmnist_fedavg ...; `list` names all); --config "
         "and the flags given override its keys")
     from fedjax_sparse.driver.config import EXECUTION_FIELDS, RunConfig
@@ -216,7 +216,7 @@ def config_from_args(args):
     from fedjax_sparse.driver.config import OPTION_PREFIXES, RunConfig, parse_overrides, typed_value, with_overrides
     base = {}
     if args.setting:
-        from fedjax_sparse.papers import setting
+        from fedjax_sparse.papers.settings import setting
         base = setting(args.setting)
     if args.config:
         path = Path(args.config)
@@ -293,7 +293,7 @@ def cmd_run(args) -> int:
 def cmd_bench(args) -> int:
     """``bench``: run's flags make the configuration; run's flags that make no sense for a benchmark
     are refused in one line, or ignored with a notice (``--out``: bench writes nothing but ``--json``)."""
-    from fedjax_sparse import bench
+    from fedjax_sparse.tools import bench
     refused = {"--resume": args.resume or None, "--seeds": args.seeds, "--sweep": args.sweep,
                "--coordinator": args.coordinator, "--num-processes": args.num_processes,
                "--process-id": args.process_id}
@@ -416,21 +416,21 @@ def cmd_list(args) -> int:
         print(f"  {'':<24}   options: " + ", ".join(f"{k}: {type(v).__name__} = {v!r}"
                                                     for k, v in model_options(name).items()))
     print("partitions: " + ", ".join(PARTITION_SCHEMES))
-    from fedjax_sparse.papers import SETTINGS
-    print("settings:   (--setting NAME: a paper's experiment or the quickstart's, fedjax_sparse/papers.py) "
+    from fedjax_sparse.papers.settings import SETTINGS
+    print("settings:   (--setting NAME: a paper's experiment or the quickstart's, fedjax_sparse/papers/settings.py) "
           + ", ".join(SETTINGS))
     return 0
 
 
 def cmd_plot(args) -> int:
-    from fedjax_sparse.reporting import plot_runs
+    from fedjax_sparse.tools.reporting import plot_runs
     plot_runs(args.runs, args.out, x=args.x, y=args.y, title=args.title)
     print(f"wrote {Path(args.out)}")
     return 0
 
 
 def cmd_report(args) -> int:
-    from fedjax_sparse.reporting import report_table
+    from fedjax_sparse.tools.reporting import report_table
     table = report_table(args.runs)
     print(table, end="")
     if args.out:

@@ -398,7 +398,7 @@ def test_sharding_clients_over_two_devices_gives_the_same_round(tmp_path):
 
 
 def test_time_rounds_runs_one_compile_round_plus_the_timed_ones():
-    from fedjax_sparse.timing import time_rounds
+    from fedjax_sparse.tools.timing import time_rounds
     _, data = tiny_federated(SIZES)
     engine = Engine(make_algorithm("fedavg", make_task(data), {}), data.num_clients, 2)
     state, first, times, metrics = time_rounds(engine, engine.init(jax.random.PRNGKey(0)), data, 2)

@@ -108,7 +108,7 @@ def test_spafl_table2_rows_come_from_the_recorded_runs(tmp_path):
         run.mkdir(parents=True)
         (run / "config.json").write_text(json.dumps({"config": {"num_clients": 100}}))
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    # a diverged seed (fedjax_sparse.studies.run_one's marker) is counted apart, not averaged in
+    # a diverged seed (fedjax_sparse.papers.studies.run_one's marker) is counted apart, not averaged in
     run = results / "baselines_cpu" / "heterofl" / "seed2"
     run.mkdir(parents=True)
     (run / "config.json").write_text(json.dumps({"config": {"num_clients": 100}}))
@@ -154,7 +154,7 @@ def test_spafl_table2_prefers_spafl_runs_with_whole_curves(tmp_path):
 def test_a_diverging_run_is_recorded_and_the_study_goes_on(tmp_path, capsys):
     # FjORD's seed 1 at Table 7's lr diverged at round 1 and the script used to die with a traceback,
     # taking the runs after it along. Now: diverged.json, the next method runs, the report counts it.
-    from fedjax_sparse import studies
+    from fedjax_sparse.papers import studies
     base = dict(dataset="digits", model="mlp", num_clients=6, clients_per_round=3, local_epochs=1, batch_size=32,
                 partition="iid", eval_every=1, min_client_samples=1)
     study = dict(title="divergence", base=base, rounds=2, default_methods=["blowup", "fine"], paper={},

@@ -216,7 +216,7 @@ def test_a_dirichlet_draw_that_fails_at_one_sample_does_not_advise_lowering_it()
 # ---------------------------------------------------------------- bench --json
 @pytest.mark.fast
 def test_bench_refuses_an_unwritable_json_before_benchmarking(tmp_path, monkeypatch, capsys):
-    from fedjax_sparse import bench
+    from fedjax_sparse.tools import bench
 
     def ran(*a, **k):
         raise AssertionError("the benchmark ran")

@@ -4,7 +4,7 @@ is typed by what its key declares (a RunConfig or Execution field's annotation, 
 options, the model's and the data set's option schemas), so ``dataset_option.iid=false`` is False."""
 import pytest
 
-from fedjax_sparse import bench
+from fedjax_sparse.tools import bench
 from fedjax_sparse.driver import sweeps
 from fedjax_sparse.cli import _parser, config_from_args, main
 from fedjax_sparse.driver.config import RunConfig, parse_overrides, typed_value, with_overrides

@@ -124,7 +124,8 @@ def test_no_module_reads_another_modules_private_attributes():
                                  "fedjax_sparse.models.program_flow", *(f"fedjax_sparse.{name}" for name in (
                                      "config", "settings", "catalog", "experiment", "pinning", "privacy", "runner",
                                      "progress", "checkpoint", "sinks", "sweeps", "replicas", "population",
-                                     "distributed", "memory"))])
+                                     "distributed", "memory", "bench", "programs", "timing", "reporting",
+                                     "sidebyside", "studies"))])
 def test_the_old_module_paths_are_gone(old):
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module(old)

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 import fedjax_sparse as fjs
-from fedjax_sparse import timing
+from fedjax_sparse.tools import timing
 
 CONFIG = dict(algorithm="spafl", dataset="fashion_mnist", model="lenet5_caffe", num_clients=100,
               clients_per_round=10, local_epochs=5, batch_size=64, lr=0.001, partition="dirichlet:0.2",

@@ -263,7 +263,7 @@ def main(argv=None) -> int:
     jax_t = per_phase(jax_info["rounds"], args.warmup)
     torch_t = per_phase(torch_result["rounds"], args.warmup)
     ratios = {k: torch_t[k]["median"] / jax_t[k]["median"] for k in ("train", "eval", "round")}
-    from fedjax_sparse import timing
+    from fedjax_sparse.tools import timing
     loss_j, loss_t = jax_info["rounds"][0]["loss"], torch_result["rounds"][0]["loss"]
     logits_diff = float(np.max(np.abs(np.asarray(jax_info["init_logits"]) - np.asarray(torch_result["init_logits"]))))
     j0, t0 = jax_info["rounds"][0], torch_result["rounds"][0]

@@ -390,7 +390,7 @@ def bench(args) -> None:
     each method; FedDrop's server share = its round time minus UniDrop's (same
     clients and budget, no similarity/optimisation), and the optimiser alone."""
     import jax
-    from fedjax_sparse.timing import time_rounds
+    from fedjax_sparse.tools.timing import time_rounds
     results = {}
     for method in args.methods:
         options = {"budget": args.flops_ratios[0]} if method in ("feddrop", "unidrop") else {}

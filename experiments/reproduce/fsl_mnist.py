@@ -241,7 +241,7 @@ def plot_fig4(curve: dict, fedavg: dict | None, path: Path) -> None:
 def bench(args, out: Path) -> dict:
     """Seconds per round (after a compile round) for FSL and FedAvg at several clients per round."""
     import jax
-    from fedjax_sparse.timing import time_rounds
+    from fedjax_sparse.tools.timing import time_rounds
     results = []
     for method in args.bench_methods:
         for k in args.bench_clients:

@@ -43,10 +43,11 @@ from __future__ import annotations
 
 import sys
 
-from fedjax_sparse import papers, studies
+from fedjax_sparse import papers
+from fedjax_sparse.papers import studies
 
 # The setting and its methods: fedjax_sparse.papers (SPAFL_FMNIST_*); running and reporting a study
-# over seeds: fedjax_sparse.studies.
+# over seeds: fedjax_sparse.papers.studies.
 STUDIES = {"fmnist": papers.SPAFL_FMNIST_STUDY}
 
 

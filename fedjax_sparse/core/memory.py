@@ -182,6 +182,18 @@ def _device_capacity(data_bytes: int) -> tuple[int | None, str]:
     return available + (data_bytes if device.platform == "cpu" else 0), "MemAvailable"
 
 
+def device_peak_memory_mib(devices=None) -> float | None:
+    """The largest ``peak_bytes_in_use`` over ``devices`` (default: this process's local devices),
+    in MiB; None where the backend keeps no allocator statistics (XLA:CPU's ``memory_stats()`` is
+    None). The peak is the process's since it started: read it once per process for one figure."""
+    peaks = []
+    for device in jax.local_devices() if devices is None else devices:
+        stats = device.memory_stats()
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) / 2 ** 20 if peaks else None
+
+
 # ---------------------------------------------------------------- a model's weights alone
 # ``from_flax``'s peak, in copies of the weights: it initialises them once, eagerly (as ``Model.init``
 # does), and each random initialiser's op-by-op intermediates (bits, floats, their transforms) live at the

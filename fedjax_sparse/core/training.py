@@ -119,7 +119,7 @@ def run_local_epochs(step_fn: StepFn, carry, data: ClientData, key: jax.Array, *
         carry, loss_sum = state
         epoch, b = step // jnp.maximum(spe, 1), step % jnp.maximum(spe, 1)
         batch = gather_batch(data, orders[epoch], b * batch_size, batch_size, preprocess)
-        # The scope names the step's ops in the program's metadata (fedjax_sparse.programs counts its kernels).
+        # The scope names the step's ops in the program's metadata (fedjax_sparse.tools.programs counts its kernels).
         with jax.named_scope(LOCAL_STEP_SCOPE):
             carry, loss = step_fn(carry, batch, step, num_steps, jax.random.fold_in(key_steps, step))
         return carry, loss_sum + loss * batch.mask.sum()

@@ -51,10 +51,10 @@ class RunConfig(RunFields):
     @classmethod
     @in_callers_words
     def from_setting(cls, name: str, **overrides) -> "RunConfig":
-        """A paper's experiment by name (``fedjax_sparse.papers.SETTINGS``; ``run --setting NAME``), with
+        """A paper's experiment by name (``fedjax_sparse.papers.settings.SETTINGS``; ``run --setting NAME``), with
         ``overrides`` (flat keys, execution's among them; the option dicts are merged into the
         setting's): ``RunConfig.from_setting("spafl_fmnist", data_dir="../shared/data", rounds=100)``."""
-        from fedjax_sparse.papers import setting
+        from fedjax_sparse.papers.settings import setting
         data = setting(name)
         for key in OPTION_PREFIXES.values():
             if key in overrides:

@@ -10,7 +10,7 @@ import time
 import jax
 import numpy as np
 
-from fedjax_sparse import timing
+from fedjax_sparse.core.memory import device_peak_memory_mib
 from fedjax_sparse.driver.config import resolved_dp_accountant
 
 
@@ -126,7 +126,7 @@ def summarize(config, exp, rows, totals, build_seconds, compile_seconds) -> dict
         "rounds_per_second_after_first_chunk": (steady_rounds / steady) if steady_rounds else None,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         # The accelerator's allocator peak (null on CPU, which keeps no such statistics).
-        "peak_device_memory_mib": timing.device_peak_memory_mib(),
+        "peak_device_memory_mib": device_peak_memory_mib(),
         "backend": jax.default_backend(), "client_parallelism": exp.engine.mode,
         **({} if config.dp_clip is None else {
             "dp_epsilon": final.get("dp_epsilon"), "dp_delta": config.dp_delta, "dp_clip": config.dp_clip,

@@ -30,7 +30,7 @@ Per variant (units in the names; the JSON schema is ``SCHEMA``, documented in :f
   refusal uses the same; a configuration that does not fit is refused in one line here too);
 * ``metrics``: every round's engine metrics (the compiling round first), e.g. ``loss`` [1 + R];
 * with ``count_kernels`` (``--count-kernels``): ``local_step``, what one iteration of the local-step
-  loop runs in the program compiled for this device (``fedjax_sparse.programs.loop_op_counts``:
+  loop runs in the program compiled for this device (``fedjax_sparse.tools.programs.loop_op_counts``:
   ``kernels`` launched at its top level, ``loops_inside`` it, ``ops`` by opcode, and
   ``grouped_convolutions``: how many instructions of the whole compiled round still have a group count
   above 1), and what the step costs (:func:`step_cost`: ``cost`` {cpu, cuda: flops, bytes_accessed}
@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_sparse.core import memory
-from fedjax_sparse import programs, timing
+from fedjax_sparse.tools import programs, timing
 from fedjax_sparse.driver import population as host_population
 from fedjax_sparse.driver.config import (EXECUTION_FIELDS, OPTION_PREFIXES, RunConfig, model_name, parse_overrides,
                                          typed_axes, validate, with_overrides)
@@ -72,7 +72,7 @@ from fedjax_sparse.driver.experiment import Components, Experiment, build, with_
 from fedjax_sparse.driver.progress import jsonable
 from fedjax_sparse.driver.sweeps import grid
 
-SCHEMA = "fedjax_sparse.bench/1"
+SCHEMA = "fedjax_sparse.tools.bench/1"
 PRECISION_KEY = "matmul_precision"
 XLA_FLAGS_KEY = "xla_flags"
 # jax.default_matmul_precision's names (JAX's fp8 modes left out: they are not float32 programs).

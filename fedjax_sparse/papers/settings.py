@@ -10,7 +10,7 @@ The reproduction scripts (``experiments/reproduce/``), the benchmarks (``experim
   ``SPAFL_FMNIST_OPTIONS`` (SpaFL's options), ``SPAFL_FMNIST_METHODS`` (every method of the study:
   algorithm, learning rate, options, and the data settings a method changes), ``SPAFL_FMNIST_PAPER``
   (the paper's Tables 1-3 numbers) and ``SPAFL_FMNIST_STUDY`` (all of it as one study for
-  ``fedjax_sparse.studies``);
+  ``fedjax_sparse.papers.studies``);
 * FedDrop, Fashion-MNIST: ``FEDDROP_FMNIST_BASE`` and ``FEDDROP_PARTICIPATION`` (full: 100 clients all
   taking part; fractional: 1000 clients, 10 per round, a new cohort every 2 rounds);
 * FSL, MNIST: ``FSL_MNIST_BASE`` and ``FSL_MNIST_METHODS`` (weight training at ``FSL_WEIGHT_LR``,
@@ -23,6 +23,10 @@ reproduces it: ``experiments/reproduce/spafl_fmnist.py``, ``feddrop_fmnist.py``,
 Copy a dict before changing it (``dict(SPAFL_FMNIST_BASE, num_clients=10)``).
 """
 from __future__ import annotations
+
+__all__ = ["FEDDROP_FMNIST_BASE", "FEDDROP_PARTICIPATION", "FSL_MNIST_BASE", "FSL_MNIST_METHODS", "FSL_SUPERMASK_LR",
+           "FSL_WEIGHT_LR", "QUICKSTART_DIGITS", "ROUND_BENCHMARKS", "SETTINGS", "SPAFL_FMNIST_BASE",
+           "SPAFL_FMNIST_METHODS", "SPAFL_FMNIST_OPTIONS", "SPAFL_FMNIST_PAPER", "SPAFL_FMNIST_STUDY", "setting"]
 
 # ---------------------------------------------------------------------------- SpaFL, Fashion-MNIST
 SPAFL_FMNIST_BASE = dict(dataset="fashion_mnist", model="lenet5_caffe", num_clients=100, clients_per_round=10,
