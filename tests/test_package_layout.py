@@ -129,3 +129,72 @@ def test_no_module_reads_another_modules_private_attributes():
 def test_the_old_module_paths_are_gone(old):
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module(old)
+
+
+# ------------------------------------------------------------------ the layers (issue 49 item 1)
+# A module's layer: its first name below the package (``fedjax_sparse.core.engine`` -> ``core``); a module
+# directly in the package is a layer of its own (``errors``, ``schema``, ``cli``). What each layer must not
+# import, directly or through the modules it imports, imports deferred into functions included (the package's
+# own ``__init__`` aside: its names load on first use).
+FORBIDDEN = {
+    "core": {"algorithms", "driver", "tools", "papers", "cli"},
+    "mechanisms": {"algorithms", "data", "driver", "tools", "papers", "cli"},
+    "algorithms": {"driver", "tools", "papers", "cli"},
+    "models": {"algorithms", "driver", "tools", "papers", "cli"},
+    "data": {"algorithms", "driver", "tools", "papers", "cli"},
+    "driver": {"tools", "cli"},
+    "errors": {"core", "mechanisms", "algorithms", "models", "data", "driver", "tools", "papers", "cli"},
+    "schema": {"core", "mechanisms", "algorithms", "models", "data", "driver", "tools", "papers", "cli"},
+}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> dict[str, list[str]]:
+    """Every module ``start`` imports, directly or not, with the chain of imports that reaches it."""
+    chains = {start: [start]}
+    todo = [start]
+    while todo:
+        here = todo.pop()
+        for there in sorted(graph[here] - {"fedjax_sparse"}):
+            if there not in chains:
+                chains[there] = chains[here] + [there]
+                todo.append(there)
+    return chains
+
+
+def _layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for name in sorted(graph):
+        for reached, chain in _reachable(graph, name).items():
+            if _layer(reached) in FORBIDDEN.get(_layer(name), ()):
+                found.append(" -> ".join(chain))
+    return found
+
+
+def test_the_layers_are_what_the_package_says():
+    for layer in ("core", "mechanisms", "algorithms", "models", "data", "driver", "tools", "papers"):
+        assert (PACKAGE / layer / "__init__.py").is_file(), layer
+    flat = sorted(name for name in MODULES if name.count(".") == 1 and not (PACKAGE / _layer(name)).is_dir())
+    assert flat == ["fedjax_sparse.__main__", "fedjax_sparse.cli", "fedjax_sparse.errors", "fedjax_sparse.schema"]
+
+
+def test_no_layer_imports_a_layer_above_it_even_through_deferred_imports():
+    assert _layer_violations(_graph()) == []
+
+
+def test_the_layer_check_finds_an_import_upwards_through_another_module():
+    graph = {"fedjax_sparse.core.engine": {"fedjax_sparse.errors"},
+             "fedjax_sparse.errors": {"fedjax_sparse.driver.settings"}, "fedjax_sparse.driver.settings": set()}
+    assert _layer_violations(graph) == [
+        "fedjax_sparse.core.engine -> fedjax_sparse.errors -> fedjax_sparse.driver.settings",
+        "fedjax_sparse.errors -> fedjax_sparse.driver.settings"]
+
+
+def test_the_papers_settings_export_every_public_name():
+    import fedjax_sparse.papers.settings as settings
+    public = {name for name in vars(settings) if not name.startswith("_") and name.isupper() or name == "setting"}
+    assert public <= set(settings.__all__)
