@@ -363,7 +363,7 @@ def _run_sweep(args, config, given: set) -> int:
 
 def cmd_partition(args) -> int:
     from fedjax_sparse.data.arrays import load
-    from fedjax_sparse.data.partition import (format_partition_report, partition_dataset,
+    from fedjax_sparse.data.partitions import (format_partition_report, partition_dataset,
                                               partition_report)
     dataset = load(args.dataset, args.data_dir)
     part = partition_dataset(dataset, args.partition, args.num_clients, args.seed,
@@ -388,7 +388,7 @@ def cmd_list(args) -> int:
     from fedjax_sparse.algorithms import algorithm_names, algorithm_options
     from fedjax_sparse.driver.config import DEFAULT_MODELS
     from fedjax_sparse.data import datasets
-    from fedjax_sparse.data.partition import PARTITION_SCHEMES
+    from fedjax_sparse.data.partitions import PARTITION_SCHEMES
     from fedjax_sparse.algorithms.registry import algorithm_entry
     from fedjax_sparse.driver.catalog import MODELS, algorithm_line, default_lr
     from fedjax_sparse.models import model_names

@@ -503,7 +503,7 @@ def script_import_problems(source: str, scripts: set[str], may_use_sys_path: boo
 def test_the_script_import_check_finds_each_way_of_reaching_a_script():
     scripts = {"spafl_fmnist", "bench_rounds"}
     assert script_import_problems("import json\nimport fedjax_sparse as fjs\nfrom fedjax_sparse import papers\n"
-                                  "importlib.import_module('fedjax_sparse.algorithms.spafl')", scripts) == []
+                                  "importlib.import_module('fedjax_sparse.algorithms.spafl_family')", scripts) == []
     for source in ("import spafl_fmnist", "from spafl_fmnist import FMNIST_BASE", "import bench_rounds as b",
                    "from . import spafl_fmnist", "importlib.import_module('spafl_fmnist')",
                    "sys.path.insert(0, str(HERE))", "sys.path.append('..')", "from sys import path",

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fedjax_sparse.algorithms import ServerContext, Task, make_algorithm
-from fedjax_sparse.algorithms.feddrop import (channel_trajectories, dropout_objective, dropout_objective_and_grad,
+from fedjax_sparse.algorithms.feddrop_family import (channel_trajectories, dropout_objective, dropout_objective_and_grad,
                                               feasible_start, normalise_similarity, optimise_keep_probs,
                                               shift_to_psd, trajectory_similarity)
 from fedjax_sparse.core.algorithm import ClientContext

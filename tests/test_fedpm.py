@@ -11,7 +11,7 @@ import pytest
 
 from fedjax_sparse.core import accounting
 from fedjax_sparse.algorithms import make_algorithm
-from fedjax_sparse.algorithms.fedpm import bernoulli_st, posterior_probs, sample_masks, signed_constant_kernels
+from fedjax_sparse.algorithms.fedpm_family import bernoulli_st, posterior_probs, sample_masks, signed_constant_kernels
 from fedjax_sparse.cli import main
 from fedjax_sparse.core.engine import Engine
 from fedjax_sparse.models import make_model

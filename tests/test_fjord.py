@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fedjax_sparse.algorithms import make_algorithm
-from fedjax_sparse.algorithms.fjord import sample_width
+from fedjax_sparse.algorithms.fjord_family import sample_width
 from fedjax_sparse.mechanisms.widths import WidthLayout
 from fedjax_sparse.cli import main
 from fedjax_sparse.core.engine import Engine

@@ -14,7 +14,7 @@ import flax.linen as nn
 from flax import nnx
 
 from fedjax_sparse.core import accounting
-from fedjax_sparse.algorithms.spafl import init_thresholds, make_setup, row_masks
+from fedjax_sparse.algorithms.spafl_family import init_thresholds, make_setup, row_masks
 from fedjax_sparse.core.algorithm import Task
 from fedjax_sparse.algorithms.registry import make_algorithm
 from fedjax_sparse.mechanisms import threshold_masks as masks

@@ -9,7 +9,7 @@ import pytest
 
 from fedjax_sparse.core import accounting
 from fedjax_sparse.algorithms import make_algorithm
-from fedjax_sparse.algorithms.heterofl import parse_rates
+from fedjax_sparse.algorithms.heterofl_family import parse_rates
 from fedjax_sparse.mechanisms.widths import WidthLayout, kept_channels, per_entry_mean
 from fedjax_sparse.cli import main
 from fedjax_sparse.core.engine import Engine

@@ -22,7 +22,7 @@ import pytest
 import fedjax_sparse as fjs
 from fedjax_sparse.core import memory
 from fedjax_sparse.cli import main
-from fedjax_sparse.data.partition import partition_dataset
+from fedjax_sparse.data.partitions import partition_dataset
 from fedjax_sparse.errors import DataWarning, RunError
 from fedjax_sparse.core.engine import reduce_client_metrics
 

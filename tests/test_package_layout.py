@@ -125,7 +125,10 @@ def test_no_module_reads_another_modules_private_attributes():
                                      "config", "settings", "catalog", "experiment", "pinning", "privacy", "runner",
                                      "progress", "checkpoint", "sinks", "sweeps", "replicas", "population",
                                      "distributed", "memory", "bench", "programs", "timing", "reporting",
-                                     "sidebyside", "studies"))])
+                                     "sidebyside", "studies")),
+                                 *(f"fedjax_sparse.algorithms.{name}" for name in (
+                                     "spafl", "feddrop", "fsl", "fedavg", "fedpm", "fjord", "heterofl")),
+                                 "fedjax_sparse.data.partition"])
 def test_the_old_module_paths_are_gone(old):
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module(old)
@@ -198,3 +201,20 @@ def test_the_papers_settings_export_every_public_name():
     import fedjax_sparse.papers.settings as settings
     public = {name for name in vars(settings) if not name.startswith("_") and name.isupper() or name == "setting"}
     assert public <= set(settings.__all__)
+
+
+def test_no_name_of_a_package_takes_the_place_of_one_of_its_modules():
+    """A package's attribute named as one of its modules is that module, once every module is imported: the
+    generated builder ``fjs.algorithms.spafl`` took the place of the module ``algorithms/spafl.py`` (``import
+    fedjax_sparse.algorithms.spafl as m`` gave the builder), the function ``fjs.data.partition`` that of
+    ``data/partition.py``; the modules are now named for what they hold (``spafl_family``, ``partitions``)."""
+    import sys
+    for name in MODULES:
+        if not name.endswith("__main__"):
+            importlib.import_module(name)
+    taken = []
+    for name in MODULES:
+        parent, _, child = name.rpartition(".")
+        if parent and child != "__main__" and getattr(sys.modules[parent], child, None) is not sys.modules[name]:
+            taken.append(f"{name}: {getattr(sys.modules[parent], child, None)!r}")
+    assert taken == []

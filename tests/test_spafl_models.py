@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_sparse.algorithms.spafl import num_thresholds, thresholded_layers
+from fedjax_sparse.algorithms.spafl_family import num_thresholds, thresholded_layers
 from fedjax_sparse.models import Hooks, make_model
 from fedjax_sparse.models.zoo.spafl import _conv_pt, patchify
 

@@ -146,8 +146,7 @@ def fixed_batch_check(exp, params0, client_rows, steps: int) -> list[float]:
     import jax.numpy as jnp
     import optax
 
-    import importlib
-    spafl = importlib.import_module("fedjax_sparse.algorithms.spafl")
+    from fedjax_sparse.algorithms import spafl_family as spafl
     from fedjax_sparse.core.training import Batch
     data, bs = exp.data, exp.config.batch_size
     options = {**spafl.SPAFL_OPTIONS, **exp.config.options}

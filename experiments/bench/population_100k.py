@@ -32,7 +32,7 @@ import fedjax_sparse as fjs
 from fedjax_sparse.driver import population
 from fedjax_sparse.driver.config import validate
 from fedjax_sparse.data.federated import build_federated_data
-from fedjax_sparse.data.partition import Partition
+from fedjax_sparse.data.partitions import Partition
 from fedjax_sparse.driver.experiment import auto_eval_batch_size
 
 

@@ -3,9 +3,9 @@ registers its algorithms: adding an algorithm is one new file (plus its tests).
 
 Each registered algorithm is also a plain builder function of this package,
 ``fedjax_sparse.algorithms.spafl(task, alpha=0.002) -> Algorithm``, with its options
-as typed keyword arguments (defaults as in ``--option``). These functions take the
-place of the same-named modules as attributes of the package: import a module's
-contents with ``from fedjax_sparse.algorithms.spafl import ...``.
+as typed keyword arguments (defaults as in ``--option``). A module is named for the
+family it holds, never as one of its algorithms (the builder would take the module's
+place as the package's attribute): ``from fedjax_sparse.algorithms.spafl_family import ...``.
 """
 import dataclasses
 import importlib
@@ -45,7 +45,11 @@ def builder(name: str):
     return build
 
 
+_MODULES = {m.name for m in pkgutil.iter_modules(__path__)}
 for _name in algorithm_names():
+    if _name in _MODULES:
+        raise ImportError(f"algorithm {_name!r} is registered by a module of the same name, whose place its builder "
+                          f"would take: rename algorithms/{_name}.py for its family ({_name}_family.py)")
     globals()[_name] = builder(_name)
 
 __all__ = ["Algorithm", "ClientContext", "ServerContext", "Task", "algorithm_defaults", "algorithm_names",

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from fedjax_sparse.errors import arg
 from fedjax_sparse.core import accounting
-from fedjax_sparse.algorithms.fedavg import FedAvgServerState, dense_client_update, global_model_predict
+from fedjax_sparse.algorithms.fedavg_family import FedAvgServerState, dense_client_update, global_model_predict
 from fedjax_sparse.core.algorithm import (Algorithm, Task, client_metrics, cohort_mean, replicate,
                                            tree_weighted_mean)
 from fedjax_sparse.algorithms.registry import register_algorithm

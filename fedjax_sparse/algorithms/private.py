@@ -80,9 +80,9 @@ from fedjax_sparse.errors import arg
 from fedjax_sparse.core.algorithm import Algorithm, ServerContext
 from fedjax_sparse.algorithms.baselines import CaldasServerState, ScaffoldServerState
 from fedjax_sparse.algorithms.compose import StatisticsSplit, UpdateServer, flatten_messages
-from fedjax_sparse.algorithms.feddrop import FedDropServerState
+from fedjax_sparse.algorithms.feddrop_family import FedDropServerState
 from fedjax_sparse.algorithms.registry import algorithm_entry, algorithm_names, resolve_options, wrapper_refusal
-from fedjax_sparse.algorithms.spafl import SpaflServerState
+from fedjax_sparse.algorithms.spafl_family import SpaflServerState
 
 # Folded into the round's server key for the noise: an algorithm whose server draws from ``ctx.key``
 # itself then never sees the same numbers as the noise.

@@ -119,7 +119,7 @@ def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experi
     options = validate(config, objects=parts.given())
     from fedjax_sparse.data.arrays import load as load_data
     from fedjax_sparse.data.arrays import PartitionedData
-    from fedjax_sparse.data.partition import partition_dataset
+    from fedjax_sparse.data.partitions import partition_dataset
     pinned = {}
     if isinstance(parts.data, PartitionedData):
         dataset, partition = parts.data.dataset, parts.data.partition

@@ -70,7 +70,7 @@ def _read_json(path: str | Path, flag: str) -> Any:
 
 # ---------------------------------------------------------------- partition
 def partition_to_json(partition, *, dataset: str, seed: int | None = None, report: Mapping | None = None) -> dict:
-    """A ``fedjax_sparse.partition/1`` document for a :class:`~fedjax_sparse.data.partition.Partition`
+    """A ``fedjax_sparse.partition/1`` document for a :class:`~fedjax_sparse.data.partitions.Partition`
     (``report``: optional label statistics merged per client)."""
     clients = []
     for k, (train, test) in enumerate(zip(partition.train_indices, partition.test_indices)):
@@ -89,7 +89,7 @@ def partition_to_json(partition, *, dataset: str, seed: int | None = None, repor
 def load_partition_file(path: str | Path, dataset, num_clients: int):
     """Reads a partition file for ``dataset`` (a loaded Dataset) and checks it:
     ``num_clients`` clients, indices in range, no client without training data."""
-    from fedjax_sparse.data.partition import Partition
+    from fedjax_sparse.data.partitions import Partition
     flag = arg("partition_file")
     doc = _read_json(path, flag)
     if not isinstance(doc, dict) or doc.get("format") != PARTITION_FORMAT or not isinstance(doc.get("clients"), list):

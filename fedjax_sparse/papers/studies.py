@@ -60,8 +60,8 @@ class MaskRecorder:
 
     def _build(self, exp):
         import jax
-        # the module, not the builder function that ``fedjax_sparse.algorithms.spafl`` names
-        spafl = importlib.import_module("fedjax_sparse.algorithms.spafl")
+        # the module, not the builder function that ``fedjax_sparse.algorithms.spafl_family`` names
+        spafl = importlib.import_module("fedjax_sparse.algorithms.spafl_family")
         setup = spafl.make_setup(exp.model, exp.algorithm.hparams)
         if self.layer is None:
             self.layer = setup.layers[0].name

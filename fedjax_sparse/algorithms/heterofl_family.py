@@ -37,7 +37,7 @@ Accounting (exact): the sub-model's values (kernel entries of kept in x out
 channels, per-channel vectors: bias, BatchNorm scale/bias and running stats)
 at 32 bits, down and up; training FLOPs 6 x the sliced layers' MACs per
 example. The width mechanism (:class:`WidthLayout`, :func:`per_entry_mean`)
-is shared with FjORD (``algorithms/fjord.py``).
+is shared with FjORD (``algorithms/fjord_family.py``).
 """
 from __future__ import annotations
 
