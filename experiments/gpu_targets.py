@@ -29,7 +29,7 @@ Settings are the papers' own (``fedjax_sparse.papers``, as ``experiments/reprodu
 ``fsl_mnist.py`` and ``feddrop_fmnist.py`` run them; ``fedavg_fmnist_10`` is
 ``papers.ROUND_BENCHMARKS["fedavg_fmnist"]``); the SpaFL runs are ``fjs.run`` end to end
 (build, compilation, evaluation and files included), without the persistent compilation cache. The
-round timings (``fsl_cohort``, ``feddrop_100``, ``fedavg_fmnist_10``) are ``fedjax_sparse.bench.bench``,
+round timings (``fsl_cohort``, ``feddrop_100``, ``fedavg_fmnist_10``) are ``fedjax_sparse.tools.bench.bench``,
 what ``python -m fedjax_sparse bench`` runs: the runner's scan program, one compiling round, then
 ``--rounds-timed`` rounds each synchronised; each variant's record (seconds per round and spread,
 client-steps/s, achieved TFLOP/s from the FLOPs accounting and its share of the device's float32
@@ -88,9 +88,9 @@ def import_package() -> None:
     import jax as jax_module
 
     import fedjax_sparse as fjs_module
-    from fedjax_sparse import bench as bench_module
+    from fedjax_sparse.tools import bench as bench_module
     from fedjax_sparse import papers as papers_module
-    from fedjax_sparse import timing as timing_module
+    from fedjax_sparse.tools import timing as timing_module
     jax, fjs, bench, papers, timing = jax_module, fjs_module, bench_module, papers_module, timing_module
 
 # part -> backend -> [(quantity, comparison, target)]; the parts are measured in this order. Issue 40's
@@ -182,7 +182,7 @@ def fedavg_config(args):
 
 # ---------------------------------------------------------------------------- parts
 def timed(args, config, compare=None, count_kernels: bool = False) -> dict:
-    """``fedjax_sparse.bench.bench`` of ``config`` (and its ``compare`` variants) in this process."""
+    """``fedjax_sparse.tools.bench.bench`` of ``config`` (and its ``compare`` variants) in this process."""
     return bench.bench(config, compare, rounds_timed=args.rounds_timed, matmul_size=512 if args.smoke else None,
                        count_kernels=count_kernels)
 
@@ -343,7 +343,7 @@ def part_spafl_eval_every_25(args) -> dict:
 def part_sweep_3x3(args) -> dict:
     """Issue 33: the whole 3 x 3 grid (lr x SpaFL's alpha, one seed) vmapped through one program, against
     one member run alone the same way (a one-point sweep); both end to end (build, compile, files)."""
-    from fedjax_sparse import sweeps
+    from fedjax_sparse.driver import sweeps
     rounds = 4 if args.smoke else 20
     config = spafl_config(args, rounds=rounds, eval_every=rounds)
     grid = {"lr": [0.0005, 0.001, 0.002], "option.alpha": [0.001, 0.002, 0.004]}

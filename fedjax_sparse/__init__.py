@@ -47,18 +47,20 @@ except PackageNotFoundError:   # a source tree on sys.path that was never instal
 
 # name -> the module that defines it (loaded on first access: PEP 562).
 _EXPORTS = {
-    "Algorithm": "fedjax_sparse.algorithms.base", "ClientContext": "fedjax_sparse.algorithms.base",
-    "ServerContext": "fedjax_sparse.algorithms.base", "Task": "fedjax_sparse.algorithms.base",
-    "client_metrics": "fedjax_sparse.algorithms.base",
+    "Algorithm": "fedjax_sparse.core.algorithm", "ClientContext": "fedjax_sparse.core.algorithm",
+    "ServerContext": "fedjax_sparse.core.algorithm", "Task": "fedjax_sparse.core.algorithm",
+    "client_metrics": "fedjax_sparse.core.algorithm",
     "with_aggregator": "fedjax_sparse.algorithms.compose", "with_attack": "fedjax_sparse.algorithms.compose",
     "with_dp": "fedjax_sparse.algorithms.private",
-    "RunConfig": "fedjax_sparse.config", "RunError": "fedjax_sparse.errors",
-    "Engine": "fedjax_sparse.engine", "EngineState": "fedjax_sparse.engine",
+    "RunConfig": "fedjax_sparse.driver.config", "RunError": "fedjax_sparse.errors",
+    "Engine": "fedjax_sparse.core.engine", "EngineState": "fedjax_sparse.core.engine",
     "Hooks": "fedjax_sparse.models.base", "Model": "fedjax_sparse.models.base",
-    "plot_runs": "fedjax_sparse.reporting", "report_table": "fedjax_sparse.reporting",
-    "Experiment": "fedjax_sparse.experiment", "RunResult": "fedjax_sparse.runner", "RunStopped": "fedjax_sparse.errors",
-    "sweep": "fedjax_sparse.sweeps", "SweepResult": "fedjax_sparse.sweeps",
-    "build": "fedjax_sparse.experiment", "format_summary": "fedjax_sparse.progress", "run": "fedjax_sparse.runner",
+    "plot_runs": "fedjax_sparse.tools.reporting", "report_table": "fedjax_sparse.tools.reporting",
+    "Experiment": "fedjax_sparse.driver.experiment", "RunResult": "fedjax_sparse.driver.runner",
+    "RunStopped": "fedjax_sparse.errors",
+    "sweep": "fedjax_sparse.driver.sweeps", "SweepResult": "fedjax_sparse.driver.sweeps",
+    "build": "fedjax_sparse.driver.experiment", "format_summary": "fedjax_sparse.driver.progress",
+    "run": "fedjax_sparse.driver.runner",
 }
 _NAMESPACES = ("algorithms", "data", "mechanisms", "models")
 
@@ -83,15 +85,15 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and the API reference see
     from fedjax_sparse import algorithms, data, mechanisms, models  # noqa: F401
-    from fedjax_sparse.algorithms.base import Algorithm, ClientContext, ServerContext, Task, client_metrics  # noqa: F401
+    from fedjax_sparse.core.algorithm import Algorithm, ClientContext, ServerContext, Task, client_metrics  # noqa: F401
     from fedjax_sparse.algorithms.compose import with_aggregator, with_attack  # noqa: F401
     from fedjax_sparse.algorithms.private import with_dp  # noqa: F401
-    from fedjax_sparse.sweeps import SweepResult, sweep  # noqa: F401
-    from fedjax_sparse.config import RunConfig  # noqa: F401
-    from fedjax_sparse.engine import Engine, EngineState  # noqa: F401
+    from fedjax_sparse.driver.sweeps import SweepResult, sweep  # noqa: F401
+    from fedjax_sparse.driver.config import RunConfig  # noqa: F401
+    from fedjax_sparse.core.engine import Engine, EngineState  # noqa: F401
     from fedjax_sparse.models.base import Hooks, Model  # noqa: F401
-    from fedjax_sparse.reporting import plot_runs, report_table  # noqa: F401
+    from fedjax_sparse.tools.reporting import plot_runs, report_table  # noqa: F401
     from fedjax_sparse.errors import RunError, RunStopped  # noqa: F401
-    from fedjax_sparse.experiment import Experiment, build  # noqa: F401
-    from fedjax_sparse.progress import format_summary  # noqa: F401
-    from fedjax_sparse.runner import RunResult, run  # noqa: F401
+    from fedjax_sparse.driver.experiment import Experiment, build  # noqa: F401
+    from fedjax_sparse.driver.progress import format_summary  # noqa: F401
+    from fedjax_sparse.driver.runner import RunResult, run  # noqa: F401

@@ -13,7 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from fedjax_sparse.settings import GROUPS, RUN_FLAGS   # each setting's flag, type, help and group
+from fedjax_sparse.driver.settings import GROUPS, RUN_FLAGS   # each setting's flag, type, help and group
 
 # The settings' KEY=VALUE flags (one option dict each; their keys' prefix: config.OPTION_PREFIXES).
 OPTION_FLAGS = {flag: flag[2:].replace("-", "_") for flag, _, kind, *_ in RUN_FLAGS if kind is dict}
@@ -120,10 +120,10 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     _group(parser, "configuration").add_argument("--config",
                                                  help="JSON config file (RunConfig fields); flags given override it")
     _group(parser, "configuration").add_argument(
-        "--setting", metavar="NAME", help="a paper's experiment (fedjax_sparse/papers.py: spafl_fmnist, "
+        "--setting", metavar="NAME", help="a paper's experiment (fedjax_sparse/papers/settings.py: spafl_fmnist, "
         "feddrop_fmnist, fsl_mnist, their methods as spafl_fmnist_fedavg ...; `list` names all); --config "
         "and the flags given override its keys")
-    from fedjax_sparse.config import EXECUTION_FIELDS, RunConfig
+    from fedjax_sparse.driver.config import EXECUTION_FIELDS, RunConfig
     defaults = RunConfig()
     for flag, dest, kind, text, group in RUN_FLAGS:
         if kind is dict:   # KEY=VALUE, repeatable: typed by config.typed_value
@@ -213,10 +213,10 @@ def config_from_args(args):
     given, ``--option``, ``--model-option``), and the fields the user set (the setting's and the config
     file's keys and the flags given).
     Returns (config, given). Raises ValueError (one line) on a bad file or a removed flag."""
-    from fedjax_sparse.config import OPTION_PREFIXES, RunConfig, parse_overrides, typed_value, with_overrides
+    from fedjax_sparse.driver.config import OPTION_PREFIXES, RunConfig, parse_overrides, typed_value, with_overrides
     base = {}
     if args.setting:
-        from fedjax_sparse.papers import setting
+        from fedjax_sparse.papers.settings import setting
         base = setting(args.setting)
     if args.config:
         path = Path(args.config)
@@ -252,14 +252,14 @@ def config_from_args(args):
 
 
 def cmd_run(args) -> int:
-    from fedjax_sparse import distributed, runner
-    from fedjax_sparse.progress import format_summary
+    from fedjax_sparse.driver import distributed, runner
+    from fedjax_sparse.driver.progress import format_summary
     enable_compile_cache(args.compile_cache)
     processes = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     config, given = config_from_args(args)
     if args.resume and not config.out:
         raise ValueError("--resume needs --out pointing at the interrupted run's directory")
-    from fedjax_sparse.config import parse_overrides
+    from fedjax_sparse.driver.config import parse_overrides
     change = parse_overrides(args.change or [], "--change")
     if change and (args.sweep is not None or args.seeds is not None):
         raise ValueError("--change continues one run from its checkpoint; resume a sweep's or replicas' member "
@@ -274,7 +274,7 @@ def cmd_run(args) -> int:
     if not args.resume:
         # The whole configuration is checked before anything is loaded or written (a resumed run's
         # configuration is the recorded one, checked once merged).
-        from fedjax_sparse.config import validate
+        from fedjax_sparse.driver.config import validate
         validate(config)
     if args.seeds is not None:
         if processes > 1:
@@ -293,7 +293,7 @@ def cmd_run(args) -> int:
 def cmd_bench(args) -> int:
     """``bench``: run's flags make the configuration; run's flags that make no sense for a benchmark
     are refused in one line, or ignored with a notice (``--out``: bench writes nothing but ``--json``)."""
-    from fedjax_sparse import bench
+    from fedjax_sparse.tools import bench
     refused = {"--resume": args.resume or None, "--seeds": args.seeds, "--sweep": args.sweep,
                "--coordinator": args.coordinator, "--num-processes": args.num_processes,
                "--process-id": args.process_id}
@@ -325,7 +325,7 @@ def cmd_bench(args) -> int:
 
 
 def _run_replicas(args, config, given: set) -> int:
-    from fedjax_sparse import replicas
+    from fedjax_sparse.driver import replicas
     if "seed" in given:
         raise ValueError("give either --seed (one run) or --seeds (one replica per seed), not both")
     results = replicas.run_replicas(config, args.seeds, parallelism=args.replica_parallelism, resume=args.resume,
@@ -345,7 +345,7 @@ def _run_replicas(args, config, given: set) -> int:
 
 
 def _run_sweep(args, config, given: set) -> int:
-    from fedjax_sparse import sweeps
+    from fedjax_sparse.driver import sweeps
     if "seed" in given and args.seeds is not None:
         raise ValueError("give either --seed or --seeds with --sweep, not both")
     seeds = args.seeds if args.seeds is not None else ([config.seed] if "seed" in given or not args.resume else None)
@@ -363,7 +363,7 @@ def _run_sweep(args, config, given: set) -> int:
 
 def cmd_partition(args) -> int:
     from fedjax_sparse.data.arrays import load
-    from fedjax_sparse.data.partition import (format_partition_report, partition_dataset,
+    from fedjax_sparse.data.partitions import (format_partition_report, partition_dataset,
                                               partition_report)
     dataset = load(args.dataset, args.data_dir)
     part = partition_dataset(dataset, args.partition, args.num_clients, args.seed,
@@ -371,7 +371,7 @@ def cmd_partition(args) -> int:
     report = partition_report(dataset, part)
     print(format_partition_report(report, max_rows=args.max_rows))
     if args.out:
-        from fedjax_sparse import pinning
+        from fedjax_sparse.driver import pinning
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         target = out / "partition.json"
@@ -386,11 +386,11 @@ def cmd_partition(args) -> int:
 
 def cmd_list(args) -> int:
     from fedjax_sparse.algorithms import algorithm_names, algorithm_options
-    from fedjax_sparse.config import DEFAULT_MODELS
+    from fedjax_sparse.driver.config import DEFAULT_MODELS
     from fedjax_sparse.data import datasets
-    from fedjax_sparse.data.partition import PARTITION_SCHEMES
+    from fedjax_sparse.data.partitions import PARTITION_SCHEMES
     from fedjax_sparse.algorithms.registry import algorithm_entry
-    from fedjax_sparse.catalog import MODELS, algorithm_line, default_lr
+    from fedjax_sparse.driver.catalog import MODELS, algorithm_line, default_lr
     from fedjax_sparse.models import model_names
     from fedjax_sparse.models.registry import model_options
     print("algorithms: (--algorithm NAME: what it is, its paper; then --option KEY=VALUE: type = default)")
@@ -399,7 +399,7 @@ def cmd_list(args) -> int:
         options = ", ".join(f"{f.name}: {type(f.default).__name__} = {f.default!r}" for f in fields)
         print(f"  {name:<24} {algorithm_line(algorithm_entry(name)) or '(your algorithm)'}")
         print(f"  {'':<24}   default --lr {default_lr(name)}; options: {options or '(none)'}")
-    from fedjax_sparse.config import wrappable_algorithms
+    from fedjax_sparse.driver.config import wrappable_algorithms
     print("--aggregator / --attack wrap: " + ", ".join(wrappable_algorithms()) + " (their clients send float updates)")
     print("datasets: (--dataset NAME, then --dataset-option KEY=VALUE: type = default, what)")
     alike: dict[int, list[str]] = {}   # the data sets sharing one schema (the file-based ones), on one line
@@ -416,21 +416,21 @@ def cmd_list(args) -> int:
         print(f"  {'':<24}   options: " + ", ".join(f"{k}: {type(v).__name__} = {v!r}"
                                                     for k, v in model_options(name).items()))
     print("partitions: " + ", ".join(PARTITION_SCHEMES))
-    from fedjax_sparse.papers import SETTINGS
-    print("settings:   (--setting NAME: a paper's experiment or the quickstart's, fedjax_sparse/papers.py) "
+    from fedjax_sparse.papers.settings import SETTINGS
+    print("settings:   (--setting NAME: a paper's experiment or the quickstart's, fedjax_sparse/papers/settings.py) "
           + ", ".join(SETTINGS))
     return 0
 
 
 def cmd_plot(args) -> int:
-    from fedjax_sparse.reporting import plot_runs
+    from fedjax_sparse.tools.reporting import plot_runs
     plot_runs(args.runs, args.out, x=args.x, y=args.y, title=args.title)
     print(f"wrote {Path(args.out)}")
     return 0
 
 
 def cmd_report(args) -> int:
-    from fedjax_sparse.reporting import report_table
+    from fedjax_sparse.tools.reporting import report_table
     table = report_table(args.runs)
     print(table, end="")
     if args.out:

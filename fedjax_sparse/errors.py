@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
 __all__ = ["DataError", "DataWarning", "PinningError", "RunError", "RunInterrupted", "RunStopped", "arg", "cli_caller",
+           "declare_execution_fields",
            "in_callers_words", "in_cli", "in_python", "resume_command"]
 
 
@@ -93,6 +94,8 @@ _CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("fedjax_spa
 # The running entry point's own keywords ({name: (spelling with VALUE, without a value)}), e.g. data.load's.
 _OWN: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fedjax_sparse_arguments", default=None)
 _NO_VALUE = object()
+# Execution's fields (declare_execution_fields): RunConfig(execution=Execution(NAME=VALUE)) in Python.
+_EXECUTION: set[str] = set()
 # What Python passes for the flags that are no RunConfig field, and for the KEY=VALUE ones: (spelling with
 # VALUE, spelling without a value); a field's is RunConfig(NAME=VALUE), an execution field's
 # RunConfig(execution=Execution(NAME=VALUE)).
@@ -115,6 +118,12 @@ def cli_caller() -> Iterator[None]:
         yield
     finally:
         _CALLER.reset(token)
+
+
+def declare_execution_fields(names) -> None:
+    """Names ``Execution``'s fields, which Python sets as ``RunConfig(execution=Execution(NAME=...))``
+    (:mod:`fedjax_sparse.driver.settings` declares them when it is imported: this module imports no layer)."""
+    _EXECUTION.update(names)
 
 
 def _literal(value: Any) -> str:
@@ -141,9 +150,8 @@ def arg(name: str, value: Any = _NO_VALUE, *, quote: bool = False) -> str:
         return f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else repr(value) if quote else value}"
     own = _OWN.get() or {}
     if name not in _ARGUMENTS and name not in own:
-        from fedjax_sparse.settings import EXECUTION_FIELDS
         text = f"{name}={'...' if value is _NO_VALUE else _literal(value)}"
-        return f"RunConfig(execution=Execution({text}))" if name in EXECUTION_FIELDS else f"RunConfig({text})"
+        return f"RunConfig(execution=Execution({text}))" if name in _EXECUTION else f"RunConfig({text})"
     spelled, bare = {**_ARGUMENTS, **own}[name]
     if value is _NO_VALUE:
         return bare

@@ -472,7 +472,7 @@ thresholds and masks over rounds, the density of every layer, the conv1 sparsity
     ("code", setup("fashion_mnist", "spafl", "import jax")),
     ("code", '''\
 import importlib
-spafl_lib = importlib.import_module("fedjax_sparse.algorithms.spafl")   # the module (fjs.algorithms.spafl is the builder)
+spafl_lib = importlib.import_module("fedjax_sparse.algorithms.spafl_family")   # the module (fjs.algorithms.spafl is the builder)
 
 if REAL:   # the paper's FMNIST setting (LeNet-5-Caffe, raw pixels, lr 0.001, momentum 0.9), scaled down
     data = dict(dataset="fashion_mnist", data_dir=str(DATA_DIR), model="lenet5_caffe", preprocess="raw",

@@ -96,7 +96,7 @@ def assert_sliced_equals_masked(name, options, rounds=2, model="cnn_small", shap
     import jax.numpy as jnp
 
     from fedjax_sparse.algorithms import make_algorithm
-    from fedjax_sparse.engine import Engine
+    from fedjax_sparse.core.engine import Engine
 
     _, data = tiny_federated(sizes, shape=shape)
     task = make_task(data, model=model, lr=0.1, batch_size=batch_size)
@@ -145,7 +145,7 @@ def load_script(path: str):
 
 def flat_config(**fields):
     """A RunConfig from flat keys, execution's among them, as config.json and config files give them."""
-    from fedjax_sparse.config import RunConfig
+    from fedjax_sparse.driver.config import RunConfig
     return RunConfig.from_json(fields)
 
 

@@ -11,11 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_sparse import accounting, runner
+from fedjax_sparse.core import accounting
+from fedjax_sparse.driver import runner
 from fedjax_sparse.mechanisms import supermask as sm
-from fedjax_sparse.accounting import Cost, cost_per_round
+from fedjax_sparse.core.accounting import Cost, cost_per_round
 from fedjax_sparse.algorithms import Algorithm, Task, client_metrics, make_algorithm
-from fedjax_sparse.engine import Engine
+from fedjax_sparse.core.engine import Engine
 from fedjax_sparse.models import make_model
 from helpers import tiny_federated
 

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from fedjax_sparse.algorithms import ServerContext, Task, make_algorithm
-from fedjax_sparse.algorithms.base import ClientContext
+from fedjax_sparse.core.algorithm import ClientContext
 from fedjax_sparse.algorithms.baselines import ScaffoldClientState, sample_unit_masks, weight_inclusion
 from fedjax_sparse.data.federated import ClientData, build_federated_data
-from fedjax_sparse.engine import Engine
+from fedjax_sparse.core.engine import Engine
 from fedjax_sparse.models.base import Conv, Dense, Flatten, sequential
 
 LR = 0.1

@@ -8,7 +8,7 @@ from flax import nnx
 
 import fedjax_sparse as fjs
 from fedjax_sparse.errors import ModelWarning
-from fedjax_sparse.experiment import batch_norm_lag, build
+from fedjax_sparse.driver.experiment import batch_norm_lag, build
 from fedjax_sparse.models import from_flax, make_model
 
 

@@ -8,9 +8,10 @@ import jax.numpy as jnp
 import pytest
 
 import fedjax_sparse as fjs
-from fedjax_sparse import accounting, bench
+from fedjax_sparse.core import accounting
+from fedjax_sparse.tools import bench
 from fedjax_sparse.cli import main
-from fedjax_sparse.config import typed_axes
+from fedjax_sparse.driver.config import typed_axes
 from fedjax_sparse.models import make_model
 
 QUICK = ["--dataset", "digits", "--num-clients", "6", "--clients-per-round", "3", "--local-epochs", "1",
@@ -169,9 +170,9 @@ def test_bench_counts_the_kernels_of_a_local_step():
 def test_local_step_cost_is_one_iteration_of_the_step_loop():
     """programs.local_step_cost on a hand-made round: each step multiplies a [B, d] batch by a [d, h]
     matrix (2 B d h FLOPs), whatever the trip count; K clients in lockstep (vmap) cost K times that."""
-    from fedjax_sparse import programs
+    from fedjax_sparse.tools import programs
     from fedjax_sparse.data.federated import ClientData
-    from fedjax_sparse.training import run_local_epochs
+    from fedjax_sparse.core.training import run_local_epochs
     batch, d, h, n, clients = 16, 64, 128, 80, 3
     x = jnp.ones((n, d))
     w = jnp.ones((d, h))

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from fedjax_sparse import runner
+from fedjax_sparse.driver import runner
 from fedjax_sparse.cli import main
 
 from helpers import flat_config

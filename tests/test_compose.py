@@ -7,7 +7,7 @@ import pytest
 
 from fedjax_sparse.algorithms import Algorithm, ServerContext, Task, make_algorithm
 from fedjax_sparse.algorithms.compose import Aggregator, UpdateServer, with_aggregator, with_attack
-from fedjax_sparse.engine import Engine
+from fedjax_sparse.core.engine import Engine
 from fedjax_sparse.mechanisms import attacks
 from fedjax_sparse.mechanisms import robust_aggregation as ra
 from fedjax_sparse.mechanisms.attacks import Threat, malicious_clients

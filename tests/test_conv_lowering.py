@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from helpers import load_script, make_task, tiny_federated
 
-from fedjax_sparse import programs
+from fedjax_sparse.tools import programs
 from fedjax_sparse.algorithms import make_algorithm
-from fedjax_sparse.engine import Engine
+from fedjax_sparse.core.engine import Engine
 from fedjax_sparse.models import from_flax, make_model
 from fedjax_sparse.models import layers as L
 from fedjax_sparse.models.flax_examples import LeNet5Caffe

@@ -371,9 +371,9 @@ def test_describe_is_json_ready():
 
 
 def test_package_partition_is_the_front_door_function(shared_data):
-    # fedjax_sparse.data.partition is the function (the module stays importable by its path).
+    # fedjax_sparse.data.partitions is the function (the module stays importable by its path).
     from fedjax_sparse import data
-    from fedjax_sparse.data.partition import partition_dataset
+    from fedjax_sparse.data.partitions import partition_dataset
 
     ds = data.load("fashion_mnist", shared_data)
     split = data.partition(ds, "iid", 5, seed=2)

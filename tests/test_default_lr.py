@@ -1,5 +1,5 @@
 """Defaults that train (issue 42 item 5): with no learning rate given, every algorithm takes its own
-default (``fedjax_sparse.catalog.ALGORITHM_LR``), recorded in config.json, and trains the built-in
+default (``fedjax_sparse.driver.catalog.ALGORITHM_LR``), recorded in config.json, and trains the built-in
 image data sets with finite loss. The fast test runs every algorithm on the embedded digits; the slow
 one every algorithm on every built-in image data set found under ``../shared/data``."""
 import json
@@ -10,7 +10,7 @@ import pytest
 
 import fedjax_sparse as fjs
 from fedjax_sparse.algorithms import algorithm_names
-from fedjax_sparse.catalog import DEFAULT_LR, default_lr
+from fedjax_sparse.driver.catalog import DEFAULT_LR, default_lr
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 # A few rounds of a small population: the defaults' first steps, not a training run.

@@ -23,7 +23,7 @@ def test_one_version_in_the_package_its_metadata_pyproject_and_the_changelog():
 @pytest.mark.fast
 def test_report_shows_and_names_the_density_the_runs_own_table_shows(tmp_path):
     """The issue's case: report showed 0.695 (over all clients) where the run printed 0.679 (sampled)."""
-    from fedjax_sparse.progress import format_summary
+    from fedjax_sparse.driver.progress import format_summary
     from helpers import fake_run
     row = {"round": 5, "accuracy": 0.5, "density": 0.679, "density_all_clients": 0.695}
     run = fake_run(tmp_path / "spafl", {"algorithm": "spafl", "rounds": 5}, [row])
@@ -47,7 +47,7 @@ def _help(capsys, *command) -> str:
 @pytest.mark.fast
 def test_run_help_is_in_argument_groups_with_examples_at_the_end(capsys):
     from fedjax_sparse.cli import RUN_EXAMPLES, _parser
-    from fedjax_sparse.settings import GROUPS, RUN_FLAGS
+    from fedjax_sparse.driver.settings import GROUPS, RUN_FLAGS
     text = _help(capsys, "run")
     sections = re.split(r"\n\n(?=[a-z][a-z ]*:\n)", text)
     titles = [section.split(":\n")[0] for section in sections[1:]]
@@ -65,7 +65,7 @@ def test_run_help_is_in_argument_groups_with_examples_at_the_end(capsys):
 def test_list_describes_each_algorithm_and_the_data_sets_each_model_suits(capsys):
     from fedjax_sparse.algorithms import algorithm_names
     from fedjax_sparse.algorithms.registry import algorithm_entry
-    from fedjax_sparse.catalog import ALGORITHMS, MODELS
+    from fedjax_sparse.driver.catalog import ALGORITHMS, MODELS
     from fedjax_sparse.cli import main
     from fedjax_sparse.models import model_names
     from fedjax_sparse.models.registry import _BUILDERS

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fedjax_sparse import distributed
+from fedjax_sparse.driver import distributed
 from fedjax_sparse.errors import RunError
 
 from helpers import flat_config
@@ -129,7 +129,7 @@ def test_initialize_names_what_is_missing_or_wrong(monkeypatch, kwargs, env, mes
 def test_a_multi_process_run_refuses_a_cohort_that_does_not_split_over_the_devices(monkeypatch):
     import jax
 
-    from fedjax_sparse import runner
+    from fedjax_sparse.driver import runner
     config = runner.RunConfig(algorithm="fedavg", dataset="digits", num_clients=8, clients_per_round=3,
                               local_epochs=1, batch_size=16, rounds=1, partition="iid")
     exp = runner.build(config)

@@ -10,11 +10,11 @@ import pytest
 
 from fedjax_sparse.algorithms import Algorithm, ClientContext, Task, client_metrics, make_algorithm
 from fedjax_sparse.data.federated import ClientData
-from fedjax_sparse.accounting import Cost
-from fedjax_sparse.progress import format_summary
-from fedjax_sparse.engine import Engine, metrics_to_host, reduce_client_metrics, sample_clients
+from fedjax_sparse.core.accounting import Cost
+from fedjax_sparse.driver.progress import format_summary
+from fedjax_sparse.core.engine import Engine, metrics_to_host, reduce_client_metrics, sample_clients
 from fedjax_sparse.models import make_model
-from fedjax_sparse.training import run_local_epochs
+from fedjax_sparse.core.training import run_local_epochs
 
 from helpers import tiny_federated
 
@@ -107,7 +107,7 @@ def test_vmap_and_map_parallelism_agree(algorithm):
 
 @pytest.mark.fast
 def test_executed_client_steps_by_hand():
-    from fedjax_sparse.engine import executed_client_steps
+    from fedjax_sparse.core.engine import executed_client_steps
     steps = jnp.asarray([5, 1, 3, 2, 8], jnp.int32)
     assert int(executed_client_steps(steps, "map")) == 19          # exactly what the clients need
     assert int(executed_client_steps(steps, "vmap")) == 5 * 8      # everyone runs the longest
@@ -120,7 +120,7 @@ def test_executed_client_steps_by_hand():
 
 @pytest.mark.fast
 def test_pack_width_is_the_widest_group_within_the_padding_target():
-    from fedjax_sparse.engine import choose_pack_width
+    from fedjax_sparse.core.engine import choose_pack_width
     # One pinned cohort, steps 1, 1, 10, 10: all four in lockstep run 40 for 22 useful (1.82); pairs of
     # equal clients pad nothing.
     assert choose_pack_width(np.array([1, 10, 1, 10]), 4, cohorts=np.array([[0, 1, 2, 3]])) == (2, 1.0)
@@ -375,7 +375,7 @@ def test_sharding_clients_over_two_devices_gives_the_same_round(tmp_path):
         sys.path.insert(0, %r)
         from helpers import tiny_federated
         from fedjax_sparse.algorithms import Task, make_algorithm
-        from fedjax_sparse.engine import Engine
+        from fedjax_sparse.core.engine import Engine
         from fedjax_sparse.models import make_model
         assert jax.local_device_count() == 2
         _, data = tiny_federated((10, 37, 64, 23, 50, 41))
@@ -398,7 +398,7 @@ def test_sharding_clients_over_two_devices_gives_the_same_round(tmp_path):
 
 
 def test_time_rounds_runs_one_compile_round_plus_the_timed_ones():
-    from fedjax_sparse.timing import time_rounds
+    from fedjax_sparse.tools.timing import time_rounds
     _, data = tiny_federated(SIZES)
     engine = Engine(make_algorithm("fedavg", make_task(data), {}), data.num_clients, 2)
     state, first, times, metrics = time_rounds(engine, engine.init(jax.random.PRNGKey(0)), data, 2)
@@ -410,7 +410,7 @@ def test_an_algorithm_without_cost_accounting_reports_unknown_not_zero(tmp_path)
     """metrics.jsonl and summary.json say null (unknown) for costs an algorithm does not count."""
     import json
 
-    from fedjax_sparse import runner
+    from fedjax_sparse.driver import runner
     config = runner.RunConfig(algorithm="fedavg", dataset="digits", num_clients=6, clients_per_round=3,
                               local_epochs=1, batch_size=32, rounds=2, partition="iid", out=str(tmp_path / "r"))
     exp = runner.build(config)
@@ -434,7 +434,7 @@ def test_an_algorithm_without_cost_accounting_reports_unknown_not_zero(tmp_path)
 def test_auto_schedule_follows_the_recorded_measurements(monkeypatch):
     """map on a CPU; packed on one accelerator (the H100 record: docs/design.md); vmap across several
     accelerators or processes (the schedule that shards the cohort)."""
-    from fedjax_sparse import engine as engine_module
+    from fedjax_sparse.core import engine as engine_module
     monkeypatch.setattr(jax, "process_count", lambda: 1)
     for backend, devices, expected in (("cpu", 1, "map"), ("cpu", 4, "map"), ("gpu", 1, "packed"),
                                        ("gpu", 2, "vmap"), ("tpu", 1, "packed")):

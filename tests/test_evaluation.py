@@ -9,8 +9,8 @@ import pytest
 
 from fedjax_sparse.algorithms import Task, make_algorithm
 from fedjax_sparse.data.federated import build_federated_data
-from fedjax_sparse.engine import Engine
-from fedjax_sparse.evaluation import Evaluator, personal_summary
+from fedjax_sparse.core.engine import Engine
+from fedjax_sparse.core.evaluation import Evaluator, personal_summary
 from fedjax_sparse.models import make_model
 from helpers import load_script, split_partition, tiny_dataset
 

@@ -61,7 +61,7 @@ def test_feddrop_paper_unit_is_forward_macs_per_example():
     """Our FLOPs (2 per MAC, training = 3 x forward) / 6 = the FedDrop paper's unit (forward MACs):
     hand count of the Table 6 CNN, then the paper's Table 5 (r = 0.5, R = 100, E = 8, 100 clients
     holding FMNIST's 60,000 training images: 281.85 expected TFLOPs). A factor 2 gives 843.8."""
-    from fedjax_sparse.accounting import layer_forward_flops
+    from fedjax_sparse.core.accounting import layer_forward_flops
     from fedjax_sparse.models import make_model
     model = make_model("feddrop_fmnist_cnn", (28, 28, 1), 10)
     # Forward MACs per image: out positions x out channels x kernel x in channels, then the dense layers.
@@ -108,7 +108,7 @@ def test_spafl_table2_rows_come_from_the_recorded_runs(tmp_path):
         run.mkdir(parents=True)
         (run / "config.json").write_text(json.dumps({"config": {"num_clients": 100}}))
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    # a diverged seed (fedjax_sparse.studies.run_one's marker) is counted apart, not averaged in
+    # a diverged seed (fedjax_sparse.papers.studies.run_one's marker) is counted apart, not averaged in
     run = results / "baselines_cpu" / "heterofl" / "seed2"
     run.mkdir(parents=True)
     (run / "config.json").write_text(json.dumps({"config": {"num_clients": 100}}))
@@ -154,7 +154,7 @@ def test_spafl_table2_prefers_spafl_runs_with_whole_curves(tmp_path):
 def test_a_diverging_run_is_recorded_and_the_study_goes_on(tmp_path, capsys):
     # FjORD's seed 1 at Table 7's lr diverged at round 1 and the script used to die with a traceback,
     # taking the runs after it along. Now: diverged.json, the next method runs, the report counts it.
-    from fedjax_sparse import studies
+    from fedjax_sparse.papers import studies
     base = dict(dataset="digits", model="mlp", num_clients=6, clients_per_round=3, local_epochs=1, batch_size=32,
                 partition="iid", eval_every=1, min_client_samples=1)
     study = dict(title="divergence", base=base, rounds=2, default_methods=["blowup", "fine"], paper={},
@@ -503,7 +503,7 @@ def script_import_problems(source: str, scripts: set[str], may_use_sys_path: boo
 def test_the_script_import_check_finds_each_way_of_reaching_a_script():
     scripts = {"spafl_fmnist", "bench_rounds"}
     assert script_import_problems("import json\nimport fedjax_sparse as fjs\nfrom fedjax_sparse import papers\n"
-                                  "importlib.import_module('fedjax_sparse.algorithms.spafl')", scripts) == []
+                                  "importlib.import_module('fedjax_sparse.algorithms.spafl_family')", scripts) == []
     for source in ("import spafl_fmnist", "from spafl_fmnist import FMNIST_BASE", "import bench_rounds as b",
                    "from . import spafl_fmnist", "importlib.import_module('spafl_fmnist')",
                    "sys.path.insert(0, str(HERE))", "sys.path.append('..')", "from sys import path",

@@ -13,8 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_sparse import papers, sidebyside, studies
-from fedjax_sparse.config import RunConfig, validate
+from fedjax_sparse import papers
+from fedjax_sparse.tools import sidebyside
+from fedjax_sparse.papers import studies
+from fedjax_sparse.driver.config import RunConfig, validate
 from fedjax_sparse.errors import DataError, PinningError, RunError, RunStopped
 from fedjax_sparse.mechanisms import robust_aggregation as ra
 from helpers import fake_run

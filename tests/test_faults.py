@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from fedjax_sparse import runner
-from fedjax_sparse.checkpoint import CHECKPOINT_DIR, LOCK, OutputLock, has_checkpoint
+from fedjax_sparse.driver import runner
+from fedjax_sparse.driver.checkpoint import CHECKPOINT_DIR, LOCK, OutputLock, has_checkpoint
 from fedjax_sparse.cli import main
 
 QUICK = ["--dataset", "digits", "--num-clients", "6", "--clients-per-round", "3", "--local-epochs", "1",
@@ -320,7 +320,7 @@ def test_bad_config_files_give_one_line(content, needle, tmp_path, capsys):
 def test_config_files_of_earlier_versions_read_with_removed_modes_at_their_inert_values():
     """Every recorded config.json holds round_mode "scan" and client_bucket_size 0 (the modes removed
     in 0.2.0 at their defaults): they must still read, to the same configuration."""
-    from fedjax_sparse.config import RunConfig
+    from fedjax_sparse.driver.config import RunConfig
     old = RunConfig.from_json({"rounds": 3, "round_mode": "scan", "client_bucket_size": 0,
                                "client_parallelism": "map"})
     assert old == RunConfig.from_json({"rounds": 3, "client_parallelism": "map"})

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from fedjax_sparse.algorithms import ServerContext, Task, make_algorithm
-from fedjax_sparse.algorithms.feddrop import (channel_trajectories, dropout_objective, dropout_objective_and_grad,
+from fedjax_sparse.algorithms.feddrop_family import (channel_trajectories, dropout_objective, dropout_objective_and_grad,
                                               feasible_start, normalise_similarity, optimise_keep_probs,
                                               shift_to_psd, trajectory_similarity)
-from fedjax_sparse.algorithms.base import ClientContext
+from fedjax_sparse.core.algorithm import ClientContext
 from fedjax_sparse.data.federated import ClientData, build_federated_data
 from fedjax_sparse.mechanisms.syncdrop import ChannelLayout, SparseFlopsModel
-from fedjax_sparse.engine import Engine
+from fedjax_sparse.core.engine import Engine
 from fedjax_sparse.models.base import Conv, Dense, Flatten, sequential
 
 from helpers import hand_accuracies

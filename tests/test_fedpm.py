@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_sparse import accounting
+from fedjax_sparse.core import accounting
 from fedjax_sparse.algorithms import make_algorithm
-from fedjax_sparse.algorithms.fedpm import bernoulli_st, posterior_probs, sample_masks, signed_constant_kernels
+from fedjax_sparse.algorithms.fedpm_family import bernoulli_st, posterior_probs, sample_masks, signed_constant_kernels
 from fedjax_sparse.cli import main
-from fedjax_sparse.engine import Engine
+from fedjax_sparse.core.engine import Engine
 from fedjax_sparse.models import make_model
 from helpers import make_task, tiny_federated
 

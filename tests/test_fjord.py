@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from fedjax_sparse.algorithms import make_algorithm
-from fedjax_sparse.algorithms.fjord import sample_width
+from fedjax_sparse.algorithms.fjord_family import sample_width
 from fedjax_sparse.mechanisms.widths import WidthLayout
 from fedjax_sparse.cli import main
-from fedjax_sparse.engine import Engine
+from fedjax_sparse.core.engine import Engine
 from fedjax_sparse.models import make_model
-from fedjax_sparse.training import masked_cross_entropy
+from fedjax_sparse.core.training import masked_cross_entropy
 from helpers import assert_sliced_equals_masked, make_task, static_training_flops_per_example, tiny_federated
 
 

@@ -27,7 +27,8 @@ from fedjax_sparse.algorithms import Task
 from fedjax_sparse.algorithms.registry import make_algorithm
 from fedjax_sparse.mechanisms import supermask as sm
 from fedjax_sparse.mechanisms.widths import WidthLayout
-from fedjax_sparse.models import flax_adapter, from_flax
+from fedjax_sparse.models.flax import adapter as flax_adapter
+from fedjax_sparse.models import from_flax
 from tests.helpers import tiny_dataset
 
 ROW_AND_UNIT = [("spafl", {}), ("feddrop", {}), ("unidrop", {}), ("caldas", {}), ("heterofl", {"sliced": False}),
@@ -237,7 +238,7 @@ def test_the_fan_in_of_a_fused_qkv_einsum_is_its_contraction():
     assert qkv.macs == outputs * dim
     # FedPM's frozen constant e / sqrt(fan_in), FSL's signed constant sqrt(2 / fan_in) and its scores' bound.
     variables = model.init(jax.random.PRNGKey(0))
-    from fedjax_sparse.algorithms.fedpm import signed_constant_kernels
+    from fedjax_sparse.algorithms.fedpm_family import signed_constant_kernels
     frozen = signed_constant_kernels(jax.random.PRNGKey(1), model, variables)["params"]["qkv"]["kernel"]
     np.testing.assert_allclose(np.unique(np.abs(np.asarray(frozen))), [math.e / 4], rtol=1e-6)
     weights, scores = sm.supernet_from_seed(jax.random.PRNGKey(2), {"qkv": qkv.kernel_shape}, "signed_constant",

@@ -16,7 +16,8 @@ import pytest
 from flax import nnx
 
 import fedjax_sparse as fjs
-from fedjax_sparse.models import flax_adapter, from_flax
+from fedjax_sparse.models.flax import adapter as flax_adapter
+from fedjax_sparse.models import from_flax
 from fedjax_sparse.models.flax_examples import LeNet5Caffe, NnxLeNet5Caffe
 
 SHAPE = (16, 16, 1)

@@ -13,12 +13,12 @@ import pytest
 import flax.linen as nn
 from flax import nnx
 
-from fedjax_sparse import accounting
-from fedjax_sparse.algorithms.spafl import init_thresholds, make_setup, row_masks
-from fedjax_sparse.algorithms.base import Task
+from fedjax_sparse.core import accounting
+from fedjax_sparse.algorithms.spafl_family import init_thresholds, make_setup, row_masks
+from fedjax_sparse.core.algorithm import Task
 from fedjax_sparse.algorithms.registry import make_algorithm
 from fedjax_sparse.mechanisms import threshold_masks as masks
-from fedjax_sparse.models.flax_adapter import einsum_out_axes, from_flax
+from fedjax_sparse.models.flax.adapter import einsum_out_axes, from_flax
 
 
 # ------------------------------------------------------------------ models written with Flax's own layers
@@ -315,6 +315,6 @@ def test_an_nnx_rnn_counts_every_step_as_linen_does():
 
 def test_pytorch_weights_are_not_converted_into_an_embedding_or_attention_layout(text):
     from fedjax_sparse.errors import PinningError
-    from fedjax_sparse.pinning import params_from_torch
+    from fedjax_sparse.driver.pinning import params_from_torch
     with pytest.raises(PinningError, match=r"^Embed_0: a layer of kind .embed. .* dense and conv layers only"):
         params_from_torch(text, {"emb.weight": np.zeros((50, 16), np.float32)}, names={"Embed_0": "emb"})

@@ -15,7 +15,7 @@ import pytest
 
 import fedjax_sparse as fjs
 from fedjax_sparse.models import Hooks, from_flax, make_model
-from fedjax_sparse.models.flax_adapter import direct_sources, layers_from_hooks, link_layers
+from fedjax_sparse.models.flax.adapter import direct_sources, layers_from_hooks, link_layers
 from fedjax_sparse.models.flax_examples import LeNet5Caffe as LinenLeNet
 from fedjax_sparse.models.flax_examples import NnxLeNet5Caffe
 

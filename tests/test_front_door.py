@@ -73,6 +73,91 @@ def test_front_door_lists_a_curated_documented_api():
     assert sig.parameters["alpha"].kind is inspect.Parameter.KEYWORD_ONLY
 
 
+# ``fjs``'s names as they were before the package was split into layers (issue 49 item 1): each name's kind,
+# qualified name and parameters (a namespace's: its ``__all__``). Moving a module must change none of them.
+FRONT_DOOR = {
+    "Algorithm": ("type", "Algorithm", ("name", "init", "broadcast", "client_update", "server_update",
+                                        "personal_predict", "global_predict", "hparams", "personal_density",
+                                        "extra_clients", "varying_cohort")),
+    "ClientContext": ("type", "ClientContext", ("round", "client_id", "key", "shared_key")),
+    "Engine": ("type", "Engine", ("algorithm", "num_clients", "clients_per_round", "client_parallelism",
+                                  "eval_batch_size", "eval_shared_global_pass", "personal_eval", "shard_clients",
+                                  "local_epochs", "batch_size", "resample_every", "cohort_schedule",
+                                  "client_sampling", "client_rate", "pack_width")),
+    "EngineState": ("type", "EngineState", ("server", "clients", "key", "round")),
+    "Experiment": ("type", "Experiment", ("config", "dataset", "partition", "data", "task", "engine", "pinned",
+                                          "data_record")),
+    "Hooks": ("type", "Hooks", ("kernel", "activation")),
+    "Model": ("type", "Model", ("name", "input_shape", "num_classes", "layers", "init_fn", "apply_fn", "sequential",
+                                "channel_entries", "fixed_widths", "unit_drop_leaks", "other_macs",
+                                "batch_norm_momentum", "row_leaks")),
+    "RunConfig": ("type", "RunConfig", tuple(f.name for f in dataclasses.fields(fjs.RunConfig))),
+    "RunError": ("type", "RunError", None),
+    "RunResult": ("type", "RunResult", ("summary", "state", "population", "rows", "config")),
+    "RunStopped": ("type", "RunStopped", ("signum", "round_", "out")),
+    "ServerContext": ("type", "ServerContext", ("round", "client_ids", "weights", "key", "extra_ids",
+                                                "extra_messages", "mask")),
+    "SweepResult": ("type", "SweepResult", ("members", "results", "rows", "best", "record")),
+    "Task": ("type", "Task", ("model", "num_clients", "clients_per_round", "local_epochs", "batch_size", "lr",
+                              "rounds", "preprocess", "seed", "initial_variables")),
+    "algorithms": ("module", ["Algorithm", "ClientContext", "ServerContext", "Task", "algorithm_defaults",
+                              "algorithm_names", "algorithm_options", "builder", "caldas", "client_metrics",
+                              "fedadagrad", "fedadam", "fedavg", "fedavg_robust", "fedavgm", "feddrop", "fedpm",
+                              "fedprox", "fedyogi", "fjord", "fsl", "heterofl", "local", "local_train",
+                              "make_algorithm", "multi_krum", "predict_fn", "register_algorithm", "replicate",
+                              "resolve_options", "scaffold", "sfsl", "sgd", "signsgd", "spafl", "spafl_local",
+                              "spafl_no_eq13", "spafl_thresholds_only", "topk", "tree_weighted_mean",
+                              "trimmed_mean", "unidrop"]),
+    "build": ("function", "build", ("config", "model", "data", "algorithm")),
+    "client_metrics": ("function", "client_metrics", ("loss", "num_examples", "flops", "uplink_bits",
+                                                      "downlink_bits", "density", "extra")),
+    "data": ("module", ["ClientData", "DATASETS", "DataError", "Dataset", "FederatedData", "Partition",
+                        "PartitionedData", "build_federated_data", "from_arrays", "load", "load_dataset", "load_npz",
+                        "partition", "partition_dataset", "partition_report"]),
+    "format_summary": ("function", "format_summary", ("summary",)),
+    "mechanisms": ("module", ["attacks", "robust_aggregation", "supermask", "syncdrop", "threshold_masks",
+                              "widths"]),
+    "models": ("module", ["Conv", "Dense", "Flatten", "GlobalAvgPool", "Hooks", "LayerInfo", "MaxPool", "Model",
+                          "NO_HOOKS", "from_flax", "make_model", "model_names", "register_model", "sequential"]),
+    "plot_runs": ("function", "plot_runs", ("paths", "out", "x", "y", "title")),
+    "report_table": ("function", "report_table", ("paths",)),
+    "run": ("function", "run", ("config", "model", "data", "algorithm", "resume", "overwrite", "progress", "on_eval",
+                                "experiment", "given", "change")),
+    "sweep": ("function", "sweep", ("config", "axes", "seeds", "parallelism", "select", "resume", "overwrite",
+                                    "progress", "given", "keep_states", "model", "data", "algorithm")),
+    "with_aggregator": ("function", "with_aggregator", ("alg", "aggregator", "trim_fraction", "krum_select",
+                                                        "threat")),
+    "with_attack": ("function", "with_attack", ("alg", "attack", "num_clients", "malicious_fraction", "seed",
+                                                "knowledge", "threat", "deviation", "gamma_init", "search_steps",
+                                                "attack_scale")),
+    "with_dp": ("function", "with_dp", ("alg", "clip_norm", "noise_multiplier", "clients_per_round", "reference")),
+}
+
+
+def _described(obj):
+    import inspect
+    import types
+    if isinstance(obj, types.ModuleType):
+        return ("module", sorted(obj.__all__))
+    try:
+        parameters = tuple(inspect.signature(obj).parameters)
+    except (TypeError, ValueError):
+        parameters = None
+    return (type(obj).__name__, obj.__qualname__, parameters)
+
+
+def test_the_front_doors_names_are_unchanged_by_the_layout():
+    """Every name of ``fjs.__all__`` is what it was before the layers, also once every module of the package has
+    been imported (a submodule that took a name's place, as a subpackage ``run`` would take ``fjs.run``'s)."""
+    import importlib
+    import pkgutil
+    for info in pkgutil.walk_packages(fjs.__path__, "fedjax_sparse."):
+        if not info.name.endswith("__main__"):
+            importlib.import_module(info.name)
+    assert sorted(fjs.__all__) == sorted(FRONT_DOOR)
+    assert {name: _described(getattr(fjs, name)) for name in fjs.__all__} == FRONT_DOOR
+
+
 def test_a_notebook_cell_runs_twice():
     cell = textwrap.dedent('''
         import fedjax_sparse as fjs

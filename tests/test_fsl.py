@@ -9,7 +9,7 @@ import pytest
 from fedjax_sparse.mechanisms import supermask as sm
 from fedjax_sparse.algorithms import ServerContext, Task, make_algorithm
 from fedjax_sparse.mechanisms.attacks import reverse_attack
-from fedjax_sparse.engine import Engine
+from fedjax_sparse.core.engine import Engine
 from fedjax_sparse.models import Conv, Dense, Flatten, sequential
 
 from helpers import hand_accuracies, tiny_federated
@@ -225,7 +225,7 @@ def test_client_reorders_by_global_ranking_and_server_votes(tiny):
     ranking = {k: jax.random.permutation(jax.random.PRNGKey(i), v.shape[0]).astype(jnp.int32)
                for i, (k, v) in enumerate(server.ranking.items())}
     payload = alg.broadcast(server._replace(ranking=ranking), jnp.int32(0))
-    from fedjax_sparse.algorithms.base import ClientContext
+    from fedjax_sparse.core.algorithm import ClientContext
     from fedjax_sparse.data.federated import ClientData
     cdata = ClientData(data.train_x, data.train_y, data.train_idx[0], data.train_count[0])
     ctx = ClientContext(jnp.int32(0), jnp.int32(0), jax.random.PRNGKey(0), jax.random.PRNGKey(1))

@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_sparse import accounting
+from fedjax_sparse.core import accounting
 from fedjax_sparse.algorithms import make_algorithm
-from fedjax_sparse.algorithms.heterofl import parse_rates
+from fedjax_sparse.algorithms.heterofl_family import parse_rates
 from fedjax_sparse.mechanisms.widths import WidthLayout, kept_channels, per_entry_mean
 from fedjax_sparse.cli import main
-from fedjax_sparse.engine import Engine
+from fedjax_sparse.core.engine import Engine
 from fedjax_sparse.models import make_model
 from helpers import (assert_sliced_equals_masked, load_script, make_task, static_training_flops_per_example,
                      tiny_federated)

@@ -6,9 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from fedjax_sparse import runner
+from fedjax_sparse.driver import runner
 from fedjax_sparse.cli import main
-from fedjax_sparse.config import validate
+from fedjax_sparse.driver.config import validate
 from fedjax_sparse.errors import RunError
 
 from helpers import flat_config

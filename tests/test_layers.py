@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_sparse import accounting
+from fedjax_sparse.core import accounting
 from fedjax_sparse.models import Hooks, make_model, model_names
 from fedjax_sparse.models import layers as L
 

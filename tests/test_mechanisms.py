@@ -15,15 +15,15 @@ import pytest
 
 from fedjax_sparse.mechanisms import supermask as sm
 from fedjax_sparse.algorithms import ClientContext, Task, make_algorithm
-from fedjax_sparse.algorithms.feddrop import FEDDROP_OPTIONS, optimise_keep_probs
-from fedjax_sparse.algorithms.fsl import FSL_OPTIONS
+from fedjax_sparse.algorithms.feddrop_family import FEDDROP_OPTIONS, optimise_keep_probs
+from fedjax_sparse.algorithms.fsl_family import FSL_OPTIONS
 from fedjax_sparse.algorithms.robust import local_lr
-from fedjax_sparse.algorithms.spafl import SPAFL_OPTIONS
+from fedjax_sparse.algorithms.spafl_family import SPAFL_OPTIONS
 from fedjax_sparse.data.federated import ClientData, build_federated_data
 from fedjax_sparse.mechanisms.syncdrop import ChannelLayout, SparseFlopsModel
 from fedjax_sparse.models import make_model
 from fedjax_sparse.models.base import Conv, Dense, Flatten, Hooks, sequential
-from fedjax_sparse.training import masked_cross_entropy
+from fedjax_sparse.core.training import masked_cross_entropy
 
 from helpers import tiny_federated
 

@@ -1,4 +1,4 @@
-"""Memory known before compiling (fedjax_sparse.memory): the estimate against facts counted apart
+"""Memory known before compiling (fedjax_sparse.core.memory): the estimate against facts counted apart
 from it (layer shapes by hand, the built arrays' nbytes, the rows a host population really puts
 on the device, XLA's own buffer assignment of the compiled round), and the one-line refusal."""
 import dataclasses
@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_sparse import memory, runner
-from fedjax_sparse import population as host_population
-from fedjax_sparse.config import RunConfig
+from fedjax_sparse.core import memory
+from fedjax_sparse.driver import runner
+from fedjax_sparse.driver import population as host_population
+from fedjax_sparse.driver.config import RunConfig
 
 # Digits (8x8x1 inputs, 10 classes), iid, small and quick to build.
 from fedjax_sparse.errors import RunError
@@ -211,7 +212,7 @@ def test_with_settings_matches_a_fresh_estimate():
 
 def test_a_run_that_cannot_fit_stops_before_compiling_in_one_line(tmp_path, monkeypatch, capsys):
     from fedjax_sparse.cli import main
-    from fedjax_sparse.engine import Engine
+    from fedjax_sparse.core.engine import Engine
     compiled = []
     out = tmp_path / "run"
     with monkeypatch.context() as patch:

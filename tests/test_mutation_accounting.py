@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from fedjax_sparse.accounting import Cost, as_cost, cost_per_round, row_training_flops, weight_training_flops
+from fedjax_sparse.core.accounting import Cost, as_cost, cost_per_round, row_training_flops, weight_training_flops
 from fedjax_sparse.models.base import LayerInfo, Model
 
 

@@ -190,7 +190,7 @@ def test_kth_largest_key_methods_agree_with_a_sort_on_both_sides_of_the_switch()
 def test_small_layers_select_by_sort_off_the_cpu():
     """``auto`` on a small layer: the program lowered for CUDA sorts once (no 32-iteration bisection loop
     a GPU would launch step after step); the CPU's program bisects."""
-    from fedjax_sparse import programs
+    from fedjax_sparse.tools import programs
     keys = jnp.arange(5000, dtype=jnp.uint32)
     select = jax.jit(lambda k: sm_impl.kth_largest_key(k, 100))
     cuda = programs.stablehlo_op_counts(programs.lowered_text(select, keys, platform="cuda"))

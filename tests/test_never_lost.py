@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 
 import fedjax_sparse as fjs
-from fedjax_sparse import memory
+from fedjax_sparse.core import memory
 from fedjax_sparse.cli import main
-from fedjax_sparse.data.partition import partition_dataset
+from fedjax_sparse.data.partitions import partition_dataset
 from fedjax_sparse.errors import DataWarning, RunError
-from fedjax_sparse.engine import reduce_client_metrics
+from fedjax_sparse.core.engine import reduce_client_metrics
 
 from helpers import tiny_dataset
 
@@ -113,7 +113,7 @@ def test_seeds_that_are_not_a_list_of_integers_are_refused(seeds, said, tmp_path
         fjs.sweep(config, {"lr": [0.1]}, seeds=seeds, progress=False)
     assert str(e.value) == said
     assert not (tmp_path / "sweep").exists()   # refused before anything ran
-    from fedjax_sparse.replicas import run_replicas
+    from fedjax_sparse.driver.replicas import run_replicas
     with pytest.raises(RunError) as e:
         run_replicas(config, seeds, progress=False)
     assert str(e.value) == said
@@ -149,7 +149,7 @@ def test_an_empty_poisson_round_logs_a_null_loss_and_the_run_goes_on(tmp_path):
 
 @pytest.mark.fast
 def test_a_folder_whose_last_round_was_empty_is_not_called_diverged(tmp_path):
-    from fedjax_sparse.checkpoint import CHECKPOINT_DIR, prepare_out_dir
+    from fedjax_sparse.driver.checkpoint import CHECKPOINT_DIR, prepare_out_dir
     out = tmp_path / "run"
     (out / CHECKPOINT_DIR / "3").mkdir(parents=True)
     (out / "metrics.jsonl").write_text(json.dumps({"round": 3, "loss": None, "clients": 0}) + "\n")
@@ -216,7 +216,7 @@ def test_a_dirichlet_draw_that_fails_at_one_sample_does_not_advise_lowering_it()
 # ---------------------------------------------------------------- bench --json
 @pytest.mark.fast
 def test_bench_refuses_an_unwritable_json_before_benchmarking(tmp_path, monkeypatch, capsys):
-    from fedjax_sparse import bench
+    from fedjax_sparse.tools import bench
 
     def ran(*a, **k):
         raise AssertionError("the benchmark ran")

@@ -67,7 +67,7 @@ def test_a_wrapper_that_cannot_apply_is_refused_in_one_line_before_anything_is_b
 
 def _messages(alg, data):
     """The abstract message one client sends (shapes and dtypes only: nothing is compiled)."""
-    from fedjax_sparse.algorithms.base import ClientContext
+    from fedjax_sparse.core.algorithm import ClientContext
     from fedjax_sparse.data.federated import ClientData
 
     def message(key):
@@ -89,7 +89,7 @@ def test_every_registered_algorithm_declares_whether_the_wrappers_apply():
     from fedjax_sparse.algorithms import algorithm_names, make_algorithm
     from fedjax_sparse.algorithms.compose import with_aggregator, with_attack
     from fedjax_sparse.algorithms.registry import resolve_options, wrapper_refusal
-    from fedjax_sparse.engine import Engine
+    from fedjax_sparse.core.engine import Engine
     _, data = tiny_federated((12,) * 6)
     task = make_task(data)
     refused, wrapped = [], []

@@ -42,7 +42,7 @@ def one_file(tmp_path):
 
 
 def test_the_design_docs_algorithm_in_one_file_is_listed_and_runs_with_its_lr(one_file, tmp_path, capsys):
-    from fedjax_sparse import catalog
+    from fedjax_sparse.driver import catalog
     line = "FedAvg with the coordinate-wise median of the client models (Yin et al., ICML 2018)"
     assert catalog.ALGORITHMS[NAME] == line and catalog.ALGORITHM_LR[NAME] == 0.05
     assert catalog.default_lr(NAME) == 0.05

@@ -4,11 +4,12 @@ is typed by what its key declares (a RunConfig or Execution field's annotation, 
 options, the model's and the data set's option schemas), so ``dataset_option.iid=false`` is False."""
 import pytest
 
-from fedjax_sparse import bench, sweeps
+from fedjax_sparse.tools import bench
+from fedjax_sparse.driver import sweeps
 from fedjax_sparse.cli import _parser, config_from_args, main
-from fedjax_sparse.config import RunConfig, parse_overrides, typed_value, with_overrides
+from fedjax_sparse.driver.config import RunConfig, parse_overrides, typed_value, with_overrides
 from fedjax_sparse.errors import RunError
-from fedjax_sparse.runner import changed_config, resumed_config
+from fedjax_sparse.driver.runner import changed_config, resumed_config
 
 SPAFL = RunConfig(algorithm="spafl", dataset="digits", model="mlp")
 

@@ -1,4 +1,4 @@
-"""Tests for fedjax_sparse.data.partition (on small label-only datasets, so they are fast)."""
+"""Tests for fedjax_sparse.data.partitions (on small label-only datasets, so they are fast)."""
 
 import json
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fedjax_sparse.data.datasets import Dataset, load_dataset
-from fedjax_sparse.data.partition import (
+from fedjax_sparse.data.partitions import (
     PARTITION_SCHEMES,
     format_partition_report,
     parse_partition_spec,

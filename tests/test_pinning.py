@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from fedjax_sparse import pinning, runner
+from fedjax_sparse.driver import pinning, runner
 from fedjax_sparse.cli import main
 from fedjax_sparse.models import make_model
 

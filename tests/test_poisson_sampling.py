@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_sparse import privacy
+from fedjax_sparse.driver import privacy
 from fedjax_sparse.algorithms import Algorithm, make_algorithm
-from fedjax_sparse.algorithms.base import ServerContext, client_metrics, cohort_mean
-from fedjax_sparse.engine import Engine, poisson_capacity, sample_poisson_clients
+from fedjax_sparse.core.algorithm import ServerContext, client_metrics, cohort_mean
+from fedjax_sparse.core.engine import Engine, poisson_capacity, sample_poisson_clients
 from fedjax_sparse.errors import RunError
 from tests.helpers import flat_config, make_task, tiny_federated
 
@@ -125,8 +125,8 @@ def test_fedavg_and_spafl_servers_take_the_masked_mean():
 
 
 def test_algorithms_that_need_a_fixed_cohort_are_refused_in_one_line():
-    from fedjax_sparse import experiment
-    from fedjax_sparse.config import validate
+    from fedjax_sparse.driver import experiment
+    from fedjax_sparse.driver.config import validate
     with pytest.raises(ValueError, match="cannot take poisson client sampling"):
         Engine(_toy(varying=False), 6, 2, client_sampling="poisson")
     for name in ("scaffold", "fsl"):
@@ -144,7 +144,7 @@ def test_algorithms_that_need_a_fixed_cohort_are_refused_in_one_line():
 
 
 def test_dp_run_accounts_poisson_sampled_gaussian_as_dp_accounting_does(tmp_path):
-    from fedjax_sparse import runner
+    from fedjax_sparse.driver import runner
     n, k, rounds, delta = 20, 5, 3, 1e-5
     config = flat_config(algorithm="fedavg", dataset="digits", num_clients=n, clients_per_round=k, rounds=rounds,
                          local_epochs=1, options={"weighted": "false"}, dp_clip=0.5, dp_noise_multiplier=1.0,
@@ -169,7 +169,7 @@ def test_dp_run_accounts_poisson_sampled_gaussian_as_dp_accounting_does(tmp_path
 
 
 def test_target_epsilon_calibrates_for_poisson_sampling_with_the_asked_accountant(monkeypatch):
-    from fedjax_sparse import experiment
+    from fedjax_sparse.driver import experiment
     asked = []
     monkeypatch.setattr(privacy, "calibrate_noise_multiplier", lambda *a, **k: asked.append(k) or 1.0)
     for sampling, accountant, used in (("poisson", "pld", "pld"), ("poisson", "rdp", "rdp"), ("fixed", "rdp", "rdp"),
@@ -194,7 +194,7 @@ def test_poisson_accounting_matches_a_published_value():
 
 
 def test_resume_of_a_poisson_run_ends_as_the_uninterrupted_one(tmp_path):
-    from fedjax_sparse import runner
+    from fedjax_sparse.driver import runner
     base = dict(algorithm="spafl", dataset="digits", num_clients=8, clients_per_round=3, local_epochs=1,
                 client_sampling="poisson", eval_every=2)
 

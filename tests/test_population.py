@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_sparse import population, runner
+from fedjax_sparse.driver import population, runner
 
 
 @pytest.fixture(scope="module")

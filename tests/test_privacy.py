@@ -10,15 +10,15 @@ import pytest
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from scipy import optimize, stats
 
-from fedjax_sparse import privacy
+from fedjax_sparse.driver import privacy
 from fedjax_sparse.algorithms import Algorithm, ServerContext, make_algorithm
 from fedjax_sparse.algorithms.compose import UpdateServer
 from fedjax_sparse.algorithms.baselines import CaldasServerState, ScaffoldServerState
-from fedjax_sparse.algorithms.feddrop import FedDropServerState
+from fedjax_sparse.algorithms.feddrop_family import FedDropServerState
 from fedjax_sparse.algorithms.private import (DP_NOISE_STREAM, DpMechanism, accounting_keys, clip_rows, dp_refusal,
                                               noisy_sum, update_reference, with_dp)
-from fedjax_sparse.algorithms.spafl import SpaflServerState
-from fedjax_sparse.engine import Engine
+from fedjax_sparse.algorithms.spafl_family import SpaflServerState
+from fedjax_sparse.core.engine import Engine
 from helpers import make_task, tiny_federated
 
 INF = float("inf")

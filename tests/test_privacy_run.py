@@ -7,9 +7,9 @@ import json
 import pytest
 
 import fedjax_sparse as fjs
-from fedjax_sparse import privacy
+from fedjax_sparse.driver import privacy
 from fedjax_sparse.cli import main
-from fedjax_sparse.config import RunConfig, validate
+from fedjax_sparse.driver.config import RunConfig, validate
 from fedjax_sparse.errors import RunError
 
 QUICK = ["--algorithm", "fedavg", "--dataset", "digits", "--num-clients", "20", "--clients-per-round", "5",
@@ -112,7 +112,7 @@ def test_a_dp_run_shows_its_privacy_in_the_run_table_report_and_plot(tmp_path, c
 def test_resuming_a_run_recorded_before_auto_accounting_keeps_its_accountant():
     """Runs before --dp-accountant auto recorded "rdp" by default: auto resolves to it for fixed K (the same
     experiment: a resume goes on), but to PLD for Poisson sampling (another calibration: refused in one line)."""
-    from fedjax_sparse.runner import resumed_config
+    from fedjax_sparse.driver.runner import resumed_config
     dp = dict(dp_clip=1.0, dp_target_epsilon=4.0)
     recorded = RunConfig(**dp, dp_accountant="rdp")
     config, _ = resumed_config(RunConfig(**dp), recorded, None)

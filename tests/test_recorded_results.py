@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from fedjax_sparse import reporting, studies
-from fedjax_sparse.checkpoint import CHECKPOINT_DIR, LEGACY_CHECKPOINT
-from fedjax_sparse.config import RunConfig, validate
+from fedjax_sparse.tools import reporting
+from fedjax_sparse.papers import studies
+from fedjax_sparse.driver.checkpoint import CHECKPOINT_DIR, LEGACY_CHECKPOINT
+from fedjax_sparse.driver.config import RunConfig, validate
 
 RESULTS = Path(__file__).resolve().parent.parent / "experiments" / "results"
 CONFIGS = sorted(RESULTS.rglob("config.json"))

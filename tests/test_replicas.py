@@ -7,11 +7,11 @@ import jax
 import numpy as np
 import pytest
 
-from fedjax_sparse import replicas, runner
+from fedjax_sparse.driver import replicas, runner
 from fedjax_sparse.cli import main
-from fedjax_sparse.config import RunConfig
+from fedjax_sparse.driver.config import RunConfig
 from fedjax_sparse.errors import RunError
-from fedjax_sparse.evaluation import Evaluator
+from fedjax_sparse.core.evaluation import Evaluator
 
 # Dirichlet partitions differ by seed, so the replicas' client index rows have different widths.
 BASE = RunConfig(algorithm="spafl", dataset="digits", model="cnn_small", num_clients=6, clients_per_round=3,

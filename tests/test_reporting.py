@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from fedjax_sparse.cli import main
-from fedjax_sparse.reporting import legend_labels, report_table
-from fedjax_sparse.progress import Progress
-from fedjax_sparse.sinks import MetricSinks, parse_log
+from fedjax_sparse.tools.reporting import legend_labels, report_table
+from fedjax_sparse.driver.progress import Progress
+from fedjax_sparse.driver.sinks import MetricSinks, parse_log
 
 from helpers import fake_run
 
@@ -109,7 +109,7 @@ def test_progress_off_a_terminal_prints_one_line_per_tenth(capsys):
 def test_plot_runs_leaves_the_process_backend_alone(tmp_path):
     # A notebook's inline backend must survive fjs.plot_runs (matplotlib.use("Agg") used to replace it).
     matplotlib = pytest.importorskip("matplotlib")
-    from fedjax_sparse.reporting import plot_runs
+    from fedjax_sparse.tools.reporting import plot_runs
     a = fake_run(tmp_path / "a", dict(algorithm="spafl", seed=1), [row(1, 0.5, 1e6, 1e6, 1e12, 0.7)])
     matplotlib.use("svg")
     try:

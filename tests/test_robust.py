@@ -9,7 +9,7 @@ from fedjax_sparse.algorithms import Task, make_algorithm
 from fedjax_sparse.algorithms import robust as R
 from fedjax_sparse.mechanisms import attacks
 from fedjax_sparse.mechanisms import robust_aggregation as ra
-from fedjax_sparse.engine import Engine
+from fedjax_sparse.core.engine import Engine
 from fedjax_sparse.models import Dense, Flatten, sequential
 
 from helpers import tiny_federated

@@ -3,7 +3,7 @@ with today's numbers and checkpoints, and FedAdam, FedYogi, FedAdagrad (Reddi et
 Federated Optimization", ICLR 2021) as optax's optimisers on the pseudo-gradient, each checked against
 its formulas written out here in numpy.
 
-Convention (fedjax_sparse/algorithms/fedavg.py says why): optax's optimisers as optax defines them, with
+Convention (fedjax_sparse/algorithms/fedavg_family.py says why): optax's optimisers as optax defines them, with
 the paper's beta1 = 0.9, beta2 = 0.99 and tau = 1e-3 as defaults. tau is optax's eps of Adam and Yogi
 (added to sqrt(v), as the paper's tau); optax's Adagrad adds its eps under the root, so it gets tau**2;
 Yogi's accumulators start at tau**2 (the paper's v_{-1}). Where optax and the paper's Algorithm 2
@@ -19,10 +19,10 @@ import optax
 import pytest
 
 from fedjax_sparse.algorithms import ServerContext, algorithm_names, make_algorithm, tree_weighted_mean
-from fedjax_sparse.algorithms.fedavg import FedAvgMServerState, FedAvgServerState, FedOptServerState
-from fedjax_sparse.checkpoint import load_checkpoint, save_checkpoint
+from fedjax_sparse.algorithms.fedavg_family import FedAvgMServerState, FedAvgServerState, FedOptServerState
+from fedjax_sparse.driver.checkpoint import load_checkpoint, save_checkpoint
 from fedjax_sparse.cli import main
-from fedjax_sparse.engine import Engine
+from fedjax_sparse.core.engine import Engine
 from helpers import make_task, tiny_federated
 
 SIZES = (10, 37, 64, 23, 50, 41)

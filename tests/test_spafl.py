@@ -1,5 +1,4 @@
 """SpaFL: eq. (13), aggregation, reset rule, variants, cost accounting, engine runs."""
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -8,15 +7,13 @@ import pytest
 
 from fedjax_sparse.algorithms import ClientContext, ServerContext, Task, make_algorithm
 from fedjax_sparse.data.federated import ClientData
-from fedjax_sparse.engine import Engine, reduce_client_metrics
+from fedjax_sparse.core.engine import Engine, reduce_client_metrics
 from fedjax_sparse.models import make_model
+from fedjax_sparse.algorithms import spafl_family as spafl  # fjs.algorithms.spafl is the builder
 
 from helpers import hand_accuracies, tiny_dataset, tiny_federated
 
 SIZES = (10, 37, 64, 23, 50, 41)
-
-# fedjax_sparse.algorithms.spafl, the attribute, is the builder function; this is the module.
-spafl = importlib.import_module("fedjax_sparse.algorithms.spafl")
 
 
 def make_task(data, model_name="cnn_small", epochs=1, batch_size=8, lr=0.05, k=3, rounds=3, num_classes=None):

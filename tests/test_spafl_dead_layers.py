@@ -1,7 +1,6 @@
 """SpaFL and a layer that starts fully pruned (a zero-initialised classifier head): refused in one line,
 trained with ``dense_layers``, which keeps the layer dense in the masks, the bits, the FLOPs and the density."""
 import dataclasses
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -9,13 +8,12 @@ import numpy as np
 import pytest
 
 from fedjax_sparse.algorithms import make_algorithm
-from fedjax_sparse.engine import Engine
+from fedjax_sparse.core.engine import Engine
 from fedjax_sparse.models import make_model
+from fedjax_sparse.algorithms import spafl_family as spafl  # fjs.algorithms.spafl is the builder
 
 from helpers import make_task, tiny_federated
 from test_spafl import SIZES, one_client
-
-spafl = importlib.import_module("fedjax_sparse.algorithms.spafl")
 
 
 def zero_head(model, layer="fc2"):

@@ -4,9 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_sparse.algorithms.spafl import num_thresholds, thresholded_layers
+from fedjax_sparse.algorithms.spafl_family import num_thresholds, thresholded_layers
 from fedjax_sparse.models import Hooks, make_model
-from fedjax_sparse.models.spafl_models import _conv_pt, patchify
+from fedjax_sparse.models.zoo.spafl import _conv_pt, patchify
 
 CIFAR = (32, 32, 3)
 
@@ -157,7 +157,7 @@ def test_vit_patchify_matches_a_naive_loop():
 def test_the_zoos_hand_written_macs_equal_the_traced_programs(name, shape, classes):
     # Every dot and convolution of one example's forward pass (batch 2 minus batch 1), counted from the traced
     # program: the zoo's hand-written tables (and vit_small's attention products, Model.other_macs) must match.
-    from fedjax_sparse.models.macs import program_macs
+    from fedjax_sparse.models.flax.macs import program_macs
     model = make_model(name, shape, classes)
     variables = jax.eval_shape(model.init, jax.random.PRNGKey(0))
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from fedjax_sparse import runner
-from fedjax_sparse.runner import ChunkClock
+from fedjax_sparse.driver import runner
+from fedjax_sparse.driver.runner import ChunkClock
 from fedjax_sparse.errors import RunStopped
 
 from helpers import flat_config
@@ -54,7 +54,7 @@ def test_chunk_clock_sizes_chunks_by_time_in_powers_of_two():
 
 def _advances(monkeypatch):
     """Records the number of rounds of each chunk the engine runs."""
-    from fedjax_sparse.engine import Engine
+    from fedjax_sparse.core.engine import Engine
     sizes = []
     real = Engine.advance
 
@@ -98,7 +98,7 @@ def test_checkpoint_every_and_the_clock_add_checkpoints_between_evaluations(tmp_
 
 def _signal_at(monkeypatch, where: str, signum=signal.SIGTERM):
     """Sends ``signum`` to this process at one point of the run (once)."""
-    from fedjax_sparse.engine import Engine
+    from fedjax_sparse.core.engine import Engine
     sent = []
 
     def send():
@@ -255,9 +255,9 @@ def _send_inside(patch, target, name: str, calls: tuple[int, ...], signum=signal
 ])
 def test_a_stop_anywhere_resumes_to_the_uninterrupted_run(tmp_path, monkeypatch, every_round, where, call,
                                                           stopped_at):
-    from fedjax_sparse.engine import Engine
-    from fedjax_sparse.progress import Progress
-    from fedjax_sparse.sinks import MetricSinks
+    from fedjax_sparse.core.engine import Engine
+    from fedjax_sparse.driver.progress import Progress
+    from fedjax_sparse.driver.sinks import MetricSinks
     out = tmp_path / "run"
     fields = dict(EVERY_ROUND, out=str(out), log="csv")
     kwargs = {}
@@ -297,7 +297,7 @@ def test_a_second_ctrl_c_says_truthfully_what_can_be_resumed(tmp_path, monkeypat
     and following it ends with the uninterrupted run (before: "rerun the same command with --resume",
     which then found nothing to resume when no checkpoint had been written)."""
     from fedjax_sparse.cli import main
-    from fedjax_sparse.engine import Engine
+    from fedjax_sparse.core.engine import Engine
     out = tmp_path / "run"
     args = ["run", "--algorithm", "fedavg", "--dataset", "digits", "--model", "cnn_small", "--num-clients", "6",
             "--clients-per-round", "3", "--local-epochs", "1", "--batch-size", "32", "--lr", "0.1", "--partition",
@@ -404,8 +404,8 @@ def test_a_stop_of_seeds_or_a_sweep_checkpoints_every_member_and_resumes_to_the_
     the same call with resume ends with every member's uninterrupted metrics (before: no handler, the
     default action ended the process with no checkpoint and no word)."""
     import fedjax_sparse as fjs
-    from fedjax_sparse.engine import Engine
-    from fedjax_sparse.replicas import run_replicas
+    from fedjax_sparse.core.engine import Engine
+    from fedjax_sparse.driver.replicas import run_replicas
 
     def go(out: Path, resume: bool = False):
         config = flat_config(**EVERY_ROUND, out=str(out))

@@ -11,7 +11,7 @@ import pytest
 
 import fedjax_sparse as fjs
 from fedjax_sparse.cli import main
-from fedjax_sparse.config import RunConfig
+from fedjax_sparse.driver.config import RunConfig
 from fedjax_sparse.errors import RunError
 
 # Not the defaults (fedavg, 30 rounds, 20 clients, seed 0): a resume that fell back on them would show.

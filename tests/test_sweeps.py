@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import fedjax_sparse as fjs
-from fedjax_sparse import sweeps
+from fedjax_sparse.driver import sweeps
 from fedjax_sparse.cli import main
-from fedjax_sparse.config import RunConfig, typed_axes
+from fedjax_sparse.driver.config import RunConfig, typed_axes
 from fedjax_sparse.errors import RunError
 
 BASE = dict(algorithm="spafl", dataset="digits", num_clients=6, clients_per_round=3, local_epochs=1,

@@ -8,9 +8,9 @@ import pytest
 
 from fedjax_sparse.mechanisms import supermask as sm
 from fedjax_sparse.algorithms import Algorithm, Task, client_metrics, make_algorithm
-from fedjax_sparse.algorithms.base import ServerContext
+from fedjax_sparse.core.algorithm import ServerContext
 from fedjax_sparse.mechanisms.attacks import malicious_clients
-from fedjax_sparse.engine import Engine
+from fedjax_sparse.core.engine import Engine
 from fedjax_sparse.models import Conv, Dense, Flatten, sequential
 from helpers import tiny_federated
 

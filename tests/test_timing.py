@@ -2,7 +2,7 @@
 import jax
 import pytest
 
-from fedjax_sparse import timing
+from fedjax_sparse.tools import timing
 
 pytestmark = pytest.mark.fast   # the whole file is in the fast tier (python -m pytest -m fast)
 

@@ -5,8 +5,8 @@ import jax
 import pytest
 
 from fedjax_sparse.algorithms import algorithm_names, make_algorithm
-from fedjax_sparse.checkpoint import load_checkpoint, save_checkpoint
-from fedjax_sparse.engine import EngineState
+from fedjax_sparse.driver.checkpoint import load_checkpoint, save_checkpoint
+from fedjax_sparse.core.engine import EngineState
 
 from helpers import make_task, tiny_federated
 

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 
 import fedjax_sparse as fjs
-from fedjax_sparse import papers, timing
+from fedjax_sparse import papers
+from fedjax_sparse.tools import timing
 from fedjax_sparse.models import layers
 
 FLOAT32_CONV, FLOAT32_DENSE = layers.conv2d, layers.dense

@@ -74,7 +74,8 @@ CHILD_EVALUATION = r"""
 import json, sys
 import jax
 import fedjax_sparse as fjs
-from fedjax_sparse import papers, timing
+from fedjax_sparse import papers
+from fedjax_sparse.tools import timing
 data_dir = sys.argv[1]
 out = {"package": fjs.__file__}
 exp = fjs.build(fjs.RunConfig.from_json({**papers.ROUND_BENCHMARKS["fedavg_fmnist"], "data_dir": data_dir,

@@ -2,7 +2,7 @@
 
 The 20-round digits run of docs/privacy.md (100 clients, 10 expected a round, ``--client-sampling
 poisson``, ``--dp-target-epsilon 8``), once with each accountant. Every call into
-``fedjax_sparse.privacy`` the run makes (the calibration before it, epsilon for the metrics rows and
+``fedjax_sparse.driver.privacy`` the run makes (the calibration before it, epsilon for the metrics rows and
 the summary) is timed from the outside, by wrapping the module's public functions, so the same
 script measures any version of the package (``--label before`` on the code before a change, with
 ``PYTHONPATH`` pointing at it, ``--label after`` on the new one; both land in one JSON). Also counted:
@@ -29,7 +29,7 @@ import warnings
 from pathlib import Path
 
 import fedjax_sparse as fjs
-from fedjax_sparse import privacy
+from fedjax_sparse.driver import privacy
 
 
 class Timer:

@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import fedjax_sparse as fjs
-from fedjax_sparse import timing
+from fedjax_sparse.tools import timing
 from fedjax_sparse.data.federated import ClientData, FederatedData
-from fedjax_sparse.evaluation import EvalStats, Evaluator, hits_and_losses
-from fedjax_sparse.training import gather_batch, steps_per_epoch
+from fedjax_sparse.core.evaluation import EvalStats, Evaluator, hits_and_losses
+from fedjax_sparse.core.training import gather_batch, steps_per_epoch
 
 StatsFn = Callable[..., EvalStats]   # (state, data) -> [N] per-client EvalStats on the host
 

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 import fedjax_sparse as fjs
-from fedjax_sparse import timing
+from fedjax_sparse.tools import timing
 
 CONFIG = dict(algorithm="spafl", dataset="fashion_mnist", model="lenet5_caffe", num_clients=100,
               clients_per_round=10, local_epochs=5, batch_size=64, lr=0.001, partition="dirichlet:0.2",
@@ -43,9 +43,9 @@ def measure(config: fjs.RunConfig, tmp: Path, synchronous_checkpoints: bool) -> 
     """One real run evaluating every round: the seconds of each ``OpenRun.record`` call (everything the
     run does between two chunks: evaluation, row, logs, checkpoint), of each evaluation alone, and of
     each chunk of rounds."""
-    from fedjax_sparse import runner
-    from fedjax_sparse.checkpoint import Checkpointer
-    from fedjax_sparse.engine import Engine
+    from fedjax_sparse.driver import runner
+    from fedjax_sparse.driver.checkpoint import Checkpointer
+    from fedjax_sparse.core.engine import Engine
     records, evaluations, chunks = [], [], []
     real = (runner.OpenRun.record, runner.OpenRun._evaluate_and_log, Engine.advance, Checkpointer.__init__)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 
 import fedjax_sparse as fjs
-from fedjax_sparse import timing
+from fedjax_sparse.tools import timing
 from fedjax_sparse.models.flax_examples import LeNet5Caffe
 
 CONFIG = dict(algorithm="fedavg", dataset="fashion_mnist", num_clients=100, clients_per_round=10, local_epochs=5,

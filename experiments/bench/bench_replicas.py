@@ -28,7 +28,7 @@ from pathlib import Path
 import jax
 
 import fedjax_sparse as fjs
-from fedjax_sparse import replicas
+from fedjax_sparse.driver import replicas
 
 
 def spafl_fmnist(data_dir: str, rounds: int, local_epochs: int) -> fjs.RunConfig:

@@ -24,7 +24,8 @@ import jax
 import numpy as np
 
 import fedjax_sparse as fjs
-from fedjax_sparse import papers, timing
+from fedjax_sparse import papers
+from fedjax_sparse.tools import timing
 
 # The named configurations (--config): the papers' settings, in fedjax_sparse.papers.
 CONFIGS = papers.ROUND_BENCHMARKS

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse import timing
+from fedjax_sparse.tools import timing
 from fedjax_sparse.mechanisms import supermask as sm
 
 

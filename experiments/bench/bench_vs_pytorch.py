@@ -30,7 +30,7 @@ The setting is ``experiments/reproduce/spafl_fmnist.py``'s (``fedjax_sparse.pape
 Dirichlet 0.2 with per-client test mix, 10 per round, 5 local epochs, batch 64, LeNet-5-Caffe,
 raw 0-255 inputs, lr 0.001, momentum 0.9 kept per client, alpha 0.002 with the ramp). Both sides
 get the same draws: the partition built by the project (``--seed``), the project's initial
-weights (exported in ``fedjax_sparse/pinning.py``'s layouts) and one cohort schedule (numpy,
+weights (exported in ``fedjax_sparse/driver/pinning.py``'s layouts) and one cohort schedule (numpy,
 ``--seed``) that the JAX engine replays via ``cohort_schedule``; they are written to a temporary
 folder with the images and read by the PyTorch process (``--torch-python``), which prints its
 timings as JSON. Shuffling RNGs differ (torch vs JAX).
@@ -88,7 +88,7 @@ def run_jax(args, workdir: Path) -> tuple[dict, dict]:
     """Builds the experiment, exports its draws to ``workdir`` and times the JAX rounds."""
     import jax
 
-    from fedjax_sparse import pinning
+    from fedjax_sparse.driver import pinning
     total = args.warmup + args.rounds
     rng = np.random.default_rng(args.seed)
     pinning.write_cohort_schedule(
@@ -125,7 +125,7 @@ def run_jax(args, workdir: Path) -> tuple[dict, dict]:
                      "accuracy": ev["accuracy"], "test_loss": ev["test_loss"],
                      "density_all_clients": ev.get("density_all_clients")})
         print("[jax]", json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    from fedjax_sparse.evaluation import resolve_personal_eval
+    from fedjax_sparse.core.evaluation import resolve_personal_eval
     info = {"jax": jax.__version__, "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
             "path": {"round": "engine.advance(state, data, 1, 'scan') then engine.evaluate (as fjs.run)",
                      "client_parallelism": engine.mode, "personal_eval": config.execution.personal_eval,
@@ -146,9 +146,8 @@ def fixed_batch_check(exp, params0, client_rows, steps: int) -> list[float]:
     import jax.numpy as jnp
     import optax
 
-    import importlib
-    spafl = importlib.import_module("fedjax_sparse.algorithms.spafl")
-    from fedjax_sparse.training import Batch
+    from fedjax_sparse.algorithms import spafl_family as spafl
+    from fedjax_sparse.core.training import Batch
     data, bs = exp.data, exp.config.batch_size
     options = {**spafl.SPAFL_OPTIONS, **exp.config.options}
     setup = spafl.make_setup(exp.model, options)
@@ -263,7 +262,7 @@ def main(argv=None) -> int:
     jax_t = per_phase(jax_info["rounds"], args.warmup)
     torch_t = per_phase(torch_result["rounds"], args.warmup)
     ratios = {k: torch_t[k]["median"] / jax_t[k]["median"] for k in ("train", "eval", "round")}
-    from fedjax_sparse import timing
+    from fedjax_sparse.tools import timing
     loss_j, loss_t = jax_info["rounds"][0]["loss"], torch_result["rounds"][0]["loss"]
     logits_diff = float(np.max(np.abs(np.asarray(jax_info["init_logits"]) - np.asarray(torch_result["init_logits"]))))
     j0, t0 = jax_info["rounds"][0], torch_result["rounds"][0]

@@ -29,7 +29,9 @@ def main(argv=None) -> int:
     import jax
 
     import fedjax_sparse as fjs
-    from fedjax_sparse import papers, studies, timing
+    from fedjax_sparse import papers
+    from fedjax_sparse.papers import studies
+    from fedjax_sparse.tools import timing
 
     settings = types.SimpleNamespace(overrides={}, data_dir=args.data_dir, rounds=args.rounds + 1,
                                      client_parallelism="map")

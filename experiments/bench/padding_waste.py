@@ -21,7 +21,7 @@ import numpy as np
 
 import fedjax_sparse as fjs
 from fedjax_sparse import papers
-from fedjax_sparse.engine import executed_client_steps
+from fedjax_sparse.core.engine import executed_client_steps
 
 
 def settings(data_dir: str) -> dict[str, fjs.RunConfig]:

@@ -1,5 +1,5 @@
 """100,000 SpaFL clients on this 24 GB machine (issue 12, item 3): the population's personal
-state stays in host memory (fedjax_sparse.population), only each chunk's cohort rows go to the
+state stays in host memory (fedjax_sparse.driver.population), only each chunk's cohort rows go to the
 device.
 
 SpaFL as in experiments/reproduce/spafl_fmnist.py (LeNet-5-Caffe, 10 clients per round, 5 local epochs,
@@ -29,11 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import fedjax_sparse as fjs
-from fedjax_sparse import population
-from fedjax_sparse.config import validate
+from fedjax_sparse.driver import population
+from fedjax_sparse.driver.config import validate
 from fedjax_sparse.data.federated import build_federated_data
-from fedjax_sparse.data.partition import Partition
-from fedjax_sparse.experiment import auto_eval_batch_size
+from fedjax_sparse.data.partitions import Partition
+from fedjax_sparse.driver.experiment import auto_eval_batch_size
 
 
 def draw_clients(labels: np.ndarray, proportions: np.ndarray, per_client: int, rng) -> list[np.ndarray]:

@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     for group, _ in groups:
         if len(group) < 2:
             parser.error(f"group {group[0]!r} names no run folder: NAME RUN_DIR [RUN_DIR ...]")
-    from fedjax_sparse import timing
+    from fedjax_sparse.tools import timing
     report = {"what": "training throughput (useful client steps per second after each run's first logged row)",
               "command": [sys.executable, *sys.argv], "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "machine_when_read": timing.machine_facts(), "groups": []}

@@ -2,7 +2,7 @@
 the round program on this machine: XLA's FLOPs and bytes accessed for one iteration of the local-step
 loop, in the program a GPU would run (lowered for CUDA, before fusion) and in the one compiled here (after
 fusion), per lockstep iteration and per client-step, and the schedule's executed / useful client-steps
-over 50 rounds' cohorts (``fedjax_sparse.bench.step_cost``; ``bench --count-kernels`` reports the same
+over 50 rounds' cohorts (``fedjax_sparse.tools.bench.step_cost``; ``bench --count-kernels`` reports the same
 per variant).
 
     python experiments/bench/step_cost.py --data-dir ../shared/data --label before \\
@@ -23,7 +23,8 @@ from pathlib import Path
 import jax
 
 import fedjax_sparse as fjs
-from fedjax_sparse import bench, papers, timing
+from fedjax_sparse.tools import bench, timing
+from fedjax_sparse import papers
 
 SETTINGS = {
     "fedavg_fmnist_10": papers.ROUND_BENCHMARKS["fedavg_fmnist"],

@@ -2,7 +2,7 @@
 settings and both client schedules, the kernels one iteration of the local-step loop runs in the
 program compiled for this machine, and the ops of the same loop lowered for CUDA before fusion (dots,
 convolutions and grouped convolutions among them). The loop is found by the ``local_step`` name
-scope ``training.run_local_epochs`` puts on the step (``fedjax_sparse.programs``).
+scope ``training.run_local_epochs`` puts on the step (``fedjax_sparse.tools.programs``).
 
 A GPU launches at least one kernel per fused op and library call of a step (a few microseconds each
 unless the loop runs as a CUDA graph): the step's count bounds how fast small cohorts can go. On a GPU,
@@ -20,7 +20,8 @@ from pathlib import Path
 import jax
 
 import fedjax_sparse as fjs
-from fedjax_sparse import papers, programs
+from fedjax_sparse import papers
+from fedjax_sparse.tools import programs
 
 SETTINGS = {
     "fedavg_fmnist": papers.ROUND_BENCHMARKS["fedavg_fmnist"],

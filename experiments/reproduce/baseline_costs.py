@@ -17,8 +17,8 @@ import argparse
 
 import jax
 
-from fedjax_sparse import accounting
-from fedjax_sparse.algorithms.heterofl import WidthLayout
+from fedjax_sparse.core import accounting
+from fedjax_sparse.algorithms.heterofl_family import WidthLayout
 from fedjax_sparse.models import make_model
 
 # (model, input shape, classes, model options, client-rounds, paper Gbit of Table 2)

@@ -28,7 +28,7 @@ plus ``tradeoff.png`` (FLOPs vs communication to reach each target, Pareto
 front per method), ``keep_probs.png`` (Fig. 9) and the sampled-vs-expected
 FLOPs error of FedDrop (App. D.5). ``--report-only`` rebuilds them.
 
-FLOPs convention (ours, ``fedjax_sparse.accounting``): a multiply-accumulate is
+FLOPs convention (ours, ``fedjax_sparse.core.accounting``): a multiply-accumulate is
 2 FLOPs, training = forward + 2 x forward backward = 3 x forward, so one
 training example costs 6 x its forward MACs; FedDrop's are expected FLOPs
 under the keep probabilities; summed over the sampled clients. The paper counts
@@ -60,7 +60,7 @@ BASE = papers.FEDDROP_FMNIST_BASE
 ALL_METHODS = ("feddrop", "unidrop", "fedavg", "fedprox", "scaffold", "caldas")
 
 # Our FLOPs per FLOP of the FedDrop paper (exact for the MACs; the paper also adds ReLU outputs,
-# +0.34 % on the FMNIST CNN). Ours (fedjax_sparse.accounting): 2 FLOPs per multiply-accumulate and
+# +0.34 % on the FMNIST CNN). Ours (fedjax_sparse.core.accounting): 2 FLOPs per multiply-accumulate and
 # training = forward + backward (2 x forward) = 3 x forward, i.e. 3 x 2 = 6 FLOPs per forward MAC of
 # every example trained on. The paper's "FLOPs" are forward MACs per example (times examples), no
 # factor 2 and no backward pass:
@@ -156,7 +156,7 @@ class KeepProbRecorder:
 
 
 def run_all(args, root: Path) -> None:
-    from fedjax_sparse.checkpoint import has_checkpoint
+    from fedjax_sparse.driver.checkpoint import has_checkpoint
     for method in args.methods:
         for name, spec in configurations(method, args):
             out = root / method / name
@@ -172,7 +172,7 @@ def run_all(args, root: Path) -> None:
 
 # ---------------------------------------------------------------------------- analysis
 def load_rows(path: Path) -> list[dict]:
-    from fedjax_sparse.checkpoint import read_metrics
+    from fedjax_sparse.driver.checkpoint import read_metrics
     return read_metrics(path)
 
 
@@ -390,7 +390,7 @@ def bench(args) -> None:
     each method; FedDrop's server share = its round time minus UniDrop's (same
     clients and budget, no similarity/optimisation), and the optimiser alone."""
     import jax
-    from fedjax_sparse.timing import time_rounds
+    from fedjax_sparse.tools.timing import time_rounds
     results = {}
     for method in args.methods:
         options = {"budget": args.flops_ratios[0]} if method in ("feddrop", "unidrop") else {}

@@ -105,7 +105,7 @@ def make_config(method: str, malicious_pct: int, seed: int, args, out: Path | No
 
 
 def run_one(method: str, malicious_pct: int, seed: int, args, out: Path) -> None:
-    from fedjax_sparse.checkpoint import has_checkpoint
+    from fedjax_sparse.driver.checkpoint import has_checkpoint
     from fedjax_sparse.errors import RunError
     if (out / "summary.json").exists() or (out / DIVERGED).exists():
         print(f"[skip] {out} is complete", flush=True)
@@ -128,7 +128,7 @@ def run_one(method: str, malicious_pct: int, seed: int, args, out: Path) -> None
 # ---------------------------------------------------------------------------- reporting
 def load_final(path: Path) -> dict | None:
     """The last evaluated round of one run (None when it has not been evaluated yet)."""
-    from fedjax_sparse.checkpoint import read_metrics
+    from fedjax_sparse.driver.checkpoint import read_metrics
     rows = read_metrics(path)
     if not rows:
         return None
@@ -241,7 +241,7 @@ def plot_fig4(curve: dict, fedavg: dict | None, path: Path) -> None:
 def bench(args, out: Path) -> dict:
     """Seconds per round (after a compile round) for FSL and FedAvg at several clients per round."""
     import jax
-    from fedjax_sparse.timing import time_rounds
+    from fedjax_sparse.tools.timing import time_rounds
     results = []
     for method in args.bench_methods:
         for k in args.bench_clients:

@@ -34,7 +34,7 @@ the cifar10 and cifar100 studies (not run by default; ``--methods``), with
 Table 5's learning rates; HeteroFL and FjORD slice the ResNet's residual
 stream like its layers (docs/baselines.md).
 
-Output, skipping/resuming and reports: see experiments/reproduce/spafl_fmnist.py (fedjax_sparse.studies).
+Output, skipping/resuming and reports: see experiments/reproduce/spafl_fmnist.py (fedjax_sparse.papers.studies).
 Test on a slice: ``--study cifar10 --dataset cifar10_sample --data-dir
 ../shared/data --num-clients 4 --clients-per-round 2 --rounds 2``.
 """
@@ -43,7 +43,7 @@ from __future__ import annotations
 import copy
 import sys
 
-from fedjax_sparse import studies
+from fedjax_sparse.papers import studies
 
 CIFAR10_BASE = dict(dataset="cifar10", model="cnn7", num_clients=100, clients_per_round=10, local_epochs=5,
                     batch_size=16, partition="dirichlet:0.1", min_client_samples=16, preprocess="standardize",

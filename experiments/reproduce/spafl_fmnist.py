@@ -25,7 +25,7 @@ checkpoint; a run whose loss turns NaN/inf gets ``diverged.json``, the study
 goes on, reruns skip it and the report counts it apart ("2 (+1 diverged)")
 and out of the means (``--replicas`` runs stop at the first divergence, as
 before). ``--replicas sequential|vmap|auto`` runs each method's seeds as
-replicas in one process (``fedjax_sparse.replicas``: the same files and
+replicas in one process (``fedjax_sparse.driver.replicas``: the same files and
 numbers, one compiled program for all seeds). For the SpaFL family a callback records, after every
 evaluation, every client's conv1 row mask and density (``spafl_masks.npz``):
 the paper's density is the mean over *all* clients of their mean per-layer
@@ -43,10 +43,11 @@ from __future__ import annotations
 
 import sys
 
-from fedjax_sparse import papers, studies
+from fedjax_sparse import papers
+from fedjax_sparse.papers import studies
 
 # The setting and its methods: fedjax_sparse.papers (SPAFL_FMNIST_*); running and reporting a study
-# over seeds: fedjax_sparse.studies.
+# over seeds: fedjax_sparse.papers.studies.
 STUDIES = {"fmnist": papers.SPAFL_FMNIST_STUDY}
 
 

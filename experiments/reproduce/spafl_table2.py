@@ -30,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fedjax_sparse import papers, studies
+from fedjax_sparse import papers
+from fedjax_sparse.papers import studies
 
 ROWS = (  # (method, label, where its runs are, relative to --results)
     ("spafl", "SpaFL", "spafl_cpu"),   # falls back to the H100 record (see the docstring)

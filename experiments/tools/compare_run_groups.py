@@ -9,7 +9,7 @@
 A run folder is either this project's (``metrics.jsonl``; accuracy is a fraction,
 reported in percent) or one written by the authors'-code drivers of
 ``experiments/tools/sidebyside/`` (``curve.json``, accuracy already in percent); both are
-read by ``fedjax_sparse.sidebyside.read_ours`` / ``read_authors``. A run without a given
+read by ``fedjax_sparse.tools.sidebyside.read_ours`` / ``read_authors``. A run without a given
 round (evaluated less often, or stopped early) does not count at that round, so
 ``n`` can differ per round. Writes ``OUT_STEM.json`` (every group's per-seed values
 and mean, std (ddof 1), n per round) and ``OUT_STEM.md`` (the table).
@@ -20,7 +20,7 @@ import argparse
 import json
 from pathlib import Path
 
-from fedjax_sparse.sidebyside import at_round, read_authors, read_ours, summarise
+from fedjax_sparse.tools.sidebyside import at_round, read_authors, read_ours, summarise
 
 
 def read_run(folder: Path) -> dict:

@@ -50,7 +50,7 @@ TARGETS = {
         "tests/test_robust.py", "tests/test_fsl.py::test_reverse_attack_reverses_the_malicious_vote",
         "tests/test_mutation_attacks.py",
         "-k", "not engine_runs and not scale_attack and not mean_aggregator and not lr_schedules"],
-    "fedjax_sparse/accounting.py": [
+    "fedjax_sparse/core/accounting.py": [
         "tests/test_accounting.py", "tests/test_layers.py::test_lenet5_caffe_shapes_costs_and_rows",
         "tests/test_mutation_accounting.py",
         "-k", "not spafl_flops and not metrics_jsonl"],

@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    from fedjax_sparse.checkpoint import read_metrics
+    from fedjax_sparse.driver.checkpoint import read_metrics
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise SystemExit(f"error: {path} not found; pass run directories written with --out")

@@ -34,7 +34,7 @@ import argparse
 import json
 from pathlib import Path
 
-from fedjax_sparse.sidebyside import at_round, read_authors, read_ours, summarise
+from fedjax_sparse.tools.sidebyside import at_round, read_authors, read_ours, summarise
 
 
 def band(runs: list[dict], key: str, max_round: int) -> list[dict]:

@@ -28,7 +28,7 @@ authors' FMNIST code, news-vt/SpaFL_NeruIPS_2024 ``main/fmnist``):
   own thresholds, the reset rule applied without writing it back).
 
 Inputs (``--inputs DIR``, written by ``bench_vs_pytorch.py``; the layouts of
-``fedjax_sparse/pinning.py``): ``data.npz`` (``train_x`` uint8 [n, 28, 28],
+``fedjax_sparse/driver/pinning.py``): ``data.npz`` (``train_x`` uint8 [n, 28, 28],
 ``train_y``, ``test_x``, ``test_y``), ``partition.json``
 (``fedjax_sparse.partition/1``), ``cohorts.json`` (``fedjax_sparse.cohorts/1``),
 ``init_params.npz`` (``params/<layer>/kernel``, conv HWIO, dense [in, out] with

@@ -3,16 +3,16 @@ registers its algorithms: adding an algorithm is one new file (plus its tests).
 
 Each registered algorithm is also a plain builder function of this package,
 ``fedjax_sparse.algorithms.spafl(task, alpha=0.002) -> Algorithm``, with its options
-as typed keyword arguments (defaults as in ``--option``). These functions take the
-place of the same-named modules as attributes of the package: import a module's
-contents with ``from fedjax_sparse.algorithms.spafl import ...``.
+as typed keyword arguments (defaults as in ``--option``). A module is named for the
+family it holds, never as one of its algorithms (the builder would take the module's
+place as the package's attribute): ``from fedjax_sparse.algorithms.spafl_family import ...``.
 """
 import dataclasses
 import importlib
 import inspect
 import pkgutil
 
-from fedjax_sparse.algorithms.base import (Algorithm, ClientContext, ServerContext, Task, client_metrics,
+from fedjax_sparse.core.algorithm import (Algorithm, ClientContext, ServerContext, Task, client_metrics,
                                            replicate, tree_weighted_mean)
 from fedjax_sparse.algorithms.supervised import local_train, predict_fn, sgd
 from fedjax_sparse.algorithms.registry import (algorithm_defaults, algorithm_entry, algorithm_names, algorithm_options,
@@ -20,7 +20,7 @@ from fedjax_sparse.algorithms.registry import (algorithm_defaults, algorithm_ent
 
 # Building blocks for your own algorithms: local_train (local SGD epochs over a client's data),
 # sgd (PyTorch-style SGD as an optax chain), predict_fn, tree_weighted_mean, client_metrics.
-_INFRASTRUCTURE = {"base", "registry", "supervised"}
+_INFRASTRUCTURE = {"registry", "supervised"}
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     if _module not in _INFRASTRUCTURE and not _module.startswith("_"):
         importlib.import_module(f"{__name__}.{_module}")
@@ -45,7 +45,11 @@ def builder(name: str):
     return build
 
 
+_MODULES = {m.name for m in pkgutil.iter_modules(__path__)}
 for _name in algorithm_names():
+    if _name in _MODULES:
+        raise ImportError(f"algorithm {_name!r} is registered by a module of the same name, whose place its builder "
+                          f"would take: rename algorithms/{_name}.py for its family ({_name}_family.py)")
     globals()[_name] = builder(_name)
 
 __all__ = ["Algorithm", "ClientContext", "ServerContext", "Task", "algorithm_defaults", "algorithm_names",

@@ -36,14 +36,14 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_sparse.errors import arg
-from fedjax_sparse import accounting
-from fedjax_sparse.algorithms.fedavg import FedAvgServerState, dense_client_update, global_model_predict
-from fedjax_sparse.algorithms.base import (Algorithm, Task, client_metrics, cohort_mean, replicate,
+from fedjax_sparse.core import accounting
+from fedjax_sparse.algorithms.fedavg_family import FedAvgServerState, dense_client_update, global_model_predict
+from fedjax_sparse.core.algorithm import (Algorithm, Task, client_metrics, cohort_mean, replicate,
                                            tree_weighted_mean)
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import local_train, sgd, zeros_like_tree
 from fedjax_sparse.models.base import Hooks, Model, check_layer_kinds
-from fedjax_sparse.training import masked_cross_entropy, model_rng, run_local_epochs
+from fedjax_sparse.core.training import masked_cross_entropy, model_rng, run_local_epochs
 
 
 # State fields are declared in the sorted order of the dict keys these states had before they were

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from fedjax_sparse.algorithms.base import Algorithm, ServerContext
+from fedjax_sparse.core.algorithm import Algorithm, ServerContext
 from fedjax_sparse.mechanisms.attacks import (DEVIATIONS, Threat, min_max_attack, scale_attack,
                                               tailored_multi_krum_attack, tailored_trimmed_mean_attack)
 from fedjax_sparse.mechanisms.robust_aggregation import krum_count, masked_mean, multi_krum, trimmed_mean

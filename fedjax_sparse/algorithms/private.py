@@ -51,7 +51,7 @@ estimator (1/K each), so the two differ whenever the sampled clients' sizes diff
 
 What the guarantee covers: the sequence of server states (everything computed from the private
 aggregates is post-processing), with a trusted server that clips and noises; the accountant is
-``fedjax_sparse.privacy`` (one ``GaussianDpEvent`` per round, the cohort sampled as the engine does).
+``fedjax_sparse.driver.privacy`` (one ``GaussianDpEvent`` per round, the cohort sampled as the engine does).
 It does not hold when the server uses the individual messages (wrap ``with_dp`` outside
 ``with_aggregator``: the robust aggregator then sees K identical rows) or when clients' states leave
 them in other ways. Non-float messages (FSL's rankings, FedPM's masks, SignSGD's signs, HeteroFL's
@@ -77,12 +77,12 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
 from fedjax_sparse.errors import arg
-from fedjax_sparse.algorithms.base import Algorithm, ServerContext
+from fedjax_sparse.core.algorithm import Algorithm, ServerContext
 from fedjax_sparse.algorithms.baselines import CaldasServerState, ScaffoldServerState
 from fedjax_sparse.algorithms.compose import StatisticsSplit, UpdateServer, flatten_messages
-from fedjax_sparse.algorithms.feddrop import FedDropServerState
+from fedjax_sparse.algorithms.feddrop_family import FedDropServerState
 from fedjax_sparse.algorithms.registry import algorithm_entry, algorithm_names, resolve_options, wrapper_refusal
-from fedjax_sparse.algorithms.spafl import SpaflServerState
+from fedjax_sparse.algorithms.spafl_family import SpaflServerState
 
 # Folded into the round's server key for the noise: an algorithm whose server draws from ``ctx.key``
 # itself then never sees the same numbers as the noise.

@@ -17,14 +17,14 @@ refuses the combination in one line before anything is built.
 
 What ``python -m fedjax_sparse list`` says about it is in its registration too: a one-line
 ``description``, its ``paper``, and the client learning rate ``lr`` a run takes when none is given
-(:mod:`fedjax_sparse.catalog` reads them from here), so a new algorithm is one file.
+(:mod:`fedjax_sparse.driver.catalog` reads them from here), so a new algorithm is one file.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable
 
-from fedjax_sparse.algorithms.base import Algorithm, Task
+from fedjax_sparse.core.algorithm import Algorithm, Task
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,16 +57,16 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from fedjax_sparse.errors import arg
-from fedjax_sparse import accounting
-from fedjax_sparse.algorithms.base import Algorithm, Task, client_metrics, replicate
+from fedjax_sparse.core import accounting
+from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics, replicate
 from fedjax_sparse.algorithms.compose import ATTACKS, WRAPPER_AGGREGATORS, UpdateServer, with_aggregator, with_attack
-from fedjax_sparse.algorithms.fedavg import FedAvgServerState
+from fedjax_sparse.algorithms.fedavg_family import FedAvgServerState
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import local_train, predict_fn
 from fedjax_sparse.mechanisms.attacks import DEVIATIONS, Threat, sign_reverse_attack
 from fedjax_sparse.mechanisms.robust_aggregation import sign_majority, topk_sparsify
 from fedjax_sparse.mechanisms.supermask import kept_count
-from fedjax_sparse.training import steps_per_epoch
+from fedjax_sparse.core.training import steps_per_epoch
 
 LR_SCHEDULES = ("cosine_epoch", "cosine_step", "constant")
 

@@ -9,7 +9,7 @@ import optax
 
 from fedjax_sparse.data.federated import ClientData
 from fedjax_sparse.models.base import Hooks, Model, NO_HOOKS
-from fedjax_sparse.training import Batch, masked_cross_entropy, model_rng, run_local_epochs
+from fedjax_sparse.core.training import Batch, masked_cross_entropy, model_rng, run_local_epochs
 
 
 def sgd(lr: float, momentum: float = 0.0, weight_decay: float = 0.0, clip_norm: float | None = None):

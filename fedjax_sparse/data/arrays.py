@@ -5,7 +5,7 @@ Two entry points build a `PartitionedData` (a `Dataset` plus its `Partition`):
 * `from_arrays` takes train/test arrays and either per-example **client ids**
   (a natural partition: each example belongs to the client its id names) or a
   partition **spec** (``"dirichlet:0.3"``, ``"iid"``, ``"shards:2"``, see
-  `fedjax_sparse.data.partition`) with ``num_clients``;
+  `fedjax_sparse.data.partitions`) with ``num_clients``;
 * `partition` splits an already loaded `Dataset` (built-in or `load_npz`).
 
 `PartitionedData.to_federated` gives the `FederatedData` the engine trains on,
@@ -63,7 +63,7 @@ from fedjax_sparse.data.datasets import NPZ_PREFIX, Dataset, dataset_options, lo
 
 from fedjax_sparse.errors import DataError, arg, in_callers_words
 from fedjax_sparse.data.federated import FederatedData, build_federated_data
-from fedjax_sparse.data.partition import Partition, partition_dataset
+from fedjax_sparse.data.partitions import Partition, partition_dataset
 
 __all__ = ["NPZ_KEYS", "NPZ_ID_KEYS", "PartitionedData", "from_arrays", "load", "load_npz", "partition"]
 
@@ -488,7 +488,7 @@ def partition(dataset: Dataset, spec: str, num_clients: int, seed: int = 0, *,
               min_client_samples: int = 1) -> PartitionedData:
     """Split a loaded `Dataset` (built-in, `load_npz` or `load`) across ``num_clients`` clients.
 
-    ``spec`` as in `fedjax_sparse.data.partition` (``"natural"`` uses the
+    ``spec`` as in `fedjax_sparse.data.partitions` (``"natural"`` uses the
     dataset's client ids). Raises `DataError` for bad specs or when a client
     would get fewer than ``max(1, min_client_samples)`` training examples.
     """

@@ -79,7 +79,7 @@ def pad_index_rows(index_lists, pad_to: int | None = None) -> tuple[np.ndarray, 
 
 
 def build_federated_data(dataset, partition, *, preprocess: str = "unit") -> FederatedData:
-    """Dataset + Partition (see fedjax_sparse.data.partition) -> FederatedData."""
+    """Dataset + Partition (see fedjax_sparse.data.partitions) -> FederatedData."""
     if preprocess not in PREPROCESSING:
         raise ValueError(f"unknown preprocessing {preprocess!r}; valid: {PREPROCESSING}")
     train_x = np.asarray(dataset.train_x)

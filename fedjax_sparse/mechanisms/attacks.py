@@ -20,7 +20,7 @@
 rows the attacker sees. Deciding when and how to attack: the wrapper
 ``fedjax_sparse.algorithms.compose.with_attack`` (float updates of any
 algorithm), SignSGD in ``fedjax_sparse.algorithms.robust`` and FSL in
-``fedjax_sparse.algorithms.fsl``; all of them draw the malicious clients
+``fedjax_sparse.algorithms.fsl_family``; all of them draw the malicious clients
 through ``Threat``.
 """
 from __future__ import annotations

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_sparse.errors import arg
-from fedjax_sparse import accounting
+from fedjax_sparse.core import accounting
 from fedjax_sparse.models.base import Hooks, Model
 
 __all__ = ["WidthLayout", "kept_channels", "per_entry_mean"]

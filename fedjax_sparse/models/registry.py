@@ -135,7 +135,7 @@ def _is_module_instance(obj) -> bool:
 @in_callers_words
 def make_model(name: str, input_shape, num_classes: int, **options) -> Model:
     if is_model_reference(name):
-        from fedjax_sparse.models.flax_adapter import from_flax
+        from fedjax_sparse.models.flax.adapter import from_flax
         target = load_model_reference(name, **options)
         if isinstance(target, Model):
             return target

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from fedjax_sparse.models import make_model
-from fedjax_sparse import pinning
+from fedjax_sparse.driver import pinning
 
 src = Path(sys.argv[1])
 dst = src / "pinned"

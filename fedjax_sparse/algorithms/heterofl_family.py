@@ -1,0 +1,161 @@
+"""HeteroFL (Diao, Ding & Tarokh, ICLR 2021): width-scaled nested sub-models.
+
+A client of rate p trains the sub-model made of the first ``ceil(p C)`` output
+channels (filters / neurons) of every layer but the last (whose outputs, the
+classes, are all kept); each layer's input channels are the previous layer's
+kept channels, so sub-models of smaller rates are prefixes of larger ones
+(nested). The server averages every parameter entry over the sampled clients
+that hold it (uniform mean per entry, ``weighted=True``: data-size weighted);
+an entry no sampled client held keeps its value.
+
+Realisation (``sliced=True``, the default): the client cuts its sub-model out
+of the broadcast model (:meth:`WidthLayout.slice`: static shapes, the kept
+input rows and output columns of every kernel), trains that smaller network
+(about p^2 of the dense FLOPs) and writes it back (:meth:`WidthLayout.unslice`).
+With several rates the level is picked by ``lax.switch`` (one branch per
+level: a real branch under ``lax.map``; ``vmap`` evaluates every branch).
+``sliced=False`` trains the full model with the dropped output channels'
+activations zeroed (``Hooks.activation`` after the nonlinearity, before
+pooling), which is the same computation (tested): kept channels see zero
+inputs from dropped ones, and a dropped channel's kernel slice, bias and
+BatchNorm parameters get exactly zero gradient (its output is multiplied by
+0); it costs the dense FLOPs. BatchNorm running statistics of dropped channels
+move locally in that form but are not held, so the server never aggregates
+them. Flatten is NHWC, so dense input feature f belongs to channel ``f % C``
+of the layer feeding it. Residual models (the ResNet-18) are sliced the same
+way, their pre-activation BatchNorms with the layer whose channels the
+residual stream carries (:class:`WidthLayout`, docs/baselines.md).
+
+SpaFL's setting (appendix A.1.1): p = 0.5 for every client (``rates="0.5"``);
+``rates="1,0.5,0.25"`` gives client c level ``c % 3`` (equal shares, by id).
+Evaluation uses the global model cut to ``eval_rate`` (default: the largest
+rate; channels beyond it are never trained). Left out: HeteroFL's "Scaler"
+(activations / p in training) and static BatchNorm (sBN); masked cross-entropy
+over the client's own labels is not used either (plain cross-entropy).
+
+Accounting (exact): the sub-model's values (kernel entries of kept in x out
+channels, per-channel vectors: bias, BatchNorm scale/bias and running stats)
+at 32 bits, down and up; training FLOPs 6 x the sliced layers' MACs per
+example. The width mechanism (:class:`WidthLayout`, :func:`per_entry_mean`)
+is shared with FjORD (``algorithms/fjord_family.py``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_sparse.errors import arg
+from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics
+from fedjax_sparse.algorithms.registry import register_algorithm
+from fedjax_sparse.algorithms.supervised import local_train, sgd
+from fedjax_sparse.mechanisms.widths import WidthLayout, per_entry_mean
+from fedjax_sparse.models.base import NO_HOOKS, Model, check_layer_kinds
+
+def width_layout(model: Model, name: str, sliced: bool, whose: str) -> WidthLayout:
+    """The model's WidthLayout, once it is checked to take width scaling (HeteroFL's and FjORD's):
+    dense/conv layers, each hidden layer's channels droppable beyond ``whose`` width, and, ``sliced``,
+    widths its own code does not fix (a Flax module cannot run a cut-out sub-model)."""
+    if sliced and model.fixed_widths:
+        raise ValueError(f"{name}: model {model.name} fixes its layers' widths in its own code (a Flax module), so "
+                         f"no narrower sub-model can be cut out of it; add {arg('option', 'sliced=false')} (the full "
+                         "model with the dropped channels zeroed: the same numbers as slicing, tested on the zoo)")
+    check_layer_kinds(model, name, ("dense", "conv"), "narrows dense/conv layers' output channels",
+                      other_macs=False, grouped=False)
+    model.check_unit_drops(name, [layer.name for layer in model.layers[:-1]],
+                           f"zeroes each hidden layer's channels beyond {whose} width")
+    return WidthLayout.from_model(model, model.init(jax.random.PRNGKey(0)))
+
+
+def parse_rates(rates: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(r) for r in str(rates).split(",") if r.strip())
+    except ValueError:
+        values = ()
+    if not values or not all(0.0 < r <= 1.0 for r in values):
+        raise ValueError(f"heterofl: rates must be comma-separated numbers in (0, 1], got {rates!r}")
+    return values
+
+
+# ---------------------------------------------------------------- the algorithm
+@dataclasses.dataclass(frozen=True)
+class HeteroFLOptions:
+    rates: str = "0.5"          # width levels; client c trains level c % len(levels) (SpaFL: 0.5 for all)
+    eval_rate: float = 0.0      # width of the evaluated global model (0: the largest rate)
+    momentum: float = 0.0       # the clients' SGD momentum
+    weighted: bool = False      # data-size weighted per-entry mean (False: each holder counts once)
+    sliced: bool = True         # train the cut-out sub-model (False: the full model, dropped channels zeroed)
+
+
+class HeteroFLServerState(NamedTuple):
+    variables: dict   # the global (full-width) model
+
+
+class HeteroFLMessage(NamedTuple):
+    counts: jax.Array   # [L] int32 kept output channels (the client's level)
+    variables: dict     # the client's model (only the held entries are read)
+
+# Why --aggregator / --attack (algorithms.compose) cannot wrap the width-scaled algorithms (FjORD too).
+WIDTH_UNWRAPPABLE = ("its clients send sub-models of different widths with their integer widths, which the "
+                     "server averages entry by entry over the clients holding each entry")
+
+
+@register_algorithm("heterofl", HeteroFLOptions, unwrappable=WIDTH_UNWRAPPABLE,
+                    description="HeteroFL: clients train width-scaled sub-models", paper="Diao et al., ICLR 2021")
+def heterofl(task: Task, *, rates: str, eval_rate: float, momentum: float, weighted: bool,
+             sliced: bool) -> Algorithm:
+    model = task.model
+    layout = width_layout(model, "heterofl", sliced, "a client's")
+    levels = parse_rates(rates)
+    table = jnp.asarray([layout.static_counts(r) for r in levels], jnp.int32)   # [levels, L]
+    eval_counts = layout.static_counts(eval_rate or max(levels))
+    optimizer = sgd(task.lr, momentum)
+
+    def init(key):
+        return HeteroFLServerState(model.init(key)), ()
+
+    def broadcast(server: HeteroFLServerState, round_index):
+        return server.variables
+
+    def train(variables, data, key, hooks):
+        return local_train(model, optimizer, variables, optimizer.init(variables["params"]), data, key,
+                           epochs=task.local_epochs, batch_size=task.batch_size, preprocess=task.preprocess,
+                           hooks=hooks)
+
+    def train_level(level):
+        static = layout.static_counts(level)
+
+        def run(variables, data, key):
+            new_sub, _, stats = train(layout.slice(variables, static), data, key, NO_HOOKS)
+            return layout.unslice(variables, new_sub, static), stats
+        return run
+
+    branches = [train_level(level) for level in levels]
+
+    def client_update(variables, client_state, data, ctx):
+        level = ctx.client_id % len(levels)
+        counts = table[level]
+        if not sliced:
+            new_vars, _, stats = train(variables, data, ctx.key, layout.hooks(counts))
+        elif len(levels) == 1:
+            new_vars, stats = branches[0](variables, data, ctx.key)
+        else:
+            new_vars, stats = jax.lax.switch(level, branches, variables, data, ctx.key)
+        bits = layout.bits(counts)
+        metrics = client_metrics(
+            loss=stats.loss, flops=layout.training_flops(counts, stats.num_examples), uplink_bits=bits,
+            downlink_bits=bits, density=layout.fraction(counts), num_examples=stats.num_examples)
+        return client_state, HeteroFLMessage(counts, new_vars), metrics
+
+    def server_update(server: HeteroFLServerState, messages: HeteroFLMessage, ctx):
+        held = jax.vmap(lambda c: layout.held(server.variables, c))(messages.counts)
+        weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
+        return HeteroFLServerState(per_entry_mean(server.variables, messages.variables, held, weights)), {}
+
+    def global_predict(server: HeteroFLServerState, x):
+        return layout.predict(model, server.variables, eval_counts, sliced)(x)
+
+    return Algorithm("heterofl", init, broadcast, client_update, server_update, global_predict=global_predict,
+                     hparams=dict(rates=levels, eval_rate=eval_rate or max(levels), sliced=sliced))

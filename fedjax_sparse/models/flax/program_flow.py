@@ -1,0 +1,241 @@
+"""What a traced forward pass says about each weight layer: its inputs, its products, their contraction.
+
+``from_flax`` runs the module's own code with each weight layer's call inside a ``jax.named_scope``
+tagged with its name (:func:`fedjax_sparse.models.flax.macs.layer_scope`) and reads the jaxpr once
+(:func:`program_flow`), following every value through sub-programs: ``pjit``/``jit``, ``remat``
+(``nn.remat``, ``nnx.remat``), ``custom_jvp``/``custom_vjp``, ``cond`` (sources from every branch, MACs of
+the largest), and ``scan`` (its carry to a fixed point, its body's products times its length), so a
+layer under a lifted transform (``nn.remat``, ``nn.scan``, ``nn.jit``, ``nn.vmap``, their NNX forms) is
+seen with its true inputs and costs. Per weight layer it gives:
+
+* ``sources``: the layers (and ``-1``, the model input) whose outputs reach the layer's call without
+  passing another weight layer: a value computed inside a layer's call is that layer's output, values
+  computed from parameters alone (a kernel transform, a learned query) come from no layer;
+* the products inside its call that multiply by its own kernel (``kernel_products`` equations, one per
+  call site: a layer applied twice has two; ``kernel_macs``; ``contractions``: how many entries each
+  output of such a product sums over, from the product's contracted axes, not the kernel's shape);
+* the other products inside its call that involve data (``side_macs``, ``side``: LoRA's
+  ``x @ lora_a @ lora_b`` beside the kernel), which a mechanism acting on the kernel's rows does not
+  reach.
+
+A value's dependencies are followed conservatively (an equation's outputs depend on all its inputs),
+which is exact for the chains, sums and concatenations of a network's data flow. Products inside a
+``while`` loop are refused (``ValueError``), as in :mod:`~fedjax_sparse.models.flax.macs`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import jax.extend  # noqa: F401  (jax.extend.core: not imported by `import jax`)
+
+from fedjax_sparse.models.flax import macs as macs_lib
+
+# A value's dependencies: (sources, parameters, made in). ``sources``: layer indices (-1: the model input) whose
+# outputs it is computed from; ``parameters``: for a value computed from parameters alone (a kernel transform, a
+# learned query), their labels; ``made in``: the layer whose call computed such a value (None outside every call).
+_NONE: tuple = (frozenset(), frozenset(), None)
+_PRODUCTS = ("dot_general", "conv_general_dilated")
+
+
+@dataclasses.dataclass
+class LayerFlow:
+    """What the program does inside one weight layer's call (see the module docstring)."""
+    sources: set = dataclasses.field(default_factory=set)
+    kernel_macs: int = 0
+    kernel_products: int = 0
+    contractions: set = dataclasses.field(default_factory=set)
+    side_macs: int = 0
+    side: list = dataclasses.field(default_factory=list)   # per side product: the parameters it multiplies
+
+
+@dataclasses.dataclass
+class ProgramFlow:
+    layers: dict            # layer name -> LayerFlow
+    logits_sources: frozenset
+    other_macs: int         # products outside every layer's call (attention's scores and values)
+
+
+def _sub(value):
+    if isinstance(value, jax.extend.core.ClosedJaxpr):
+        return [value.jaxpr]
+    if isinstance(value, jax.extend.core.Jaxpr):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [j for v in value for j in _sub(v)]
+    return []
+
+
+def _join(*deps) -> tuple:
+    sources = frozenset().union(*(d[0] for d in deps))
+    if sources:
+        return (sources, frozenset(), None)
+    return (sources, frozenset().union(*(d[1] for d in deps)), next((d[2] for d in deps if d[2] is not None), None))
+
+
+def _contraction(eqn, weight: int) -> int:
+    """How many entries each output of a product sums over (the contracted axes of its operands)."""
+    if eqn.primitive.name == "dot_general":
+        (lc, rc), _ = eqn.params["dimension_numbers"]
+        shape = eqn.invars[weight].aval.shape
+        return int(math.prod(shape[d] for d in (lc if weight == 0 else rc)))
+    rhs = eqn.invars[1].aval.shape
+    return int(math.prod(rhs)) // int(rhs[eqn.params["dimension_numbers"].rhs_spec[0]])
+
+
+def _product_macs(eqn) -> int:
+    return macs_lib.dot_macs(eqn) if eqn.primitive.name == "dot_general" else macs_lib.conv_macs(eqn)
+
+
+class _Flow:
+    def __init__(self, index: dict):
+        self.index = index
+        self.layers = {name: LayerFlow() for name in index}
+        self.other_macs = 0
+
+    def total(self) -> int:
+        return self.other_macs + sum(f.kernel_macs + f.side_macs for f in self.layers.values())
+
+    def absorb(self, other: "_Flow", costs: bool) -> None:
+        self.other_macs += other.other_macs if costs else 0
+        for name, f in other.layers.items():
+            mine = self.layers[name]
+            mine.sources |= f.sources
+            if costs:
+                mine.kernel_macs += f.kernel_macs
+                mine.kernel_products += f.kernel_products
+                mine.contractions |= f.contractions
+                mine.side_macs += f.side_macs
+                mine.side += f.side
+
+    def scope(self, eqn, inherited):
+        layer = macs_lib.layer_of(eqn, inherited)
+        return layer if layer in self.index else inherited
+
+    def entering(self, deps: tuple, where) -> tuple:
+        """A value as an equation in ``where`` reads it: computed from parameters alone inside another layer's
+        call (a lookup of constant positions, a projection of a learned query), it is that layer's output."""
+        if deps[2] is not None and deps[2] != where:
+            return (frozenset({self.index[deps[2]]}), frozenset(), None)
+        return deps
+
+    def combine(self, ins: Sequence[tuple], where) -> tuple:
+        deps = _join(*ins) if ins else _NONE
+        if not deps[0]:
+            return (deps[0], deps[1], where)   # parameters only (a kernel transform stays a parameter)
+        if where is None:
+            return deps
+        self.layers[where].sources |= deps[0] - {self.index[where]}
+        return (frozenset({self.index[where]}), frozenset(), None)
+
+    def product(self, eqn, ins: Sequence[tuple], where, scale: int) -> None:
+        macs = scale * _product_macs(eqn)
+        if where is None:
+            self.other_macs += macs
+            return
+        kernel = ("params", where, "kernel")
+        flow = self.layers[where]
+        weight = [i for i, (s, p, _) in enumerate(ins[:2]) if not s and kernel in p]
+        if weight:
+            flow.kernel_macs += macs
+            flow.kernel_products += 1
+            flow.contractions.add(_contraction(eqn, weight[0]))
+            return
+        flow.side_macs += macs
+        if any(d[0] for d in ins[:2]):   # data on one side: it runs per example, beside the kernel's product
+            flow.side.append(sorted({label[-1] for s, p, _ in ins[:2] if not s for label in p}))
+
+    def run(self, jaxpr, in_deps: Sequence[tuple], where, scale: int, costs: bool) -> list:
+        env: dict = dict(zip(jaxpr.invars, in_deps))
+
+        def of(v):
+            return _NONE if isinstance(v, jax.extend.core.Literal) else env.get(v, _NONE)
+        for eqn in jaxpr.eqns:
+            here = self.scope(eqn, where)
+            ins = [self.entering(of(v), here) for v in eqn.invars]
+            name = eqn.primitive.name
+            if name in _PRODUCTS and costs:
+                self.product(eqn, ins, here, scale)
+            subs = [j for value in eqn.params.values() for j in _sub(value)]
+            if not subs:
+                outs = [self.combine(ins, here)] * len(eqn.outvars)
+            elif name == "scan":
+                outs = self.scan(eqn, ins, here, scale, costs)
+            elif name == "while":
+                outs = self.loop(eqn, ins, here)
+            elif name == "cond":
+                outs = self.cond(eqn, ins, here, scale, costs)
+            elif len(subs) == 1 and len(subs[0].invars) == len(ins) and len(subs[0].outvars) == len(eqn.outvars):
+                outs = self.run(subs[0], ins, here, scale, costs)   # pjit, remat, custom_jvp/vjp, closed_call
+            else:                                                   # anything else: every output from every input
+                joined = _join(*ins) if ins else _NONE
+                results = [self.run(j, [joined] * len(j.invars), here, scale, costs) for j in subs]
+                outs = [_join(joined, *(d for r in results for d in r))] * len(eqn.outvars)
+            for v, d in zip(eqn.outvars, outs):
+                env[v] = d
+        return [of(v) for v in jaxpr.outvars]
+
+    def scan(self, eqn, ins, where, scale, costs):
+        body = eqn.params["jaxpr"].jaxpr
+        consts, carries = eqn.params["num_consts"], eqn.params["num_carry"]
+        head, carry, xs = ins[:consts], list(ins[consts:consts + carries]), ins[consts + carries:]
+        length = int(eqn.params["length"])
+        for _ in range(64):   # a finite lattice, monotone: a fixed point within a few rounds
+            outs = self.run(body, head + carry + xs, where, scale * length, False)
+            new = [_join(c, o) for c, o in zip(carry, outs[:carries])]
+            if new == carry:
+                break
+            carry = new
+        outs = self.run(body, head + carry + xs, where, scale * length, costs)
+        return [_join(c, o) for c, o in zip(carry, outs[:carries])] + outs[carries:]
+
+    def loop(self, eqn, ins, where):
+        cond_n, body_n = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+        body = eqn.params["body_jaxpr"].jaxpr
+        probe = _Flow(self.index)
+        for sub in _sub([eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]]):
+            probe.run(sub, [_NONE] * len(sub.invars), where, 1, True)
+        if probe.total():
+            raise ValueError("the forward pass runs products inside a while loop, whose number of iterations the "
+                             "program does not say (and reverse-mode training cannot differentiate); use a scan "
+                             "(lax.scan, nn.scan, a fori_loop with static bounds)")
+        consts, carry = ins[cond_n:cond_n + body_n], list(ins[cond_n + body_n:])
+        for _ in range(64):
+            new = [_join(c, o) for c, o in zip(carry, self.run(body, consts + carry, where, 1, False))]
+            if new == carry:
+                break
+            carry = new
+        return carry
+
+    def cond(self, eqn, ins, where, scale, costs):
+        branches = []
+        for branch in _sub(eqn.params["branches"]):
+            flow = _Flow(self.index)
+            branches.append((flow, flow.run(branch, ins[1:], where, scale, costs)))
+        largest = max(branches, key=lambda b: b[0].total())[0] if branches else None
+        for flow, _ in branches:
+            self.absorb(flow, costs and flow is largest)
+        return [_join(ins[0], *(outs[i] for _, outs in branches)) for i in range(len(eqn.outvars))]
+
+
+def program_flow(jaxpr, in_labels: Sequence, layers: Sequence[str]) -> ProgramFlow:
+    """The flow of ``jaxpr`` (its first output: the logits) for the weight layers ``layers`` (their scopes
+    tagged by ``macs.layer_scope``). ``in_labels``: per input variable, ``("input",)`` for the model's
+    input (source ``-1``), a parameter's label (``("params", entry, leaf)``; a layer's kernel is
+    ``("params", name, "kernel")``) or None (a constant)."""
+    index = {name: i for i, name in enumerate(layers)}
+    deps: list[tuple] = []
+    for label in in_labels:
+        if label == ("input",):
+            deps.append((frozenset({-1}), frozenset(), None))
+        else:
+            deps.append((frozenset(), frozenset({label}) if label is not None else frozenset(), None))
+    flow = _Flow(index)
+    outs = flow.run(jaxpr, deps, None, 1, True)
+    logits = flow.entering(outs[0], None) if outs else _NONE
+    return ProgramFlow(flow.layers, logits[0], flow.other_macs)
+
+
+__all__ = ["LayerFlow", "ProgramFlow", "program_flow"]
