@@ -260,7 +260,7 @@ _COUNT_DNUMS = jax.lax.ScatterDimensionNumbers(update_window_dims=(), inserted_w
 
 
 def _scatter_count(bins: jax.Array, size: int) -> jax.Array:
-    """[size] int32 counts of the int32 ``bins`` (every one in [0, size)): one scatter-add, no index
+    """[size] int32 counts of the uint32 ``bins`` (every one in [0, size)): one scatter-add, no index
     normalisation (``.at[].add`` would add passes for negative and out-of-range indices)."""
     return jax.lax.scatter_add(jnp.zeros((size,), jnp.int32), bins.reshape(-1, 1), jnp.ones((bins.size,), jnp.int32),
                                _COUNT_DNUMS, indices_are_sorted=False, unique_indices=False,
@@ -269,7 +269,7 @@ def _scatter_count(bins: jax.Array, size: int) -> jax.Array:
 
 @functools.lru_cache(maxsize=None)
 def _histogram(size: int):
-    """[n] int32 bins in [0, size) -> [size] int32 counts. Under ``vmap`` one scatter over every row's bins
+    """[n] uint32 bins in [0, size) -> [size] int32 counts. Under ``vmap`` one scatter over every row's bins
     offset by row * size (JAX's own batching rule would concatenate a row index to every index: an [n, 2]
     index array per row to write and read)."""
     @custom_vmap
@@ -282,7 +282,7 @@ def _histogram(size: int):
             return histogram(bins), False
         lead = bins.shape[:-1]
         rows = math.prod(lead)
-        offset = (jnp.arange(rows, dtype=jnp.int32) * size).reshape(lead + (1,))
+        offset = (jnp.arange(rows, dtype=jnp.uint32) * size).reshape(lead + (1,))
         return _scatter_count(bins + offset, rows * size).reshape(lead + (size,)), True
 
     return histogram
@@ -298,14 +298,14 @@ def _radix_select(keys: jax.Array, kept: int) -> tuple[jax.Array, jax.Array]:
     """(the ``kept``-th largest key, how many keys exceed it) by a two-pass radix select: a 65536-bin
     histogram of the high 16 bits picks the bin, a histogram of the low 16 bits inside that bin picks the
     value; the count comes from the two histograms (no pass over the keys)."""
-    high = (keys >> 16).astype(jnp.int32)
-    hist_high = _histogram(1 << 16)(high)
+    hist_high = _histogram(1 << 16)(keys >> 16)
     suffix_high = _suffix_counts(hist_high)
     bin_high = (suffix_high >= kept).sum() - 1                 # suffix counts fall with the bin
     above = suffix_high[bin_high] - hist_high[bin_high]        # keys in higher bins
-    # Keys outside the chosen bin count in an extra bin 65536, dropped after.
-    hist_low = _histogram((1 << 16) + 1)(jnp.where(high == bin_high, (keys & jnp.uint32(0xFFFF)).astype(jnp.int32),
-                                                   1 << 16))[:1 << 16]
+    # Keys outside the chosen bin (below it, the uint32 difference wraps) count in an extra bin 65536,
+    # dropped after.
+    hist_low = _histogram((1 << 16) + 1)(jnp.minimum(keys - (bin_high.astype(jnp.uint32) << 16),
+                                                     jnp.uint32(1 << 16)))[:1 << 16]
     suffix_low = _suffix_counts(hist_low)
     bin_low = (above + suffix_low >= kept).sum() - 1
     threshold = (bin_high.astype(jnp.uint32) << 16) | bin_low.astype(jnp.uint32)
@@ -403,6 +403,24 @@ def _ste_bwd(fraction, nonnegative, residual, g):
 straight_through_topk.defvjp(_ste_fwd, _ste_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _abs_straight_through(scores: jax.Array, fraction: float) -> jax.Array:
+    """``straight_through_topk(jnp.abs(scores), fraction)`` with its gradient in one select,
+    ``where(scores >= 0, g, -g)`` (``jnp.abs``'s own JVP, whose transpose adds a select's two branches)."""
+    return topk_mask(jnp.abs(scores), fraction, nonnegative=True)
+
+
+def _abs_ste_fwd(scores, fraction):
+    return topk_mask(jnp.abs(scores), fraction, nonnegative=True), scores
+
+
+def _abs_ste_bwd(fraction, scores, g):
+    return (jnp.where(scores >= 0, g, -g),)
+
+
+_abs_straight_through.defvjp(_abs_ste_fwd, _abs_ste_bwd)
+
+
 def supermask(scores: jax.Array, fraction: float, mask_by: str = "abs") -> jax.Array:
     """Differentiable supermask of one layer's scores.
 
@@ -411,7 +429,7 @@ def supermask(scores: jax.Array, fraction: float, mask_by: str = "abs") -> jax.A
     score itself (the paper's eq. 6: the mask is the top of the ranking).
     """
     if mask_by == "abs":
-        return straight_through_topk(jnp.abs(scores), fraction, True)
+        return _abs_straight_through(scores, fraction)
     if mask_by == "raw":
         return straight_through_topk(scores, fraction)
     raise ValueError(f"unknown mask_by {mask_by!r}; valid: {MASK_BY}")
