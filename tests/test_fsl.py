@@ -84,17 +84,31 @@ def test_topk_mask_keeps_edge_popup_count_and_largest():
         np.testing.assert_array_equal(m.reshape(-1)[order], (np.arange(77) >= 77 - kept).astype(np.float32))
 
 
-def test_topk_mask_ties_signed_values_and_zero():
-    np.testing.assert_array_equal(sm.topk_mask(jnp.array([1., 1., 1., 0., 2.]), 0.6), [1, 1, 0, 0, 1])
-    np.testing.assert_array_equal(sm.topk_mask(jnp.array([-3., -1., -2., 0.5]), 0.5), [0, 1, 0, 1])
-    np.testing.assert_array_equal(sm.topk_mask(jnp.array([-0.0, 0.0, -1e-30]), 0.2), [1, 0, 0])  # equal zeros
-    np.testing.assert_array_equal(sm.topk_mask(jnp.array([-0.0, 0.0, -1e-30]), 0.34), [1, 1, 0])
+@pytest.mark.parametrize("jit", [False, True])   # under jit XLA folded order_keys' former ``x + 0.0``
+def test_topk_mask_ties_signed_values_and_zero(jit):
+    topk = jax.jit(sm.topk_mask, static_argnums=1) if jit else sm.topk_mask
+    np.testing.assert_array_equal(topk(jnp.array([1., 1., 1., 0., 2.]), 0.6), [1, 1, 0, 0, 1])
+    np.testing.assert_array_equal(topk(jnp.array([-3., -1., -2., 0.5]), 0.5), [0, 1, 0, 1])
+    np.testing.assert_array_equal(topk(jnp.array([-0.0, 0.0, -1e-30]), 0.2), [1, 0, 0])  # equal zeros
+    np.testing.assert_array_equal(topk(jnp.array([-0.0, 0.0, -1e-30]), 0.34), [1, 1, 0])
+    np.testing.assert_array_equal(topk(jnp.array([0.0, -0.0, -1e-30]), 0.2), [1, 0, 0])
 
 
-def test_topk_ties_under_vmap_are_broken_per_client_and_only_when_needed():
+def _cumsum_lengths(jaxpr) -> list[int]:
+    """The length of the scanned axis of every cumsum in ``jaxpr`` and the jaxprs it calls."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cumsum":
+            out.append(eqn.invars[0].aval.shape[eqn.params["axis"]])
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            out += _cumsum_lengths(sub)
+    return out
+
+
+def test_topk_ties_under_vmap_are_broken_per_client_without_a_prefix_count_over_the_layer():
     """Clients in lockstep: one needs its ties broken (three equal values, room for two), the others do
-    not; each gets its own mask as alone. The prefix count that breaks ties sits behind a conditional
-    over the whole batch (a per-client lax.cond would become a select computing it every step)."""
+    not; each gets its own mask as alone. Ties are cut by counts per block of ``TIE_BLOCK`` entries:
+    no cumsum runs over the layer (it ran every step of every client)."""
     x = jnp.array([[1., 1., 1., 0., 2.], [3., 1., 2., 0.5, 0.1], [0., 0., 0., 0., 0.]])
     alone = np.stack([np.asarray(sm.topk_mask(row, 0.6)) for row in x])
     np.testing.assert_array_equal(alone, [[1, 1, 0, 0, 1], [1, 1, 1, 0, 0], [1, 1, 1, 0, 0]])
@@ -102,10 +116,38 @@ def test_topk_ties_under_vmap_are_broken_per_client_and_only_when_needed():
     np.testing.assert_array_equal(batched(x), alone)
     np.testing.assert_array_equal(batched(x[1:2]), alone[1:2])                       # no tie anywhere
     np.testing.assert_array_equal(jax.vmap(jax.vmap(lambda v: sm.topk_mask(v, 0.6)))(x[None]), alone[None])
-    text = batched.lower(jnp.ones((4, 5000))).compile().as_text()
-    entry = text[text.index("ENTRY"):].split("\n}")[0]
-    # one conditional for the whole batch, returning each client's cut (not a mask)
-    assert any("conditional(" in line and "s32[4]" in line for line in entry.splitlines())
+    for n in (5000, 70000):
+        lengths = _cumsum_lengths(jax.make_jaxpr(jax.vmap(lambda v: sm.topk_mask(v, 0.6)))(jnp.ones((4, n))).jaxpr)
+        assert lengths and max(lengths) <= max(sm.TIE_BLOCK, 1 << 16), lengths   # blocks and the 65536-bin histograms
+
+
+def _reference_topk(values: np.ndarray, fraction: float) -> np.ndarray:
+    """The kept_count largest values, ties by lowest flat index: a stable sort on (-value, index)."""
+    flat = values.reshape(-1)
+    kept = sm.kept_count(flat.size, fraction)
+    order = np.lexsort((np.arange(flat.size), -(flat.astype(np.float64) + 0.0)))   # -0.0 ties +0.0
+    mask = np.zeros(flat.size, np.float32)
+    mask[order[:kept]] = 1
+    return mask.reshape(values.shape)
+
+
+@pytest.mark.parametrize("n", [3000, 70001, 1 << 17])   # bisect path; radix path, n not a multiple of TIE_BLOCK
+def test_topk_mask_block_tie_cut_matches_a_sort_per_client(n):
+    """Many ties, spread over blocks, the threshold's ties cut at various places: each client's mask under
+    vmap equals a stable sort's, and the nonnegative keys of |x| give the mask of order_keys."""
+    key = jax.random.PRNGKey(n)
+    rows = [jax.random.normal(key, (n,)).round(1),                        # ties everywhere
+            jnp.zeros((n,)).at[::7].set(1.0),                              # the cut lands inside one block
+            jnp.zeros((n,)).at[n // 3:].set(2.0).at[-5:].set(3.0),         # ties in the last blocks only
+            jax.random.normal(jax.random.fold_in(key, 1), (n,))]           # no tie
+    x = jnp.stack(rows)
+    for fraction in (0.5, 0.1, 0.93):
+        got = np.asarray(jax.jit(jax.vmap(lambda v: sm.topk_mask(v, fraction)))(x))
+        want = np.stack([_reference_topk(np.asarray(r), fraction) for r in rows])
+        np.testing.assert_array_equal(got, want)
+        absolute = jnp.abs(x)
+        np.testing.assert_array_equal(jax.vmap(lambda v: sm.topk_mask(v, fraction, nonnegative=True))(absolute),
+                                      np.stack([_reference_topk(np.asarray(r), fraction) for r in absolute]))
 
 
 def test_straight_through_gradient():

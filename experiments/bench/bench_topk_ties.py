@@ -1,6 +1,7 @@
 """FSL's top-k masks for clients in lockstep (issue 48 item 2): the layer mask of 25 clients' fc1 scores
-(1.6M edges each, ``vmap``) with the tie-breaking prefix count behind one conditional for the batch
-(``supermask.topk_mask`` now) against the formulation before it (a per-client ``lax.cond``, which
+(1.6M edges each, ``vmap``) with ``supermask.topk_mask`` as it is (recorded in fsl_topk_ties_cpu.json when
+it put the tie-breaking prefix count behind one conditional for the batch; since then ties are cut by
+per-block counts, docs/design.md) against the per-client-conditional formulation (a per-client ``lax.cond``, which
 ``vmap`` turns into a select that computes the prefix count every time), and the threshold alone (the
 floor), side by side in one process; median of 7 timed calls after a compiling one.
 

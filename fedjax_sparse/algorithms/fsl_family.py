@@ -105,7 +105,8 @@ def global_kernels(ranking: dict, weights: dict, sorted_scores: dict, fraction: 
         if mask_by == "raw":
             mask = sm.mask_from_ranking(ranking[name], fraction)
         else:
-            mask = sm.topk_mask(jnp.abs(sm.reorder_scores(sorted_scores[name], ranking[name])), fraction)
+            scores = jnp.abs(sm.reorder_scores(sorted_scores[name], ranking[name]))
+            mask = sm.topk_mask(scores, fraction, nonnegative=True)
         out[name] = w * mask.reshape(w.shape)
     return out
 

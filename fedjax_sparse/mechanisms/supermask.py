@@ -243,7 +243,9 @@ def kept_count(n: int, fraction: float) -> int:
 def order_keys(x: jax.Array) -> jax.Array:
     """float32 -> uint32 keys with the same order (negative floats reversed, sign
     bit flipped); -0.0 and +0.0 get the same key, as they compare equal."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32) + 0.0, jnp.uint32)
+    x = x.astype(jnp.float32)
+    # -0.0 -> +0.0 by a select: XLA simplifies ``x + 0.0`` to ``x`` under jit, which kept the two zeros apart.
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, jnp.float32(0), x), jnp.uint32)
     negative = (bits >> 31) == 1
     return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
 
@@ -253,10 +255,61 @@ def _suffix_counts(hist: jax.Array) -> jax.Array:
     return jnp.cumsum(hist[::-1])[::-1]
 
 
+_COUNT_DNUMS = jax.lax.ScatterDimensionNumbers(update_window_dims=(), inserted_window_dims=(0,),
+                                               scatter_dims_to_operand_dims=(0,))
+
+
+def _scatter_count(bins: jax.Array, size: int) -> jax.Array:
+    """[size] int32 counts of the uint32 ``bins`` (every one in [0, size)): one scatter-add, no index
+    normalisation (``.at[].add`` would add passes for negative and out-of-range indices)."""
+    return jax.lax.scatter_add(jnp.zeros((size,), jnp.int32), bins.reshape(-1, 1), jnp.ones((bins.size,), jnp.int32),
+                               _COUNT_DNUMS, indices_are_sorted=False, unique_indices=False,
+                               mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
+@functools.lru_cache(maxsize=None)
+def _histogram(size: int):
+    """[n] uint32 bins in [0, size) -> [size] int32 counts. Under ``vmap`` one scatter over every row's bins
+    offset by row * size (JAX's own batching rule would concatenate a row index to every index: an [n, 2]
+    index array per row to write and read)."""
+    @custom_vmap
+    def histogram(bins):
+        return _scatter_count(bins, size)
+
+    @histogram.def_vmap
+    def histogram_vmap(axis_size, in_batched, bins):
+        if not in_batched[0]:
+            return histogram(bins), False
+        lead = bins.shape[:-1]
+        rows = math.prod(lead)
+        offset = (jnp.arange(rows, dtype=jnp.uint32) * size).reshape(lead + (1,))
+        return _scatter_count(bins + offset, rows * size).reshape(lead + (size,)), True
+
+    return histogram
+
+
 # Up to this many keys, 32 compare-and-count passes beat building two 65536-bin histograms (whose
 # fixed cost dominates on small layers); on large layers the radix select wins (docs/design.md,
 # "Constants and the measurements behind them").
 BISECT_MAX_KEYS = 1 << 16
+
+
+def _radix_select(keys: jax.Array, kept: int) -> tuple[jax.Array, jax.Array]:
+    """(the ``kept``-th largest key, how many keys exceed it) by a two-pass radix select: a 65536-bin
+    histogram of the high 16 bits picks the bin, a histogram of the low 16 bits inside that bin picks the
+    value; the count comes from the two histograms (no pass over the keys)."""
+    hist_high = _histogram(1 << 16)(keys >> 16)
+    suffix_high = _suffix_counts(hist_high)
+    bin_high = (suffix_high >= kept).sum() - 1                 # suffix counts fall with the bin
+    above = suffix_high[bin_high] - hist_high[bin_high]        # keys in higher bins
+    # Keys outside the chosen bin (below it, the uint32 difference wraps) count in an extra bin 65536,
+    # dropped after.
+    hist_low = _histogram((1 << 16) + 1)(jnp.minimum(keys - (bin_high.astype(jnp.uint32) << 16),
+                                                     jnp.uint32(1 << 16)))[:1 << 16]
+    suffix_low = _suffix_counts(hist_low)
+    bin_low = (above + suffix_low >= kept).sum() - 1
+    threshold = (bin_high.astype(jnp.uint32) << 16) | bin_low.astype(jnp.uint32)
+    return threshold, above + suffix_low[bin_low] - hist_low[bin_low]
 
 
 def kth_largest_key(keys: jax.Array, kept: int, method: str = "auto") -> jax.Array:
@@ -282,82 +335,90 @@ def kth_largest_key(keys: jax.Array, kept: int, method: str = "auto") -> jax.Arr
         return jax.lax.fori_loop(0, 32, set_bit, jnp.uint32(0))
     if method != "radix":
         raise ValueError(f"unknown k-th key method {method!r}; valid: auto, radix, bisect, sort")
-    high = (keys >> 16).astype(jnp.int32)
-    low = (keys & jnp.uint32(0xFFFF)).astype(jnp.int32)
-    hist_high = jnp.zeros((1 << 16,), jnp.int32).at[high].add(1)
-    suffix_high = _suffix_counts(hist_high)
-    bin_high = (suffix_high >= kept).sum() - 1                 # suffix counts fall with the bin
-    above = suffix_high[bin_high] - hist_high[bin_high]        # keys in higher bins
-    # Keys outside the chosen bin go to an index past the end and are dropped: a scalar update, no [n] array
-    # of 0/1 updates to write and read.
-    hist_low = jnp.zeros((1 << 16,), jnp.int32).at[jnp.where(high == bin_high, low, 1 << 16)].add(1, mode="drop")
-    bin_low = (above + _suffix_counts(hist_low) >= kept).sum() - 1
-    return (bin_high.astype(jnp.uint32) << 16) | bin_low.astype(jnp.uint32)
+    return _radix_select(keys, kept)[0]
 
 
-def topk_mask(values: jax.Array, fraction: float) -> jax.Array:
+def topk_mask(values: jax.Array, fraction: float, nonnegative: bool = False) -> jax.Array:
     """0/1 float32 mask (same shape) keeping the ``kept_count`` largest values.
 
     Exact without sorting: ``kth_largest_key`` finds the threshold; ties at
-    the threshold are broken by flat index, lowest first.
+    the threshold are broken by flat index, lowest first. ``nonnegative``: the values are >= 0 and
+    none is -0.0 (``jnp.abs``'s output), so their bits order them (one op instead of ``order_keys``).
     """
     flat = values.reshape(-1)
-    kept = kept_count(flat.shape[0], fraction)
-    keys = order_keys(flat)
-    threshold = kth_largest_key(keys, kept)
-    above = keys > threshold
+    n = flat.shape[0]
+    kept = kept_count(n, fraction)
+    keys = jax.lax.bitcast_convert_type(flat, jnp.uint32) if nonnegative else order_keys(flat)
+    if n > BISECT_MAX_KEYS:
+        threshold, above_count = _radix_select(keys, kept)
+    else:
+        threshold = kth_largest_key(keys, kept)
+        above_count = (keys > threshold).sum()
     at = keys == threshold
-    room = kept - above.sum()
-    cut = _tie_cut(at, room)
-    mask = above | (at & (jnp.arange(flat.shape[0]) < cut))
+    cut = _tie_cut(at, kept - above_count)
+    mask = (keys > threshold) | (at & (jnp.arange(n) < cut))
     return mask.astype(jnp.float32).reshape(values.shape)
 
 
-def _lowest_ties_cut(at: jax.Array, room: jax.Array) -> jax.Array:
-    """The index before which ``at`` holds ``room`` entries (a prefix count: a whole-layer pass)."""
-    n = at.shape[-1]
-    over = jnp.cumsum(at, axis=-1) > room[..., None]
-    return jnp.where(over.any(-1), jnp.argmax(over, axis=-1), n).astype(jnp.int32)
+# Ties are counted per block of this many entries; the prefix count runs over the block counts and
+# inside one block, not over the layer.
+TIE_BLOCK = 1024
 
 
-@custom_vmap
 def _tie_cut(at: jax.Array, room: jax.Array) -> jax.Array:
-    """[] int32: ties (``at``) at indices below it are kept, ``room`` of them, the lowest first. Usually
-    every tie fits (``at.sum() == room``, e.g. a single key at the threshold) and the prefix count is
-    skipped. Under ``vmap`` a ``lax.cond`` on a per-client predicate becomes a select that runs the
-    prefix count every time (every local step of every FSL client, a pass over each layer), so the
-    batched rule asks once whether any client needs it. The conditional returns a count per client,
-    not a mask: XLA:CPU copies a conditional's operands and results."""
+    """[] int32: the ties (``at``) at indices below it are the ``room`` lowest (``n`` when every tie fits).
+    On a large layer without a prefix count over the layer: ties counted per ``TIE_BLOCK`` entries (one
+    reduction over ``at``), the prefix count over the block counts finds the block holding tie
+    ``room + 1``, and a prefix count inside that block its index. Every step of every FSL client runs it
+    (no conditional on whether any tie needs cutting: that one cost a copy of its operands on XLA:CPU, and
+    this is one reduction over ``at``)."""
     n = at.shape[-1]
-    return jax.lax.cond(at.sum() == room, lambda: jnp.int32(n), lambda: _lowest_ties_cut(at, room))
+    if n <= TIE_BLOCK:
+        over = jnp.cumsum(at, dtype=jnp.int32) > room
+        return jnp.where(over.any(), jnp.argmax(over), n).astype(jnp.int32)
+    num_blocks = -(-n // TIE_BLOCK)
+    blocks = at if n == num_blocks * TIE_BLOCK else jnp.pad(at, (0, num_blocks * TIE_BLOCK - n))
+    blocks = blocks.reshape(num_blocks, TIE_BLOCK)
+    through = jnp.cumsum(blocks.sum(-1, dtype=jnp.int32))      # ties in blocks 0..b
+    block = jnp.minimum((through <= room).sum(), num_blocks - 1)
+    before = jnp.where(block > 0, through[block - 1], 0)
+    over = jnp.cumsum(jax.lax.dynamic_index_in_dim(blocks, block, keepdims=False), dtype=jnp.int32) > room - before
+    return jnp.where(over.any(), block * TIE_BLOCK + jnp.argmax(over), n).astype(jnp.int32)
 
 
-@_tie_cut.def_vmap
-def _tie_cut_vmap(axis_size, in_batched, at, room):
-    at, room = (x if batched else jnp.broadcast_to(x, (axis_size,) + x.shape)
-                for x, batched in zip((at, room), in_batched))
-    n = at.shape[-1]
-    fits = at.sum(axis=-1) == room
-    cut = jax.lax.cond(fits.all(), lambda: jnp.full(fits.shape, n, jnp.int32),
-                       lambda: jnp.where(fits, n, _lowest_ties_cut(at, room)))
-    return cut, True
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def straight_through_topk(values: jax.Array, fraction: float) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def straight_through_topk(values: jax.Array, fraction: float, nonnegative: bool = False) -> jax.Array:
     """``topk_mask`` forward; identity gradient backward (edge-popup's STE)."""
-    return topk_mask(values, fraction)
+    return topk_mask(values, fraction, nonnegative)
 
 
-def _ste_fwd(values, fraction):
-    return topk_mask(values, fraction), None
+def _ste_fwd(values, fraction, nonnegative):
+    return topk_mask(values, fraction, nonnegative), None
 
 
-def _ste_bwd(fraction, residual, g):
+def _ste_bwd(fraction, nonnegative, residual, g):
     return (g,)
 
 
 straight_through_topk.defvjp(_ste_fwd, _ste_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _abs_straight_through(scores: jax.Array, fraction: float) -> jax.Array:
+    """``straight_through_topk(jnp.abs(scores), fraction)`` with its gradient in one select,
+    ``where(scores >= 0, g, -g)`` (``jnp.abs``'s own JVP, whose transpose adds a select's two branches)."""
+    return topk_mask(jnp.abs(scores), fraction, nonnegative=True)
+
+
+def _abs_ste_fwd(scores, fraction):
+    return topk_mask(jnp.abs(scores), fraction, nonnegative=True), scores
+
+
+def _abs_ste_bwd(fraction, scores, g):
+    return (jnp.where(scores >= 0, g, -g),)
+
+
+_abs_straight_through.defvjp(_abs_ste_fwd, _abs_ste_bwd)
 
 
 def supermask(scores: jax.Array, fraction: float, mask_by: str = "abs") -> jax.Array:
@@ -368,7 +429,7 @@ def supermask(scores: jax.Array, fraction: float, mask_by: str = "abs") -> jax.A
     score itself (the paper's eq. 6: the mask is the top of the ranking).
     """
     if mask_by == "abs":
-        return straight_through_topk(jnp.abs(scores), fraction)
+        return _abs_straight_through(scores, fraction)
     if mask_by == "raw":
         return straight_through_topk(scores, fraction)
     raise ValueError(f"unknown mask_by {mask_by!r}; valid: {MASK_BY}")
