@@ -94,7 +94,7 @@ FRONT_DOOR = {
     "RunConfig": ("type", "RunConfig", tuple(f.name for f in dataclasses.fields(fjs.RunConfig))),
     "RunError": ("type", "RunError", None),
     "RunResult": ("type", "RunResult", ("summary", "state", "population", "rows", "config")),
-    "RunStopped": ("type", "RunStopped", ("signum", "round_", "out")),
+    "RunStopped": ("type", "RunStopped", ("signum", "round_", "out", "several")),
     "ServerContext": ("type", "ServerContext", ("round", "client_ids", "weights", "key", "extra_ids",
                                                 "extra_messages", "mask")),
     "SweepResult": ("type", "SweepResult", ("members", "results", "rows", "best", "record")),
