@@ -12,7 +12,7 @@ import fedjax_sparse as fjs
 from fedjax_sparse.algorithms import algorithm_names
 from fedjax_sparse.driver.catalog import DEFAULT_LR, default_lr
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"
 # A few rounds of a small population: the defaults' first steps, not a training run.
 TINY = dict(num_clients=40, clients_per_round=2, rounds=2, local_epochs=1, batch_size=32, partition="iid",
             eval_every=2)

@@ -10,7 +10,7 @@ import pytest
 
 import fedjax_sparse as fjs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.fast
