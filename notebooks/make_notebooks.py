@@ -2,7 +2,7 @@
 
     python notebooks/make_notebooks.py          # rewrites notebooks/*.ipynb, without outputs
 
-The notebooks are committed without outputs (small diffs); ``tests/test_notebooks.py`` executes
+The notebooks are committed without outputs (small diffs); ``tests/end_to_end/test_notebooks.py`` executes
 each one top to bottom with ``FEDJAX_SPARSE_NOTEBOOK_SMOKE=1`` (tiny runs on the embedded digits).
 Edit the cells here, not in the .ipynb files, and rerun this script.
 """

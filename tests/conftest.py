@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 # Tests run on CPU, and most are compile-bound (a few rounds of many small programs): XLA:CPU's
-# cheaper backend optimisation compiles about 1.6x faster (measured: tests/test_spafl.py and
+# cheaper backend optimisation compiles about 1.6x faster (measured: tests/algorithms/test_spafl.py and
 # test_feddrop.py, 222 s -> 136 s on 2 cores). Numbers are compared within a test (same flags) or with
 # tolerances, never against speed. XLA:CPU's older (LLVM IR) fusion emitters compile about 1.9x faster
 # again than its MLIR fusion emitters (measured: four engine tests of test_spafl, test_feddrop,

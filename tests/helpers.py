@@ -1,5 +1,6 @@
 """Tiny in-memory federated datasets for fast engine tests."""
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -154,3 +155,30 @@ def static_training_flops_per_example(layout, counts) -> int:
     the reference ``WidthLayout.training_flops`` is checked against."""
     ins = [counts[s] if s >= 0 else n for s, n in zip(layout.source, layout.in_units)]
     return int(sum(u * i * c for u, i, c in zip(layout.flops_unit, ins, counts)))
+
+
+# A few rounds of a small population: the defaults' first steps, not a training run (default learning rates).
+TINY_RUN = dict(num_clients=40, clients_per_round=2, rounds=2, local_epochs=1, batch_size=32, partition="iid",
+                eval_every=2)
+
+
+def finite_losses(result) -> bool:
+    """Every row of a run's result has a finite loss (and there are rows)."""
+    losses = [row.get("loss") for row in result.rows]
+    return bool(losses) and all(loss is not None and math.isfinite(loss) for loss in losses)
+
+
+TINY_ALGORITHM_MODELS = ("cnn_small", "mlp", "conv8", "fsl_lenet")
+
+
+def tiny_algorithm(name, options, data):
+    """The algorithm on the first tiny model it accepts (FSL needs bias-free layers, the FedAvg-shaped
+    robust baselines no BatchNorm, FedDrop conv layers)."""
+    from fedjax_sparse.algorithms import make_algorithm
+    errors = []
+    for model in TINY_ALGORITHM_MODELS:
+        try:
+            return make_algorithm(name, make_task(data, model), options)
+        except (ValueError, KeyError) as e:
+            errors.append(f"{model}: {e}")
+    raise AssertionError(f"{name}: no tiny model fits: {errors}")

@@ -4,7 +4,7 @@ clients ("batched"), side by side in one run on the SpaFL Fashion-MNIST setting 
 clients, each on its own test set with its personal masked LeNet-5-Caffe). Checks that all
 give the same per-client counts and writes the timings as JSON. ``loop`` and ``batched`` live
 here, no longer in the package (no recorded win: docs/design.md, "Execution modes");
-tests/test_evaluation.py checks them against the evaluator.
+tests/core/test_evaluation.py checks them against the evaluator.
 
     python experiments/bench/bench_eval.py --data-dir ../shared/data \\
         --out experiments/results/perf/eval_spafl_fmnist_cpu.json

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]   # the repository
-T = "tests/test_mechanisms.py::"
+T = "tests/mechanisms/test_mechanisms.py::"
 
 # name: (file, old, new, tests that must fail, what is wrong)
 MUTATIONS = {

@@ -34,25 +34,27 @@ ROOT = Path(__file__).resolve().parents[2]   # the repository
 
 # module -> the fast tests that pin it (pytest arguments)
 TARGETS = {
-    "fedjax_sparse/mechanisms/threshold_masks.py": ["tests/test_masks.py"],
-    "fedjax_sparse/mechanisms/syncdrop.py": ["tests/test_dropout.py"],
+    "fedjax_sparse/mechanisms/threshold_masks.py": ["tests/mechanisms/test_masks.py"],
+    "fedjax_sparse/mechanisms/syncdrop.py": ["tests/mechanisms/test_dropout.py"],
     # The next four are narrowed to their unit tests (the engine / end-to-end tests of the full
     # files take 40-110 s a run on 2 cores; docs/testing.md lists the selections' times), plus the
     # tests written for their survivors.
     "fedjax_sparse/mechanisms/supermask.py": [
-        "tests/test_fsl.py", "tests/test_mechanisms.py::test_supermask_defaults_to_absolute_scores",
-        "tests/test_mutation_supermask.py",
+        "tests/algorithms/test_fsl.py",
+        "tests/mechanisms/test_mechanisms.py::test_supermask_defaults_to_absolute_scores",
+        "tests/mechanisms/test_mutation_supermask.py",
         "-k", "not engine and not learns and not reorders_by_global and not rejects"],
     "fedjax_sparse/mechanisms/robust_aggregation.py": [
-        "tests/test_robust.py", "tests/test_mutation_robust.py",
+        "tests/algorithms/test_robust.py", "tests/mechanisms/test_mutation_robust.py",
         "-k", "not engine_runs and not scale_attack and not mean_aggregator and not lr_schedules"],
     "fedjax_sparse/mechanisms/attacks.py": [
-        "tests/test_robust.py", "tests/test_fsl.py::test_reverse_attack_reverses_the_malicious_vote",
-        "tests/test_mutation_attacks.py",
+        "tests/algorithms/test_robust.py",
+        "tests/algorithms/test_fsl.py::test_reverse_attack_reverses_the_malicious_vote",
+        "tests/mechanisms/test_mutation_attacks.py",
         "-k", "not engine_runs and not scale_attack and not mean_aggregator and not lr_schedules"],
     "fedjax_sparse/core/accounting.py": [
-        "tests/test_accounting.py", "tests/test_layers.py::test_lenet5_caffe_shapes_costs_and_rows",
-        "tests/test_mutation_accounting.py",
+        "tests/core/test_accounting.py", "tests/models/test_layers.py::test_lenet5_caffe_shapes_costs_and_rows",
+        "tests/core/test_mutation_accounting.py",
         "-k", "not spafl_flops and not metrics_jsonl"],
 }
 DEFAULT = ["fedjax_sparse/mechanisms/threshold_masks.py", "fedjax_sparse/mechanisms/syncdrop.py"]

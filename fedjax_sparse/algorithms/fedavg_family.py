@@ -61,7 +61,7 @@ class FedAvgServerState(NamedTuple):
 
 # The server state's class follows the server optimiser, not one class with None fields: orbax refuses to
 # restore a checkpoint into a template with a field the checkpoint lacks, even a None one (seen:
-# tests/test_server_optimizers.py), and checkpoints of FedAvg and FedAvgM written before must still load.
+# tests/algorithms/test_server_optimizers.py), and checkpoints of FedAvg and FedAvgM written before must still load.
 class FedAvgMServerState(NamedTuple):
     """Server state under ``server_optimizer=momentum`` (``fedavgm``)."""
     variables: dict   # the global model

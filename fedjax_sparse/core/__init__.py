@@ -11,5 +11,5 @@
   one-line refusal naming the flag that makes it fit (``estimate``, ``check_fits``, ``check_weights_fit``).
 
 It builds on ``models`` and ``data`` (the stacked client data) and imports nothing of the algorithms, the
-driver, the tools or the papers (tests/test_package_layout.py); importing it imports none of its modules.
+driver, the tools or the papers (tests/front_door/test_package_layout.py); importing it imports none of its modules.
 """

@@ -12,6 +12,6 @@
   memory), ``distributed`` (several processes).
 
 It imports the core, the algorithms, the models and the data, and the papers' named settings
-(``RunConfig.from_setting``); nothing below it imports it (tests/test_package_layout.py). Importing this package
-imports none of its modules.
+(``RunConfig.from_setting``); nothing below it imports it (tests/front_door/test_package_layout.py). Importing
+this package imports none of its modules.
 """

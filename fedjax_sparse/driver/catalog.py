@@ -4,8 +4,8 @@ learning rate) and each model (the data sets it suits).
 An algorithm's lines are read from its registration (``register_algorithm(name, options,
 description=, paper=, lr=)``), so a new algorithm is one file: ``ALGORITHMS`` and ``ALGORITHM_LR``
 are built from the registry when read (algorithms registered later, in a notebook or a test,
-included). ``tests/test_discovery.py`` checks that every algorithm of the package and every model has
-its line."""
+included). ``tests/algorithms/test_every_algorithm.py`` checks that every algorithm of the package and every
+model has its line."""
 from __future__ import annotations
 
 # model -> the data sets it suits (by input shape; the first is the one its paper used).
@@ -26,7 +26,7 @@ MODELS = {
 
 # The client learning rate a run uses when none is given (``RunConfig(lr=None)``, no ``--lr``): one that
 # trains every built-in image data set with the default preprocessing (unit-scaled pixels) and the
-# algorithm's default options (tests/test_default_lr.py). An algorithm registers another one with
+# algorithm's default options (tests/algorithms/test_every_algorithm.py). An algorithm registers another one with
 # ``register_algorithm(..., lr=)``: those whose clients train with momentum 0.9 by default (SpaFL's,
 # SignSGD's) take a tenth of plain SGD's (at 0.1 SpaFL diverged on Fashion-MNIST, round 21).
 # Algorithms registering none (and algorithms given as objects) take DEFAULT_LR.

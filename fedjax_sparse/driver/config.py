@@ -20,7 +20,7 @@ from fedjax_sparse.driver.settings import EXECUTION_FIELDS, Execution, RunFields
 CLIENT_PARALLELISM = ("auto", "vmap", "map", "packed", "measure")
 PERSONAL_EVAL_MODES = ("auto", "per_client")
 # Keys of removed execution modes that recorded config.json files hold at these inert values
-# (tests/test_recorded_results.py): dropped on reading; any other value is refused.
+# (tests/end_to_end/test_recorded_results.py): dropped on reading; any other value is refused.
 REMOVED_EXECUTION = {"round_mode": "scan", "client_bucket_size": 0}
 CLIENT_STATES = ("device", "host")
 CLIENT_STORAGE = ("float32", "bfloat16")

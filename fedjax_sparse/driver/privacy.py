@@ -17,7 +17,7 @@ N(0, (z C)^2) noise per coordinate (z: the noise multiplier). The unit of privac
   sensitivity (its ``_compute_rdp_sample_wor_gaussian``: "ratio of the standard deviation of the
   Gaussian noise to the l2-sensitivity"), whereas ``GaussianDpEvent`` documents ``s / C`` with C the
   per-record bound (google/differential-privacy issue #378). So the event carries z C / (2 C) = z / 2;
-  ``tests/test_privacy.py`` pins the library's convention, so a dp_accounting that changes it fails
+  ``tests/algorithms/test_privacy.py`` pins the library's convention, so a dp_accounting that changes it fails
   there. Only the RDP accountant supports this event (``accountant="pld"`` raises).
 * ``sampling="poisson"``: every client joins a round independently with probability q = K / N,
   ``PoissonSampledDpEvent(q, GaussianDpEvent(z))`` under ADD-OR-REMOVE-ONE adjacency (sensitivity C):
@@ -38,7 +38,7 @@ Speed (``experiments/results/perf/dp_accounting_digits_cpu.json``): PLD discreti
 on a grid of ``PLD_VALUE_INTERVAL`` (1e-3, dp_accounting's default 1e-4). dp_accounting builds the
 discretised PLD as a PESSIMISTIC estimate (losses rounded up, truncated mass counted as infinite loss),
 so epsilon at any interval is an upper bound on the mechanism's; the coarser grid is about 10x faster
-and, over the settings ``tests/test_privacy.py`` checks, at least the 1e-4 grid's epsilon and within
+and, over the settings ``tests/algorithms/test_privacy.py`` checks, at least the 1e-4 grid's epsilon and within
 1e-3 of it. One round's PLD is built once per (z, q) and self-composed for each round count
 (``functools.lru_cache``), and epsilons and calibrations are cached, so a run's rows, its summary and a
 sweep's seeds reuse them. dp_accounting's RDP series for Poisson sampling logs "failed to converge ...
@@ -62,7 +62,7 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 SAMPLINGS = ("without_replacement", "poisson")
 ACCOUNTANTS = ("rdp", "pld")
 # The privacy-loss grid of the PLD accountant (dp_accounting's default: 1e-4). Pessimistic at any
-# interval (an upper bound on epsilon); this one is checked against 1e-4 in tests/test_privacy.py.
+# interval (an upper bound on epsilon); this one is checked against 1e-4 in tests/algorithms/test_privacy.py.
 PLD_VALUE_INTERVAL = 1e-3
 NeighborRel = dp_accounting.NeighboringRelation
 # dp_accounting's default RDP orders (1.1 ... 10.9 in 0.1 steps, 11 ... 63, 128, 256, 512, 1024).

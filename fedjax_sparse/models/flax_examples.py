@@ -2,7 +2,7 @@
 
 ``LeNet5Caffe`` is the zoo's ``lenet5_caffe`` (SpaFL's FMNIST model) in ``flax.linen``; given the
 zoo's weights it computes the same logits bit for bit, and trains to the same numbers
-(``tests/test_flax_models.py``). From the command line::
+(``tests/models/test_flax_models.py``). From the command line::
 
     python -m fedjax_sparse run --model fedjax_sparse.models.flax_examples:LeNet5Caffe ...
 

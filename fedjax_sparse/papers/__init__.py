@@ -5,6 +5,6 @@
 * ``studies``: a table of methods, each run over several seeds, reported next to a paper's numbers.
 
 Nothing but the command line, the driver's ``RunConfig.from_setting`` and the experiment scripts imports
-them (tests/test_package_layout.py).
+them (tests/front_door/test_package_layout.py).
 """
 from fedjax_sparse.papers.settings import *  # noqa: F403  (the settings' names: fedjax_sparse.papers.NAME)

@@ -9,5 +9,5 @@
 * ``sidebyside``: per-round curves of this project's runs and of the authors'-code drivers, side by side.
 
 The tools import the driver and the layers below it; none of those imports a tool
-(tests/test_package_layout.py). Importing this package imports none of its modules.
+(tests/front_door/test_package_layout.py). Importing this package imports none of its modules.
 """

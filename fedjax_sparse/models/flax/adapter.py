@@ -198,7 +198,7 @@ def layers_from_hooks(model: Model) -> tuple[tuple[LayerInfo, ...], bool]:
     the hooks (the ResNet's classifier, the ViT's embeddings) are not seen. ``in_units`` is the
     kernel's input width (no grouped convolutions in the zoo). Returns (layers, sequential).
 
-    It checks the zoo's hand-written tables independently (``tests/test_flax_models.py``)."""
+    It checks the zoo's hand-written tables independently (``tests/models/test_flax_models.py``)."""
     variables = jax.eval_shape(model.init, jax.random.PRNGKey(0))
     x_aval = jax.ShapeDtypeStruct((2,) + tuple(model.input_shape), jnp.float32)
     kernels: dict[str, tuple] = {}

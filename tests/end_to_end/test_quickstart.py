@@ -11,7 +11,7 @@ import pytest
 
 from fedjax_sparse.cli import main
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 
 
 def readme_command(setting: str) -> tuple[list[str], float, float]:

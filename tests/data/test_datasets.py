@@ -18,7 +18,7 @@ from fedjax_sparse.data import datasets as ds
 from fedjax_sparse.data.datasets import load_dataset
 from fedjax_sparse.errors import DataError
 
-SHARED_DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SHARED_DATA = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "data"
 
 
 def shared(name: str) -> pathlib.Path:

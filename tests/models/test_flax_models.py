@@ -112,7 +112,7 @@ def test_batch_norm_statistics_ignore_padded_samples():
 
 
 def test_wrong_outputs_are_refused():
-    # Weight sharing is a layer with uses == 2 (tests/test_flax_any_model.py), no longer refused here.
+    # Weight sharing is a layer with uses == 2 (tests/models/test_flax_any_model.py), no longer refused here.
     with pytest.raises(ValueError, match="returns 10 logits .* 7 classes"):
         from_flax(LinenLeNet(), SHAPE, num_classes=7)
     with pytest.raises(TypeError, match="flax.linen or flax.nnx Module"):

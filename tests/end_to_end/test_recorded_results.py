@@ -13,7 +13,7 @@ from fedjax_sparse.papers import studies
 from fedjax_sparse.driver.checkpoint import CHECKPOINT_DIR, LEGACY_CHECKPOINT
 from fedjax_sparse.driver.config import RunConfig, validate
 
-RESULTS = Path(__file__).resolve().parent.parent / "experiments" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "experiments" / "results"
 CONFIGS = sorted(RESULTS.rglob("config.json"))
 
 

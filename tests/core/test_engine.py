@@ -391,7 +391,7 @@ def test_sharding_clients_over_two_devices_gives_the_same_round(tmp_path):
             out.append(np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(state.server)]))
         np.testing.assert_allclose(out[0], out[1], atol=1e-5)
         print("OK")
-    """ % str(Path(__file__).parent))
+    """ % str(Path(__file__).resolve().parents[1]))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-2000:]

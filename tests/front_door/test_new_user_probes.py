@@ -4,7 +4,7 @@ the one line it now answers with.
 * ``--aggregator`` / ``--attack`` around an algorithm they cannot wrap (FSL's integer rankings,
   Local's empty messages...) are refused by ``config.validate``, before data, model or folder;
   every registered algorithm declares whether they apply, and the declaration is checked
-  against the messages its clients actually send.
+  against the messages its clients actually send (tests/algorithms/test_every_algorithm.py).
 * ``plot --y acuracy`` is refused with the valid keys; ``report`` and ``plot`` mark a run that is
   still running (or stopped) instead of calling its numbers final.
 * a run that failed before its first checkpoint (diverged) does not block the corrected command.
@@ -13,8 +13,6 @@ the one line it now answers with.
 """
 import json
 
-import jax
-import jax.numpy as jnp
 import pytest
 
 from fedjax_sparse.cli import main
@@ -63,56 +61,6 @@ def test_a_wrapper_that_cannot_apply_is_refused_in_one_line_before_anything_is_b
     one_line_error(code, err, needle)
     assert "drop --" in err
     assert not out.exists()  # no folder, no config.json
-
-
-def _messages(alg, data):
-    """The abstract message one client sends (shapes and dtypes only: nothing is compiled)."""
-    from fedjax_sparse.core.algorithm import ClientContext
-    from fedjax_sparse.data.federated import ClientData
-
-    def message(key):
-        server, clients = alg.init(key)
-        payload = alg.broadcast(server, jnp.int32(0))
-        client = jax.tree_util.tree_map(lambda x: x[0], clients)
-        ctx = ClientContext(jnp.int32(0), jnp.int32(0), key, key)
-        return alg.client_update(payload, client, ClientData(data.train_x, data.train_y, data.train_idx[0],
-                                                             data.train_count[0]), ctx)[1]
-    return jax.tree_util.tree_leaves(jax.eval_shape(message, jax.random.PRNGKey(0)))
-
-
-def test_every_registered_algorithm_declares_whether_the_wrappers_apply():
-    """The declaration of every algorithm (``register_algorithm(..., unwrappable=...)``) matches what
-    its clients send: the wrappers apply exactly when the messages are non-empty float pytrees, and
-    then a wrapped round traces (no TypeError deep in a run)."""
-    from helpers import make_task, tiny_federated
-
-    from fedjax_sparse.algorithms import algorithm_names, make_algorithm
-    from fedjax_sparse.algorithms.compose import with_aggregator, with_attack
-    from fedjax_sparse.algorithms.registry import resolve_options, wrapper_refusal
-    from fedjax_sparse.core.engine import Engine
-    _, data = tiny_federated((12,) * 6)
-    task = make_task(data)
-    refused, wrapped = [], []
-    for name in algorithm_names():
-        alg = make_algorithm(name, task)
-        leaves = _messages(alg, data)
-        floats = bool(leaves) and all(jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in leaves)
-        reason = wrapper_refusal(name, resolve_options(name))
-        assert (reason is None) == floats, (name, reason, [str(leaf.dtype) for leaf in leaves])
-        if reason is not None:
-            assert reason.startswith("its clients send") and "\n" not in reason, (name, reason)
-            refused.append(name)
-            continue
-        wrapped.append(name)
-        alg = with_attack(with_aggregator(alg, "multi_krum", trim_fraction=0.2), "min_max", num_clients=6,
-                          malicious_fraction=0.4, seed=0)
-        engine = Engine(alg, 6, 3)
-        state = jax.eval_shape(engine.init, jax.random.PRNGKey(0))
-        jax.eval_shape(lambda s: engine.round_step(s, data), state)
-    assert {"fsl", "sfsl", "local", "spafl_local", "signsgd", "fedpm", "heterofl", "fjord"} <= set(refused)
-    assert {"fedavg", "spafl", "feddrop", "scaffold"} <= set(wrapped)
-    # The declaration may depend on the options: SpaFL without shared thresholds sends nothing.
-    assert wrapper_refusal("spafl", resolve_options("spafl", {"share_thresholds": "false"})) is not None
 
 
 @pytest.mark.parametrize("algorithm", ["scaffold", "topk"])

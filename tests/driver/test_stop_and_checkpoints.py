@@ -167,7 +167,7 @@ def test_a_long_evaluation_interval_loses_nothing_on_sigterm(tmp_path, monkeypat
 
 def test_the_cli_exits_143_on_sigterm_and_130_on_sigint_with_one_line(tmp_path):
     """The real thing: a child process, the signal sent from outside while it trains."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     for signum, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
         out = tmp_path / signum.name
         args = [sys.executable, "-m", "fedjax_sparse", "run", "--algorithm", "fedavg", "--dataset", "digits",
@@ -379,7 +379,7 @@ def test_a_signal_at_any_line_of_the_bookkeeping_resumes_identically(tmp_path, e
 def test_a_signal_at_every_other_line_of_the_bookkeeping_resumes_identically(tmp_path, every_round,
                                                                             bookkeeping_lines):
     """Every other line event of the run while its handler is installed (``pytest -m slow
-    tests/test_stop_and_checkpoints.py -k every_other -s``: 1,130 stops, each resumed, in 20 min on 2
+    tests/driver/test_stop_and_checkpoints.py -k every_other -s``: 1,130 stops, each resumed, in 20 min on 2
     shared cores; every line would double that for neighbouring moments); prints how the stops ended."""
     ended: dict = {}
     moments = range(1, bookkeeping_lines + 1, 2)

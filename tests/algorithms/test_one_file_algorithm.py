@@ -14,7 +14,7 @@ import fedjax_sparse as fjs
 from fedjax_sparse.algorithms import registry
 from fedjax_sparse.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NAME = "fedavg_median"
 TINY = ["--dataset", "digits", "--num-clients", "6", "--clients-per-round", "3", "--rounds", "2",
         "--local-epochs", "1", "--quiet"]

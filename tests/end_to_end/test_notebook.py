@@ -6,10 +6,10 @@ import pytest
 
 import matplotlib
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "explore.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "explore.ipynb"
 
 
-@pytest.mark.slow  # the four per-system notebooks (tests/test_notebooks.py) run by default; this older tour is slow
+@pytest.mark.slow  # the four per-system notebooks (tests/end_to_end/test_notebooks.py) run by default; this older tour is slow
 def test_explore_notebook_executes():
     matplotlib.use("Agg")
     cells = json.loads(NOTEBOOK.read_text())["cells"]

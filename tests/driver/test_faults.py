@@ -3,7 +3,7 @@
 Kill -9 at random points then ``--resume`` (equal to an uninterrupted run), concurrent runs into
 one folder (one refused), stale locks, torn metrics, damaged checkpoints, resumes that would change
 the experiment, and bad inputs (exit code 2, one line, no traceback, nothing lost). The kill sweep
-of many runs is marked ``slow`` (``pytest -m slow tests/test_faults.py``); the default suite kills
+of many runs is marked ``slow`` (``pytest -m slow tests/driver/test_faults.py``); the default suite kills
 two runs.
 """
 import json
