@@ -97,3 +97,19 @@ def test_with_overrides_sets_fields_execution_and_each_options_dict():
     assert (config.lr, config.execution.client_parallelism, config.options, config.model_options,
             config.dataset_options) == (0.5, "map", {"alpha": 0.1}, {"hidden": 8}, {"split_seed": 2})
     assert SPAFL.options == {} and SPAFL.execution.client_parallelism == "auto"   # a new configuration
+
+
+@pytest.mark.fast
+def test_a_configuration_is_frozen_and_says_how_to_change_it():
+    import dataclasses
+    config = RunConfig(lr=0.1)
+    with pytest.raises(dataclasses.FrozenInstanceError, match=r"^RunConfig is frozen: use config.replace\(lr=\.\.\.\) "
+                                                              r"or dataclasses.replace\(config, lr=\.\.\.\)"):
+        config.lr = 0.2
+    with pytest.raises(dataclasses.FrozenInstanceError, match=r"^Execution is frozen: use config.replace\(log=\.\.\.\)"):
+        config.execution.log = "csv"
+    changed = config.replace(rounds=3, client_parallelism="map")
+    assert (changed.rounds, changed.execution.client_parallelism, changed.lr) == (3, "map", 0.1)
+    assert (config.rounds, config.execution.client_parallelism) == (30, "auto")   # a new configuration
+    assert changed == dataclasses.replace(config, rounds=3, execution=dataclasses.replace(config.execution,
+                                                                                          client_parallelism="map"))
