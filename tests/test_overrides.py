@@ -113,3 +113,41 @@ def test_a_configuration_is_frozen_and_says_how_to_change_it():
     assert (config.rounds, config.execution.client_parallelism) == (30, "auto")   # a new configuration
     assert changed == dataclasses.replace(config, rounds=3, execution=dataclasses.replace(config.execution,
                                                                                           client_parallelism="map"))
+
+
+def test_a_run_checks_its_configuration_and_sets_the_default_lr_once(tmp_path, monkeypatch, capsys):
+    """On the CLI's path and fjs.run's, fresh and resumed (``--change`` too): one validation, before the
+    folder is written (a resumed run's: the recorded configuration merged), and one default learning rate."""
+    import sys
+    import fedjax_sparse as fjs
+    from fedjax_sparse.driver import catalog, config as config_module
+    calls = {"validate": 0, "with_default_lr": 0, "default_lr": 0}
+
+    def counted(name, function):
+        def count(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+        return count
+    for name, module in [("validate", config_module), ("with_default_lr", config_module), ("default_lr", catalog)]:
+        original, replacement = getattr(module, name), counted(name, getattr(module, name))
+        for other in [m for key, m in list(sys.modules.items()) if key.startswith("fedjax_sparse")]:
+            if getattr(other, name, None) is original:
+                monkeypatch.setattr(other, name, replacement)
+
+    def once(run):
+        calls.update(validate=0, with_default_lr=0, default_lr=0)
+        run()
+        assert calls == {"validate": 1, "with_default_lr": 1, "default_lr": 1}, calls
+    quick = ["--dataset", "synthetic", "--num-clients", "4", "--clients-per-round", "2", "--local-epochs", "1",
+             "--quiet"]
+    once(lambda: main(["run", *quick, "--rounds", "1", "--out", str(tmp_path / "cli")]))
+    once(lambda: main(["run", *quick, "--rounds", "2", "--out", str(tmp_path / "cli"), "--resume", "--change",
+                       "lr=0.05"]))
+    config = RunConfig(dataset="synthetic", num_clients=4, clients_per_round=2, local_epochs=1, rounds=1,
+                       out=str(tmp_path / "api"))
+    once(lambda: fjs.run(config, progress=False))
+    once(lambda: fjs.run(config.replace(rounds=2), progress=False, resume=True))
+    with pytest.raises(RunError, match="rounds.* must be a positive integer, got 0"):
+        fjs.run(config.replace(rounds=0, out=str(tmp_path / "refused")), progress=False)
+    assert not (tmp_path / "refused").exists()   # refused before the folder is made
+    capsys.readouterr()
