@@ -102,6 +102,7 @@ def test_with_overrides_sets_fields_execution_and_each_options_dict():
 @pytest.mark.fast
 def test_a_configuration_is_frozen_and_says_how_to_change_it():
     import dataclasses
+    from fedjax_sparse.driver.experiment import Experiment
     config = RunConfig(lr=0.1)
     with pytest.raises(dataclasses.FrozenInstanceError, match=r"^RunConfig is frozen: use config.replace\(lr=\.\.\.\) "
                                                               r"or dataclasses.replace\(config, lr=\.\.\.\)"):
@@ -113,6 +114,7 @@ def test_a_configuration_is_frozen_and_says_how_to_change_it():
     assert (config.rounds, config.execution.client_parallelism) == (30, "auto")   # a new configuration
     assert changed == dataclasses.replace(config, rounds=3, execution=dataclasses.replace(config.execution,
                                                                                           client_parallelism="map"))
+    assert Experiment.__dataclass_params__.frozen
 
 
 def test_a_run_checks_its_configuration_and_sets_the_default_lr_once(tmp_path, monkeypatch, capsys):

@@ -25,9 +25,11 @@ from fedjax_sparse.models import Model, make_model
 from fedjax_sparse.models.flax.adapter import from_flax
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Experiment:
-    """Everything built from a config, ready to run (also handy in notebooks)."""
+    """Everything built from a config, ready to run (also handy in notebooks). Frozen: a run that
+    changes a part (its data laid out over processes, a measured client schedule) makes a new one
+    with ``dataclasses.replace``."""
     config: RunConfig
     dataset: Any
     partition: Any
