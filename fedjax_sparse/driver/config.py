@@ -226,8 +226,9 @@ def same_setting(config: RunConfig, key: str, a: Any, b: Any) -> bool:
 def with_default_lr(config: RunConfig, algorithm: Any = None) -> RunConfig:
     """``config`` with its learning rate set: the given one, else its algorithm's default
     (:func:`fedjax_sparse.driver.catalog.default_lr`; ``algorithm``: an object given in the name's place);
-    config.json records the one used. The one place the default is applied
-    (:func:`fedjax_sparse.driver.experiment.with_components`, once per run)."""
+    config.json records the one used. The one place the default is applied, once per run
+    (:func:`fedjax_sparse.driver.experiment.with_components`; a resumed run recorded by a version that did not
+    record it: ``runner.open_run``)."""
     if config.lr is not None:
         return config
     from fedjax_sparse.driver.catalog import default_lr

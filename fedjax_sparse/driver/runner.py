@@ -40,7 +40,7 @@ from fedjax_sparse.driver.checkpoint import (Checkpointer, clear_outputs, latest
                                              prepare_out_dir, recover_metrics, restore_checkpoint,
                                              write_metrics)
 from fedjax_sparse.driver.config import (EXECUTION_FIELDS, OPTION_PREFIXES, RunConfig, resolved_dp_accountant,
-                                         same_setting, typed_value, with_overrides)
+                                         same_setting, typed_value, with_default_lr, with_overrides)
 from fedjax_sparse.errors import RunError, RunInterrupted, RunStopped, arg, in_callers_words
 from fedjax_sparse.data.federated import FederatedData
 from fedjax_sparse.core.engine import COHORT_METRICS, STEP_METRICS, Engine, EngineState
@@ -398,6 +398,8 @@ def _open_out(config: RunConfig, out: Path, *, resume: bool, overwrite: bool, gi
         raise RunError(f"{out / 'config.json'} is missing or damaged ({type(e).__name__}); the run cannot "
                        f"be resumed: start a fresh run in a new {arg('out')}") from None
     config, changes = resumed_config(config, saved, given)
+    if config.lr is None:   # recorded by a version whose config.json did not hold the lr used: the default
+        config = with_default_lr(config)
     changed: dict = {}
     if change:
         config, changed = changed_config(config, change)
