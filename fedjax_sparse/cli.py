@@ -271,11 +271,8 @@ def cmd_run(args) -> int:
         if processes > 1:
             raise ValueError("--sweep runs in one process")
         return _run_sweep(args, config, given)
-    if not args.resume:
-        # The whole configuration is checked before anything is loaded or written (a resumed run's
-        # configuration is the recorded one, checked once merged).
-        from fedjax_sparse.driver.config import validate
-        validate(config)
+    # runner.run and replicas.run_replicas check the whole configuration, once, before anything is loaded or
+    # written (a resumed run's configuration is the recorded one, checked once merged).
     if args.seeds is not None:
         if processes > 1:
             raise ValueError("--seeds runs in one process; launch one multi-process run per --seed instead")

@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     for method in args.methods:
         for sliced in (True, False):
             config = studies.method_config(papers.SPAFL_FMNIST_STUDY, method, 0, settings, "unused")
-            config.options["sliced"] = sliced
+            config = config.replace(options={**config.options, "sliced": sliced})
             exp = fjs.build(config)
             state = exp.engine.init(jax.random.PRNGKey(0))
             start = time.perf_counter()

@@ -14,7 +14,7 @@ from fedjax_sparse.models import model_names
 from fedjax_sparse.models.registry import is_model_reference, resolve_model_options
 from fedjax_sparse.errors import RunError, arg, in_callers_words, in_cli
 from fedjax_sparse.schema import Option, describe, fits, from_text, listing, resolve
-from fedjax_sparse.driver.settings import EXECUTION_FIELDS, Execution, RunFields, flag_of
+from fedjax_sparse.driver.settings import EXECUTION_FIELDS, Execution, RunFields, flag_of, refuse_assignment
 
 # The execution modes a run offers: those with a recorded win (docs/design.md, "Execution modes").
 CLIENT_PARALLELISM = ("auto", "vmap", "map", "packed", "measure")
@@ -34,12 +34,20 @@ DEFAULT_MODELS = {
 }
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class RunConfig(RunFields):
     """A run's configuration: what is computed, its fields declared once with their flags in
     :class:`fedjax_sparse.driver.settings.RunFields` (``python -m fedjax_sparse run --help`` lists them, by group,
     with their defaults), and how it runs, ``execution`` (:class:`Execution`). ``config.json`` holds its
-    :meth:`to_json`, :meth:`from_json` reads that back (and config files); :func:`validate` checks it."""
+    :meth:`to_json`, :meth:`from_json` reads that back (and config files); :func:`validate` checks it.
+    Frozen: :meth:`replace` (or ``dataclasses.replace``) gives a changed copy."""
+
+    def replace(self, **changes) -> "RunConfig":
+        """A new configuration with ``changes``, RunConfig and Execution fields by name:
+        ``config.replace(rounds=5, client_parallelism="map")`` (an option dict is replaced whole)."""
+        execution = changes.pop("execution", self.execution)
+        moved = {name: changes.pop(name) for name in [*changes] if name in EXECUTION_FIELDS}
+        return dataclasses.replace(self, **changes, execution=dataclasses.replace(execution, **moved))
 
     def to_json(self) -> dict:
         """The fields as ``config.json`` holds them: flat, execution's among the others (the file's keys
@@ -98,6 +106,10 @@ class RunConfig(RunFields):
                 raise RunError(f"config key {key!r}{in_cli(f' (flag {flag_of(key)})')} expects {describe(hint)}, "
                                f"got {value!r}")
         return cls(**data, execution=Execution(**execution))
+
+
+refuse_assignment(RunConfig, "config.replace({name}=...) or dataclasses.replace(config, {name}=...), a new "
+                             "configuration")
 
 
 def model_name(config: RunConfig) -> str:
@@ -211,13 +223,16 @@ def same_setting(config: RunConfig, key: str, a: Any, b: Any) -> bool:
         return str(a) == str(b)
 
 
-def with_default_lr(config: RunConfig) -> RunConfig:
+def with_default_lr(config: RunConfig, algorithm: Any = None) -> RunConfig:
     """``config`` with its learning rate set: the given one, else its algorithm's default
-    (:func:`fedjax_sparse.driver.catalog.default_lr`); config.json records the one used."""
+    (:func:`fedjax_sparse.driver.catalog.default_lr`; ``algorithm``: an object given in the name's place);
+    config.json records the one used. The one place the default is applied, once per run
+    (:func:`fedjax_sparse.driver.experiment.with_components`; a resumed run recorded by a version that did not
+    record it: ``runner.open_run``)."""
     if config.lr is not None:
         return config
     from fedjax_sparse.driver.catalog import default_lr
-    return dataclasses.replace(config, lr=default_lr(config.algorithm))
+    return dataclasses.replace(config, lr=default_lr(config.algorithm if algorithm is None else algorithm))
 
 
 def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()):

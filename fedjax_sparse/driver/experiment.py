@@ -17,7 +17,7 @@ import numpy as np
 
 from fedjax_sparse.driver import pinning
 from fedjax_sparse.algorithms import Algorithm, Task, compose, make_algorithm
-from fedjax_sparse.driver.config import RunConfig, model_name, resolved_dp_accountant, validate
+from fedjax_sparse.driver.config import RunConfig, model_name, resolved_dp_accountant, validate, with_default_lr
 from fedjax_sparse.errors import DataError, DataWarning, ModelWarning, RunError, arg, in_callers_words
 from fedjax_sparse.data.federated import FederatedData, build_federated_data
 from fedjax_sparse.core.engine import Engine, choose_pack_width, poisson_capacity
@@ -25,9 +25,11 @@ from fedjax_sparse.models import Model, make_model
 from fedjax_sparse.models.flax.adapter import from_flax
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Experiment:
-    """Everything built from a config, ready to run (also handy in notebooks)."""
+    """Everything built from a config, ready to run (also handy in notebooks). Frozen: a run that
+    changes a part (its data laid out over processes, a measured client schedule) makes a new one
+    with ``dataclasses.replace``."""
     config: RunConfig
     dataset: Any
     partition: Any
@@ -76,11 +78,10 @@ def with_components(config: RunConfig, model=None, data=None, algorithm=None) ->
     their names in their place, so config.json records what ran: the algorithm's name, the model's
     name, the data's name, and a partitioned dataset's client count and partition."""
     from fedjax_sparse.algorithms import Algorithm
-    from fedjax_sparse.driver.catalog import default_lr
     from fedjax_sparse.data.arrays import PartitionedData
     from fedjax_sparse.data.datasets import Dataset
-    if config.lr is None:   # the algorithm's default (an object's: catalog.DEFAULT_LR); config.json records it
-        config = dataclasses.replace(config, lr=default_lr(config.algorithm if algorithm is None else algorithm))
+    # The algorithm's default (an object's: catalog.DEFAULT_LR), applied here only; config.json records it.
+    config = with_default_lr(config, algorithm)
     if not isinstance(config.algorithm, str):
         if algorithm is not None:
             raise RunError("give the algorithm once: in RunConfig(algorithm=...) or as run(..., algorithm=...)")
@@ -111,12 +112,31 @@ def with_components(config: RunConfig, model=None, data=None, algorithm=None) ->
     return dataclasses.replace(config, **changes), Components(model, data, algorithm)
 
 
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """A configuration ready to build: its objects split out and its default learning rate applied
+    (:func:`with_components`), validated (:func:`check`), once; ``options``: the algorithm's typed
+    options (None for an algorithm object)."""
+    config: RunConfig
+    parts: Components = Components()
+    options: Any = None
+
+
+def check(config: RunConfig, parts: Components = Components()) -> Checked:
+    """``config`` (from :func:`with_components`, with ``parts``) validated: the one check of a run's
+    configuration, before anything is loaded or written; a RunError names the problem and the fix."""
+    return Checked(config, parts, validate(config, objects=parts.given()))
+
+
 @in_callers_words
-def build(config: RunConfig, *, model=None, data=None, algorithm=None) -> Experiment:
+def build(config: RunConfig | Checked, *, model=None, data=None, algorithm=None) -> Experiment:
     """Data, model, algorithm and engine from ``config``; ``model``, ``data`` and ``algorithm``
-    objects replace the config's names (see :class:`Components`)."""
-    config, parts = with_components(config, model, data, algorithm)
-    options = validate(config, objects=parts.given())
+    objects replace the config's names (see :class:`Components`). A :class:`Checked` configuration
+    (with its objects) is built as it is, not checked again."""
+    if isinstance(config, Checked) and any(value is not None for value in (model, data, algorithm)):
+        raise TypeError("a Checked configuration holds its objects: build(checked) takes no model, data or algorithm")
+    checked = config if isinstance(config, Checked) else check(*with_components(config, model, data, algorithm))
+    config, parts, options = checked.config, checked.parts, checked.options
     from fedjax_sparse.data.arrays import load as load_data
     from fedjax_sparse.data.arrays import PartitionedData
     from fedjax_sparse.data.partitions import partition_dataset

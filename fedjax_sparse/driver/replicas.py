@@ -44,6 +44,7 @@ from fedjax_sparse.errors import RunError, RunStopped, arg, in_callers_words
 from fedjax_sparse.data.federated import FederatedData, pad_index_rows
 from fedjax_sparse.core.engine import Engine, metrics_to_host
 from fedjax_sparse.driver.progress import Progress
+from fedjax_sparse.driver.experiment import check, with_components
 from fedjax_sparse.driver.runner import RunResult, StopSignals, open_run
 
 REPLICA_PARALLELISM = ("auto", "vmap", "sequential")
@@ -141,6 +142,10 @@ def run_replicas(config: RunConfig, seeds: Sequence[int], *, parallelism: str = 
     if config.execution.client_state == "host":
         raise RunError(f"{arg('seeds')} stacks every replica's clients on the device; run "
                        f"{arg('client_state', 'host')} one {arg('seed')} at a time")
+    config, parts = with_components(config)
+    # Checked once for every seed (a replica's configuration differs in its seed and folder only), as
+    # runner.run checks its own; a resumed seed's is the recorded one, checked once merged (open_run).
+    checked = check(config, parts) if not resume or parts.given() else None
     mode = resolve_replica_parallelism(parallelism)
     out = Path(config.out) if config.out else None
     with contextlib.ExitStack() as stack:
@@ -157,10 +162,11 @@ def run_replicas(config: RunConfig, seeds: Sequence[int], *, parallelism: str = 
             if cfg.out is not None:
                 stack.enter_context(locked_out_dir(Path(cfg.out)))
             out_r = Path(cfg.out) if cfg.out else None
+            start = cfg if checked is None else dataclasses.replace(checked, config=cfg)
             # --resume continues every seed that has a checkpoint and starts the others (a seed killed
             # before its first checkpoint has nothing a resume would keep).
             resume_r = resume and out_r is not None and has_checkpoint(out_r)
-            opened.append(open_run(cfg, out_r, resume=resume_r, overwrite=overwrite or (resume and not resume_r),
+            opened.append(open_run(start, out_r, resume=resume_r, overwrite=overwrite or (resume and not resume_r),
                                     experiment=None, given=given))
         results: dict[int, RunResult] = {s: r for s, r in zip(seeds, opened) if isinstance(r, RunResult)}
         runs = [r for r in opened if not isinstance(r, RunResult)]

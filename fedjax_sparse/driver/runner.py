@@ -46,7 +46,8 @@ from fedjax_sparse.data.federated import FederatedData
 from fedjax_sparse.core.engine import COHORT_METRICS, STEP_METRICS, Engine, EngineState
 from fedjax_sparse.driver.sinks import MetricSinks
 
-from fedjax_sparse.driver.experiment import Experiment, build, privacy_accountant, privacy_sampling, with_components
+from fedjax_sparse.driver.experiment import (Checked, Experiment, build, check, privacy_accountant, privacy_sampling,
+                                             with_components)
 from fedjax_sparse.driver.progress import COST_KEYS, Progress, exact_number, format_summary, jsonable, summarize
 
 
@@ -165,8 +166,8 @@ def changed_config(config: RunConfig, change: dict[str, Any]) -> tuple[RunConfig
     """``config`` with ``change`` applied (``{"lr": 0.01, "option.alpha": "0.01"}``; values as typed or as
     the CLI's text, typed as ``config`` declares them) and what changed, ``{key: {"from": old, "to": new}}``.
     Any other key is refused in one line (what else a resume may change is :data:`RESUMABLE_CHANGES`); the
-    result is validated."""
-    from fedjax_sparse.driver.config import override_key, validate
+    resumed run checks the result (``open_run``)."""
+    from fedjax_sparse.driver.config import override_key
     typed = {}
     for key, value in change.items():
         key = override_key(key)
@@ -178,7 +179,6 @@ def changed_config(config: RunConfig, change: dict[str, Any]) -> tuple[RunConfig
         if typed[key] is None:
             raise RunError(f"{arg('change')} {key}={value!r}: expected a number")
     merged = with_overrides(config, typed)
-    validate(merged)
     old = {"lr": config.lr, **{f"option.{k}": v for k, v in config.options.items()}}
     return merged, {key: {"from": old.get(key), "to": value} for key, value in typed.items()
                     if not same_setting(config, key, value, old.get(key))}
@@ -206,12 +206,17 @@ def run(config: RunConfig, *, model=None, data=None, algorithm=None, resume: boo
     process 0 locks the folder and writes the files.
     """
     config, parts = with_components(config, model, data, algorithm)
-    if experiment is None and any(v is not None for v in (parts.model, parts.data, parts.algorithm)):
-        experiment = build(config, model=parts.model, data=parts.data, algorithm=parts.algorithm)
+    start: RunConfig | Checked = config
+    if experiment is None and (parts.given() or not (resume and config.out)):
+        # Checked once, before the folder is locked or anything is loaded (a resumed run's configuration is
+        # the recorded one: open_run checks it once merged; objects are built with the configuration given).
+        start = check(config, parts)
+        if parts.given():
+            experiment = build(start)
     out = Path(config.out) if config.out else None
     if out is None or not distributed.is_primary():
         # No folder, or a process other than 0 of a multi-process run (it writes nothing, reads to resume).
-        return _run(config, out, resume=resume and out is not None, overwrite=False,
+        return _run(start, out, resume=resume and out is not None, overwrite=False,
                     progress=progress and distributed.is_primary(), on_eval=on_eval, experiment=experiment,
                     given=given, change=change)
     try:
@@ -220,7 +225,7 @@ def run(config: RunConfig, *, model=None, data=None, algorithm=None, resume: boo
         distributed.stop_together("opening --out", e)  # the other processes stop too; raises e
         raise
     try:
-        return _run(config, out, resume=resume, overwrite=overwrite, progress=progress, on_eval=on_eval,
+        return _run(start, out, resume=resume, overwrite=overwrite, progress=progress, on_eval=on_eval,
                     experiment=experiment, given=given, change=change)
     finally:
         lock.release()
@@ -302,7 +307,7 @@ class ChunkClock:
         return cls(max_seconds, flops / cls.ASSUMED_FLOPS_PER_SECOND)
 
 
-def _run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool, progress: bool, on_eval,
+def _run(config: RunConfig | Checked, out: Path | None, *, resume: bool, overwrite: bool, progress: bool, on_eval,
          experiment: Experiment | None, given: set[str] | None, change: dict | None = None) -> RunResult:
     opened: OpenRun | RunResult | None = None
     try:
@@ -362,44 +367,132 @@ def _run_to_end(opened: "OpenRun", signals: StopSignals, out: Path | None, progr
         opened.close()
 
 
-def open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bool,
-              experiment: Experiment | None, given: set[str] | None, quiet: bool = False,
-              change: dict | None = None) -> "OpenRun | RunResult":
+@dataclasses.dataclass(frozen=True)
+class Recorded:
+    """What a resumed run read from its folder: ``record``, its config.json; ``saved``, the recorded
+    configuration; ``changes``, the harmless changes accepted (:func:`resumed_config`); ``changed``, what
+    ``--change`` changes from the checkpoint on (:func:`changed_config`)."""
+    record: dict
+    saved: RunConfig
+    changes: dict
+    changed: dict
+
+
+def _open_out(config: RunConfig, out: Path, *, resume: bool, overwrite: bool, given: set[str] | None,
+              change: dict | None) -> tuple[RunConfig, Recorded | None]:
+    """Prepares ``out`` (process 0; every process stops on its problem) and, to resume, reads the recorded
+    run: (the configuration the run continues, what was recorded), else (``config``, None)."""
+    problem = None
+    try:
+        if distributed.is_primary():
+            prepare_out_dir(out, resume=resume, overwrite=overwrite)
+    except RunError as e:
+        problem = e
+    distributed.stop_together("opening --out", problem)
+    if not resume:
+        return config, None
+    try:
+        record = json.loads((out / "config.json").read_text())
+        saved = RunConfig.from_json(record["config"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise RunError(f"{out / 'config.json'} is missing or damaged ({type(e).__name__}); the run cannot "
+                       f"be resumed: start a fresh run in a new {arg('out')}") from None
+    config, changes = resumed_config(config, saved, given)
+    if config.lr is None:   # recorded by a version whose config.json did not hold the lr used: the default
+        config = with_default_lr(config)
+    changed: dict = {}
+    if change:
+        config, changed = changed_config(config, change)
+    return config, Recorded(record, saved, changes, changed)
+
+
+def _start_state(config: RunConfig, exp: Experiment) -> tuple[Experiment, EngineState,
+                                                             "host_population.HostPopulation | None"]:
+    """(the experiment, its initial state, the clients' rows in host memory with ``--client-state host``
+    or None). A multi-process run's state is built in place over the processes' devices, and its
+    experiment is a new one with the data laid out over them."""
+    engine = exp.engine
+    if distributed.multi_process():
+        check_multi_process(config, engine)
+        # Built in place: the population's rows land in their processes' shards (no full copy anywhere).
+        state = jax.jit(engine.init, out_shardings=engine.state_shardings)(jax.random.PRNGKey(config.seed))
+        return dataclasses.replace(exp, data=distributed.to_global(exp.data)), state, None
+    if config.execution.client_state == "host":
+        state, population = _host_population(config, engine)
+        return exp, state, population
+    return exp, engine.init(jax.random.PRNGKey(config.seed)), None
+
+
+def _measured(config: RunConfig, exp: Experiment, state: EngineState, record: dict) -> tuple[Experiment, dict | None]:
+    """``--client-parallelism measure``: (a new experiment whose engine runs the fastest schedule, what
+    was measured); a resumed run keeps the schedule it measured. Otherwise (``exp``, None)."""
+    if config.execution.client_parallelism != "measure":
+        return exp, None
+    if record.get("client_parallelism_measured"):
+        # A resumed run keeps the schedule it measured (same program, same numbers).
+        measured = record["client_parallelism_measured"]
+        mode = record["client_parallelism"]
+    else:
+        mode, seconds = measure_client_parallelism(exp.engine, state, exp.data)
+        measured = {"seconds_per_round": seconds, "backend": jax.default_backend()}
+        print(f"client parallelism: measured {', '.join(f'{m} {t:.3f} s' for m, t in seconds.items())} per "
+              f"round; using {mode}", file=sys.stderr)
+    return dataclasses.replace(exp, engine=dataclasses.replace(exp.engine, client_parallelism=mode)), measured
+
+
+def _write_config(out: Path, config: RunConfig, exp: Experiment, estimate: "memory.MemoryEstimate",
+                  population: "host_population.HostPopulation | None", measured: dict | None,
+                  history: list) -> None:
+    """OUT/config.json: the resolved configuration, the algorithm's options, the model, the data, the
+    memory estimate and the environment (keys are only ever added)."""
+    engine = exp.engine
+    (out / "config.json").write_text(json.dumps({
+        "config": config.to_json(), "algorithm_options": exp.algorithm.hparams,
+        "model": exp.model.name, "num_params": exp.model.num_params,
+        "forward_macs_per_example": exp.model.forward_macs,
+        "memory_estimate": estimate.as_dict(),
+        "pinned_draws": exp.pinned, "data": exp.data_record, "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()], "python": platform.python_version(),
+        "processes": jax.process_count(),
+        # Devices each round's cohort is split over (1: not split).
+        "client_devices": 1 if engine.client_sharding is None else len(engine.client_sharding.device_set),
+        # Multi-process: whether the population's state is split over the processes (else replicated).
+        "population_sharded": engine.population_sharding is not None,
+        "client_parallelism": engine.mode,
+        **({"client_parallelism_measured": measured} if measured else {}),
+        # --client-state host: bytes of one client's stored row (clients never trained cost none).
+        **({"host_population": {"row_bytes": population.row_bytes, "storage": config.execution.client_storage}}
+           if population is not None else {}),
+        **({"resumed": history} if history else {})}, indent=2))
+
+
+def open_run(config: RunConfig | Checked, out: Path | None, *, resume: bool, overwrite: bool,
+             experiment: Experiment | None, given: set[str] | None, quiet: bool = False,
+             change: dict | None = None) -> "OpenRun | RunResult":
     """Prepares ``out`` (resume or fresh), builds the experiment, restores the checkpoint and writes
     config.json. Returns the :class:`OpenRun`, or the finished run's result when a resumed run is
-    already complete."""
-    config = with_default_lr(config)
+    already complete. ``config``: a fresh run's :class:`Checked` configuration, built as it is (a
+    RunConfig from :func:`with_components` is checked here, as is a resumed run's: the recorded one
+    merged with what the user gave); ``experiment``: an already built one (nothing is checked or built)."""
+    checked = config if isinstance(config, Checked) else None
+    config = config.config if isinstance(config, Checked) else config
     if change and not (resume and out is not None):
         raise RunError(f"{arg('change')} changes a resumed run from its checkpoint on: add {arg('resume')} (and "
                        f"{arg('out')}); a new run takes {arg('lr')} and {arg('option')} directly")
     if change and experiment is not None:
         raise RunError(f"{arg('change')} rebuilds the resumed run from its configuration; a run given model, data or "
                        "algorithm objects resumes without it")
-    changes: dict = {}
-    changed: dict = {}
-    recorded: dict = {}
+    recorded: Recorded | None = None
     writes = out is not None and distributed.is_primary()
     if out is not None:
-        problem = None
-        try:
-            if writes:
-                prepare_out_dir(out, resume=resume, overwrite=overwrite)
-        except RunError as e:
-            problem = e
-        distributed.stop_together("opening --out", problem)
-        if resume:
-            try:
-                recorded = json.loads((out / "config.json").read_text())
-                saved = RunConfig.from_json(recorded["config"])
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise RunError(f"{out / 'config.json'} is missing or damaged ({type(e).__name__}); the run cannot "
-                               f"be resumed: start a fresh run in a new {arg('out')}") from None
-            config, changes = resumed_config(config, saved, given)
-            if change:
-                config, changed = changed_config(config, change)
+        config, recorded = _open_out(config, out, resume=resume, overwrite=overwrite, given=given, change=change)
+    record = recorded.record if recorded is not None else {}
     t_build = time.perf_counter()
-    exp = experiment or build(config)
-    engine = exp.engine
+    if experiment is not None:
+        exp = experiment
+    else:   # checked once: a fresh run's before it opened the folder, a resumed run's now
+        exp = build(checked if checked is not None and recorded is None else check(config))
     build_seconds = time.perf_counter() - t_build
     # Memory known before compiling: shapes and traced programs only (nothing compiled or allocated).
     estimate = memory.estimate(exp)
@@ -411,28 +504,20 @@ def open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bo
     except RunError as e:
         problem = e
     distributed.stop_together("estimating memory", problem)
-    recorded_digest = recorded.get("data", {}).get("digest")
+    recorded_digest = record.get("data", {}).get("digest")
     if resume and recorded_digest and exp.data_record.get("digest") not in (None, recorded_digest):
         raise RunError(f"{arg('resume')}: the data differs from the recorded run's (content digest "
                        f"{exp.data_record['digest'][:12]} vs {recorded_digest[:12]} in {out}/config.json); "
                        f"resume with the same data, or start a new run in another {arg('out')}")
-    population = None
-    if distributed.multi_process():
-        check_multi_process(config, engine)
-        # Built in place: the population's rows land in their processes' shards (no full copy anywhere).
-        state = jax.jit(engine.init, out_shardings=engine.state_shardings)(jax.random.PRNGKey(config.seed))
-        exp.data = distributed.to_global(exp.data)
-    elif config.execution.client_state == "host":
-        state, population = _host_population(config, engine)
-    else:
-        state = engine.init(jax.random.PRNGKey(config.seed))
+    exp, state, population = _start_state(config, exp)
     # Costs are exact Python ints (float only for expectations such as FedDrop's FLOPs).
     totals: dict[str, Any] = {"round": 0, "uplink_bits": 0, "downlink_bits": 0, "flops": 0, "seconds": 0.0,
                               "client_steps": 0, "client_steps_executed": 0}
     rows: list[dict] = []
     history: list = []
     if out is not None:
-        if resume:
+        if recorded is not None:
+            changed = recorded.changed
             try:
                 state, totals, saved_rows = restore_checkpoint(out, state, population=population)
             except RunError as e:
@@ -446,14 +531,15 @@ def open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bo
             # The checkpoint's own rows (a damaged or cut metrics.jsonl is restored from them); rows past it
             # are dropped: the resume recomputes them.
             done = int(totals["round"])
+            saved = recorded.saved
             rows = recover_metrics(out, done, saved_rows, repair=writes,
                                    last_evaluation=done if done >= saved.rounds else done - done % saved.eval_every)
             # Every process has read the recorded run before process 0 rewrites any of it.
             distributed.barrier("fedjax_sparse:resume-read")
             if writes:
                 write_metrics(out, rows)
-            history = list(recorded.get("resumed", []))
-            history.append({"at_round": int(totals["round"]), "changed": changes,
+            history = list(record.get("resumed", []))
+            history.append({"at_round": int(totals["round"]), "changed": recorded.changes,
                             # --change: used from round at_round + 1 on ({key: {"from": old, "to": new}})
                             **({"changed_experiment": changed} if changed else {})})
             if changed and int(totals["round"]) >= config.rounds:
@@ -472,38 +558,9 @@ def open_run(config: RunConfig, out: Path | None, *, resume: bool, overwrite: bo
                 return RunResult(summary, state, population, rows, config)
         elif overwrite and writes:
             clear_outputs(out)  # only now that the new run has built
-    measured = None
-    if config.execution.client_parallelism == "measure":
-        if recorded.get("client_parallelism_measured"):
-            # A resumed run keeps the schedule it measured (same program, same numbers).
-            measured = recorded["client_parallelism_measured"]
-            mode = recorded["client_parallelism"]
-        else:
-            mode, seconds = measure_client_parallelism(engine, state, exp.data)
-            measured = {"seconds_per_round": seconds, "backend": jax.default_backend()}
-            print(f"client parallelism: measured {', '.join(f'{m} {t:.3f} s' for m, t in seconds.items())} per "
-                  f"round; using {mode}", file=sys.stderr)
-        exp.engine = engine = dataclasses.replace(engine, client_parallelism=mode)
+    exp, measured = _measured(config, exp, state, record)
     if writes and out is not None:
-        (out / "config.json").write_text(json.dumps({
-            "config": config.to_json(), "algorithm_options": exp.algorithm.hparams,
-            "model": exp.model.name, "num_params": exp.model.num_params,
-            "forward_macs_per_example": exp.model.forward_macs,
-            "memory_estimate": estimate.as_dict(),
-            "pinned_draws": exp.pinned, "data": exp.data_record, "jax": jax.__version__,
-            "backend": jax.default_backend(),
-            "devices": [str(d) for d in jax.devices()], "python": platform.python_version(),
-            "processes": jax.process_count(),
-            # Devices each round's cohort is split over (1: not split).
-            "client_devices": 1 if engine.client_sharding is None else len(engine.client_sharding.device_set),
-            # Multi-process: whether the population's state is split over the processes (else replicated).
-            "population_sharded": engine.population_sharding is not None,
-            "client_parallelism": engine.mode,
-            **({"client_parallelism_measured": measured} if measured else {}),
-            # --client-state host: bytes of one client's stored row (clients never trained cost none).
-            **({"host_population": {"row_bytes": population.row_bytes, "storage": config.execution.client_storage}}
-               if population is not None else {}),
-            **({"resumed": history} if history else {})}, indent=2))
+        _write_config(out, config, exp, estimate, population, measured, history)
     return OpenRun(config, exp, out, state, totals, rows, build_seconds, population)
 
 

@@ -33,13 +33,14 @@ def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Execution:
     """How a run executes: client schedules, round programs, evaluation mode, where the clients' state
     lives, checkpoint cadence, extra logs. None of it changes what is computed (bitwise, tested;
     ``client_storage="bfloat16"`` is the one lossy choice and says so), so every field may change when
     a run is resumed. Flags of the same names set it (``--client-parallelism`` ...); ``config.json``
-    holds it as ``"execution"``. Which mode wins where: docs/design.md."""
+    holds it as ``"execution"``. Which mode wins where: docs/design.md. Frozen, as the configuration is:
+    ``config.replace(client_parallelism="map")`` gives a new one."""
     client_parallelism: str = setting(
         "auto", group="execution",
         help="auto (map on a CPU, packed on one accelerator, vmap across several or across processes) | vmap | map | "
@@ -76,7 +77,7 @@ class Execution:
                        help="extra logs beside metrics.jsonl: csv, tensorboard (comma-separated)")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class RunFields:
     """What a run computes (and where it reads and writes): ``RunConfig``'s fields, declared here with
     their flags; see :class:`fedjax_sparse.driver.config.RunConfig`."""
@@ -157,6 +158,18 @@ class RunFields:
     execution: Execution = dataclasses.field(default_factory=Execution)   # its fields are flags of their own
 
 
+def refuse_assignment(cls: type, fix: str) -> type:
+    """Makes assigning to (or deleting) an attribute of the frozen dataclass ``cls`` say how to get a
+    changed copy: ``fix`` with ``{name}`` the attribute's (still a ``dataclasses.FrozenInstanceError``)."""
+    def refuse(self, name, *value):
+        raise dataclasses.FrozenInstanceError(f"{type(self).__name__} is frozen: use {fix.format(name=name)}")
+    cls.__setattr__ = refuse   # type: ignore[method-assign,assignment]
+    cls.__delattr__ = refuse   # type: ignore[method-assign,assignment]
+    return cls
+
+
+refuse_assignment(Execution, "config.replace({name}=...), a new configuration with it changed "
+                             "(dataclasses.replace(execution, {name}=...): a new Execution)")
 EXECUTION_FIELDS = tuple(f.name for f in dataclasses.fields(Execution))
 errors.declare_execution_fields(EXECUTION_FIELDS)
 # The settings' flags: (flag, field, type, help, group); a KEY=VALUE flag's type is dict, a switch's bool.

@@ -49,11 +49,11 @@ import numpy as np
 from fedjax_sparse.algorithms.registry import algorithm_builder, algorithm_names, resolve_options
 from fedjax_sparse.driver.checkpoint import has_checkpoint, locked_out_dir, read_metrics
 from fedjax_sparse.driver.config import (EXECUTION_FIELDS, OPTION_PREFIXES, RunConfig, parse_overrides, same_setting,
-                                         typed_axes, validate, with_overrides)
+                                         typed_axes, with_overrides)
 from fedjax_sparse.data.arrays import PartitionedData
 from fedjax_sparse.core.engine import Engine
 from fedjax_sparse.errors import RunError, arg, in_callers_words, in_python
-from fedjax_sparse.driver.experiment import Experiment, build, with_components, wrap_algorithm
+from fedjax_sparse.driver.experiment import Experiment, build, check, with_components, wrap_algorithm
 from fedjax_sparse.driver.settings import flag_of
 from fedjax_sparse.driver.replicas import RunGroup, resolve_replica_parallelism, seed_list, unshareable_reason
 from fedjax_sparse.driver.runner import RESUMABLE_CHANGES, RunResult, StopSignals, open_run, resumed_config
@@ -302,8 +302,7 @@ def sweep(config: RunConfig, axes: dict[str, list] | None = None, seeds: Sequenc
     if config.execution.client_state == "host":
         raise RunError(f"a sweep stacks its members' clients on the device; sweep with {arg('client_state', 'device')}")
     members = members_of(config, axes, seeds)
-    for member in members:   # every member's configuration is checked before anything runs
-        validate(member.config, objects=parts.given())
+    checked = [check(member.config, parts) for member in members]   # each once, before anything runs
     mode = resolve_replica_parallelism(parallelism)
     diverged: dict[str, str] = dict(previous.get("diverged", {}))
     t_start = time.perf_counter()
@@ -329,10 +328,10 @@ def sweep(config: RunConfig, axes: dict[str, list] | None = None, seeds: Sequenc
                 if kept is not None:
                     results[index] = kept
                     return None
-            experiment = (build(member.config, model=parts.model, data=parts.data, algorithm=parts.algorithm)
-                          if objects else None)
-            run = open_run(member.config, member_out, resume=resume_m, overwrite=overwrite or (resume and not resume_m),
-                           experiment=experiment, given=given, quiet=True)
+            experiment = build(checked[index]) if objects else None
+            run = open_run(checked[index], member_out, resume=resume_m,
+                           overwrite=overwrite or (resume and not resume_m), experiment=experiment, given=given,
+                           quiet=True)
             if isinstance(run, RunResult):
                 results[index] = run if keep_states else dataclasses.replace(run, state=None)
                 return None

@@ -97,3 +97,59 @@ def test_with_overrides_sets_fields_execution_and_each_options_dict():
     assert (config.lr, config.execution.client_parallelism, config.options, config.model_options,
             config.dataset_options) == (0.5, "map", {"alpha": 0.1}, {"hidden": 8}, {"split_seed": 2})
     assert SPAFL.options == {} and SPAFL.execution.client_parallelism == "auto"   # a new configuration
+
+
+@pytest.mark.fast
+def test_a_configuration_is_frozen_and_says_how_to_change_it():
+    import dataclasses
+    from fedjax_sparse.driver.experiment import Experiment
+    config = RunConfig(lr=0.1)
+    with pytest.raises(dataclasses.FrozenInstanceError, match=r"^RunConfig is frozen: use config.replace\(lr=\.\.\.\) "
+                                                              r"or dataclasses.replace\(config, lr=\.\.\.\)"):
+        config.lr = 0.2
+    with pytest.raises(dataclasses.FrozenInstanceError, match=r"^Execution is frozen: use config.replace\(log=\.\.\.\)"):
+        config.execution.log = "csv"
+    changed = config.replace(rounds=3, client_parallelism="map")
+    assert (changed.rounds, changed.execution.client_parallelism, changed.lr) == (3, "map", 0.1)
+    assert (config.rounds, config.execution.client_parallelism) == (30, "auto")   # a new configuration
+    assert changed == dataclasses.replace(config, rounds=3, execution=dataclasses.replace(config.execution,
+                                                                                          client_parallelism="map"))
+    assert Experiment.__dataclass_params__.frozen
+
+
+def test_a_run_checks_its_configuration_and_sets_the_default_lr_once(tmp_path, monkeypatch, capsys):
+    """On the CLI's path and fjs.run's, fresh and resumed (``--change`` too): one validation, before the
+    folder is written (a resumed run's: the recorded configuration merged), and one default learning rate."""
+    import sys
+    import fedjax_sparse as fjs
+    from fedjax_sparse.driver import catalog, config as config_module
+    calls = {"validate": 0, "with_default_lr": 0, "default_lr": 0}
+
+    def counted(name, function):
+        def count(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+        return count
+    for name, module in [("validate", config_module), ("with_default_lr", config_module), ("default_lr", catalog)]:
+        original, replacement = getattr(module, name), counted(name, getattr(module, name))
+        for other in [m for key, m in list(sys.modules.items()) if key.startswith("fedjax_sparse")]:
+            if getattr(other, name, None) is original:
+                monkeypatch.setattr(other, name, replacement)
+
+    def once(run):
+        calls.update(validate=0, with_default_lr=0, default_lr=0)
+        run()
+        assert calls == {"validate": 1, "with_default_lr": 1, "default_lr": 1}, calls
+    quick = ["--dataset", "synthetic", "--num-clients", "4", "--clients-per-round", "2", "--local-epochs", "1",
+             "--quiet"]
+    once(lambda: main(["run", *quick, "--rounds", "1", "--out", str(tmp_path / "cli")]))
+    once(lambda: main(["run", *quick, "--rounds", "2", "--out", str(tmp_path / "cli"), "--resume", "--change",
+                       "lr=0.05"]))
+    config = RunConfig(dataset="synthetic", num_clients=4, clients_per_round=2, local_epochs=1, rounds=1,
+                       out=str(tmp_path / "api"))
+    once(lambda: fjs.run(config, progress=False))
+    once(lambda: fjs.run(config.replace(rounds=2), progress=False, resume=True))
+    with pytest.raises(RunError, match="rounds.* must be a positive integer, got 0"):
+        fjs.run(config.replace(rounds=0, out=str(tmp_path / "refused")), progress=False)
+    assert not (tmp_path / "refused").exists()   # refused before the folder is made
+    capsys.readouterr()
