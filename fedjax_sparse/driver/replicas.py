@@ -344,8 +344,7 @@ class RunGroup:
         if all(run.round >= run.config.rounds for run in active):
             return   # a signal after the last round stops nothing: the runs finish
         for run in active:
-            if run.out is not None and run.saved_round != run.round:
-                run.checkpoint()
+            run.checkpoint_for_stop()
         raise RunStopped(signals.received, min(run.round for run in active), self.out, several=True)
 
     def close(self) -> None:

@@ -357,8 +357,7 @@ def _run_to_end(opened: "OpenRun", signals: StopSignals, out: Path | None, progr
             # Decided after the loop, never from a flag read before a chunk's bookkeeping: the signal may
             # land at any moment of it (evaluation, logging, a checkpoint's write), and the stop checkpoints
             # the rounds booked by now unless a checkpoint of them was already written.
-            if out is not None and opened.saved_round != opened.round:
-                opened.checkpoint()
+            opened.checkpoint_for_stop()
             raise RunStopped(signals.received, opened.round, out)
         # A signal after the last round stops nothing: the run finishes (its summary is all that is left).
         return RunResult(opened.finish(), state, opened.population, opened.rows, opened.config)
@@ -727,6 +726,12 @@ class OpenRun:
         self.checkpointer.save(self.state, self.totals, population=self.population, rows=self.rows)
         self.last_checkpoint = time.perf_counter()
         self.saved_round = self.round
+
+    def checkpoint_for_stop(self) -> None:
+        """What a stop leaves: a checkpoint of the rounds booked so far, unless one of them is already
+        written (a signal may land during any moment of a chunk's bookkeeping, a checkpoint's write too)."""
+        if self.saved_round != self.round:
+            self.checkpoint()
 
     def _first_chunk_done(self, chunk_started: float, n: int) -> None:
         # This process's first chunk includes compiling the round (and the evaluation, when it ends at
