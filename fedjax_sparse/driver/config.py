@@ -34,13 +34,39 @@ DEFAULT_MODELS = {
 }
 
 
+class FrozenOptions(dict):
+    """A configuration's option dict, read-only: changing it in place raises a TypeError naming
+    ``config.replace(FIELD={...})``. A dict otherwise (equality, JSON, ``**`` unpacking, pickling)."""
+    __slots__ = ("field",)
+
+    def __init__(self, items=(), field: str = "options"):
+        super().__init__(items)
+        self.field = field
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError(f"RunConfig.{self.field} is read-only: use config.replace({self.field}={{...}}), a new "
+                        "configuration with the dict replaced whole")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
+
+    def __reduce__(self):
+        return type(self), (dict(self), self.field)
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig(RunFields):
     """A run's configuration: what is computed, its fields declared once with their flags in
     :class:`fedjax_sparse.driver.settings.RunFields` (``python -m fedjax_sparse run --help`` lists them, by group,
     with their defaults), and how it runs, ``execution`` (:class:`Execution`). ``config.json`` holds its
     :meth:`to_json`, :meth:`from_json` reads that back (and config files); :func:`validate` checks it.
-    Frozen: :meth:`replace` (or ``dataclasses.replace``) gives a changed copy."""
+    Frozen, its option dicts too (:class:`FrozenOptions`): :meth:`replace` (or ``dataclasses.replace``) gives
+    a changed copy."""
+
+    def __post_init__(self):
+        for field in OPTION_PREFIXES.values():
+            value = getattr(self, field)
+            if isinstance(value, dict) and not isinstance(value, FrozenOptions):
+                object.__setattr__(self, field, FrozenOptions(value, field))
 
     def replace(self, **changes) -> "RunConfig":
         """A new configuration with ``changes``, RunConfig and Execution fields by name:
@@ -54,7 +80,7 @@ class RunConfig(RunFields):
         are those of every version; `from_json` reads both forms)."""
         fields = dataclasses.asdict(self)
         execution = fields.pop("execution")
-        return {**fields, **execution}
+        return {**fields, **{field: dict(getattr(self, field)) for field in OPTION_PREFIXES.values()}, **execution}
 
     @classmethod
     @in_callers_words

@@ -117,6 +117,35 @@ def test_a_configuration_is_frozen_and_says_how_to_change_it():
     assert Experiment.__dataclass_params__.frozen
 
 
+@pytest.mark.fast
+def test_a_configurations_option_dicts_are_read_only_and_travel_as_dicts():
+    import copy
+    import json
+    import pickle
+    given = {"alpha": 0.01}
+    config = RunConfig(algorithm="spafl", options=given, model_options={"hidden": 8}, dataset_options={"iid": True})
+    given["alpha"] = 1.0   # the caller's dict is not the configuration's
+    for field in ("options", "model_options", "dataset_options"):
+        mapping = getattr(config, field)
+        fix = rf"^RunConfig.{field} is read-only: use config.replace\({field}=\{{\.\.\.\}}\)"
+        for change in (lambda m: m.__setitem__("x", 1), lambda m: m.update(x=1), lambda m: m.setdefault("x", 1),
+                       lambda m: m.pop("x", None), lambda m: m.__delitem__("x"), lambda m: m.clear(),
+                       lambda m: m.popitem()):
+            with pytest.raises(TypeError, match=fix):
+                change(mapping)
+    assert (config.options, config.model_options, config.dataset_options) == ({"alpha": 0.01}, {"hidden": 8},
+                                                                              {"iid": True})
+    assert config.replace(options={"alpha": 0.02}).options == {"alpha": 0.02}
+    assert with_overrides(config, {"option.alpha": 0.03}).options == {"alpha": 0.03} and config.options["alpha"] == 0.01
+    for copied in (pickle.loads(pickle.dumps(config)), copy.deepcopy(config), copy.copy(config)):
+        assert copied == config
+        with pytest.raises(TypeError, match="read-only"):
+            copied.options["x"] = 1
+    written = config.to_json()
+    assert RunConfig.from_json(json.loads(json.dumps(written))) == config
+    assert all(type(written[field]) is dict for field in ("options", "model_options", "dataset_options"))
+
+
 def test_a_run_checks_its_configuration_and_sets_the_default_lr_once(tmp_path, monkeypatch, capsys):
     """On the CLI's path and fjs.run's, fresh and resumed (``--change`` too): one validation, before the
     folder is written (a resumed run's: the recorded configuration merged), and one default learning rate."""
