@@ -28,7 +28,7 @@ MODELS = {
 # trains every built-in image data set with the default preprocessing (unit-scaled pixels) and the
 # algorithm's default options (tests/algorithms/test_every_algorithm.py). An algorithm registers another one with
 # ``register_algorithm(..., lr=)``: those whose clients train with momentum 0.9 by default (SpaFL's,
-# SignSGD's) take a tenth of plain SGD's (at 0.1 SpaFL diverged on Fashion-MNIST, round 21).
+# SignSGD's) take a tenth of plain SGD's (CHANGELOG 0.2.0).
 # Algorithms registering none (and algorithms given as objects) take DEFAULT_LR.
 DEFAULT_LR = 0.1
 

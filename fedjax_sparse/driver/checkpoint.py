@@ -1,21 +1,8 @@
-"""A run's files on disk: the output directory, its lock, ``metrics.jsonl`` and checkpoints.
-
-Crash safety, in the order a run touches its directory:
-
-* ``OUT/.lock`` (pid, host, start time, command) is taken with ``O_EXCL`` before anything
-  else is written; a second run into the same folder stops with one line naming the holder;
-  a lock left by a dead process of this host is taken over with a notice.
-* Checkpoints go through orbax's ``CheckpointManager`` in ``OUT/checkpoints/<round>/``: each
-  is written to a temporary folder and renamed when complete, and the previous generation is
-  kept, so a crash while saving (or a corrupt latest checkpoint) falls back to the one before.
-  Arrays are restored by key (NamedTuple and dataclass field names, dict keys), not by position.
-  The first format (``OUT/checkpoint.npz``, leaves by position) is refused in one line.
-* ``metrics.jsonl`` is appended one row per evaluation. Each checkpoint also holds every row up to
-  its round (item ``rows``: the file's lines, compressed), so whatever happens to the file (a torn
-  last line from a kill mid-write, a cut, a damaged line, emptied, deleted), a resume restores the
-  rows up to the checkpoint, with a notice naming them; rows past the checkpoint are dropped (the
-  resume recomputes them). Checkpoints of earlier versions hold no rows: the file is all there is,
-  and a gap it cannot fill is named in a notice.
+"""A run's files on disk: the output directory, its lock (``OUT/.lock``), ``metrics.jsonl`` and
+orbax checkpoints (``OUT/checkpoints/<round>/``, the previous generation kept as a fallback; arrays
+restored by key). Each checkpoint also keeps the metrics rows up to its round, so a resume restores
+a damaged ``metrics.jsonl``. The first format (``OUT/checkpoint.npz``) is refused in one line.
+docs/outputs.md says what a run guarantees.
 """
 from __future__ import annotations
 
@@ -290,13 +277,11 @@ def _manager(out: Path, asynchronous: bool = False):
 class Checkpointer:
     """One run's checkpoints. Each save takes a host copy of the state (the device buffers go on to
     the next chunk) and, with ``asynchronous``, orbax writes it while the next chunk runs; the next
-    save, :meth:`wait` and :meth:`close` wait for the write. Synchronous with several processes and
+    save and :meth:`close` wait for the write. Synchronous with several processes and
     with a host population (whose rows the next chunk updates in place)."""
 
     def __init__(self, out: Path, asynchronous: bool = True):
         self.out = Path(out)
-        if self.out.suffix == ".npz":  # the old call form save_checkpoint(OUT / "checkpoint.npz", ...)
-            self.out = self.out.parent
         self.asynchronous = asynchronous and jax.process_count() == 1
         self._manager: Any = None   # an orbax CheckpointManager, opened by the first save
 
@@ -326,10 +311,6 @@ class Checkpointer:
             manager.wait_until_finished()
         # A legacy checkpoint is superseded by the new format (it would otherwise be resumed from).
         (self.out / LEGACY_CHECKPOINT).unlink(missing_ok=True)
-
-    def wait(self) -> None:
-        if self._manager is not None:
-            self._manager.wait_until_finished()
 
     def close(self) -> None:
         if self._manager is not None:
@@ -372,11 +353,11 @@ def restore_checkpoint(out: Path, template: EngineState, population=None) -> Res
     host population to load the saved one into (checkpoints of --client-state host runs)."""
     import orbax.checkpoint as ocp
     out = Path(out)
-    if (out.suffix == ".npz" or not (out / CHECKPOINT_DIR).is_dir()) and population is not None:
+    if not (out / CHECKPOINT_DIR).is_dir() and population is not None:
         raise RunError(f"{out} holds no checkpoint of a {arg('client_state', 'host')} run; resume it with "
                        f"{arg('client_state', 'device')}, or start a fresh run in a new {arg('out')}")
-    if out.suffix == ".npz" or not (out / CHECKPOINT_DIR).is_dir():
-        legacy = out if out.suffix == ".npz" else out / LEGACY_CHECKPOINT
+    if not (out / CHECKPOINT_DIR).is_dir():
+        legacy = out / LEGACY_CHECKPOINT
         if legacy.exists():
             # That format stored the leaves by position: it cannot follow a state whose fields moved.
             raise RunError(f"{legacy} is a checkpoint of fedjax_sparse before its orbax checkpoints (leaves by "

@@ -1,29 +1,8 @@
-"""Multi-process runs on JAX's own runtime (``jax.distributed``).
-
-Every process runs the same program (SPMD, "multi-controller" JAX): it loads the data, builds
-the experiment and calls the same jitted round. :func:`initialize` joins the processes into one
-runtime; then ``jax.devices()`` lists every process's devices, and the engine splits the sampled
-cohort over one global ``clients`` mesh (:attr:`fedjax_sparse.core.engine.Engine.client_sharding`), so
-each process trains ``K / devices`` clients per device and XLA inserts the cross-process
-reduction of the server aggregate (gloo on CPU, NCCL on GPU).
-
-What lives where:
-
-* the population's state [N, ...] is split along N over all devices when N is a multiple of the
-  device count (:attr:`fedjax_sparse.core.engine.Engine.population_sharding`; built in place, so no
-  process holds all of it), else replicated; the server state and the data pool are replicated
-  (:func:`to_global`): each process holds a full copy, as a single-process run does.
-* the round's per-client work is sharded; metrics and the server state come back replicated, so
-  every process reads the same values.
-* files are written by process 0 only (:func:`is_primary`): the lock, config.json,
-  metrics.jsonl, summary.json, the extra logs; checkpoints are saved by orbax with every
-  process writing its own shards, and every process restores them for ``--resume``.
-
-Launch (one command per process; flags, or the environment variables ``JAX_COORDINATOR_ADDRESS``,
-``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``)::
-
-    python -m fedjax_sparse run ... --coordinator localhost:12355 --num-processes 2 --process-id 0
-    python -m fedjax_sparse run ... --coordinator localhost:12355 --num-processes 2 --process-id 1
+"""Multi-process runs on JAX's own runtime (``jax.distributed``): every process runs the same
+program (SPMD); :func:`initialize` joins them into one runtime, the engine splits the cohort over one
+global ``clients`` mesh, process 0 writes the files (:func:`is_primary`) and every process
+checkpoints its own shards. Launch: ``--coordinator HOST:PORT --num-processes N --process-id I``
+(or ``ENVIRONMENT``'s variables) on every process; what lives where: docs/scaling.md.
 """
 from __future__ import annotations
 

@@ -278,9 +278,8 @@ def batch_norm_lag(model: Model, algorithm: Algorithm, data: FederatedData, conf
     the batch's: after S local steps a round over r rounds, m ** (S r) of their initial values (mean 0,
     variance 1) remain (FedAvg averages the clients' statistics, each of which kept that share of the
     broadcast ones). A personal model's statistics move only in the rounds its client is sampled (K / N of
-    them). Flagged when more than ``STALE_STATISTICS`` remain at the last round. Seen: a ResNet with Flax's
-    default momentum 0.99 scored 6.8 % (below chance) while its training loss fell; with momentum 0.9,
-    68.3 %. S is the median client's local steps a round."""
+    them). Flagged when more than ``STALE_STATISTICS`` remain at the last round (docs/design.md, "BatchNorm
+    in federated runs"). S is the median client's local steps a round."""
     m = float(model.batch_norm_momentum)
     variables = jax.eval_shape(model.init, jax.random.PRNGKey(0))
     if not jax.tree_util.tree_leaves(variables.get("batch_stats", {})) or m <= 0:

@@ -1,22 +1,8 @@
-"""Client populations larger than the device (issue 12): the clients' persistent state lives in
-host memory, and only the rows a chunk of rounds needs travel to the device.
-
-The engine's default keeps every client's state on the device (leaves [N, ...]): 3.29 MiB per
-SpaFL FMNIST client, so 10^5 clients would need 321 GiB. Here:
-
-* :class:`HostPopulation` stores the rows on the host, copy-on-write: every algorithm starts all
-  its clients from one initial row (checked when the population is made), so a client that was
-  never sampled costs 8 bytes (its slot number) and memory grows with the clients *touched*
-  (cohort x rounds), not with N. Rows can be stored in bfloat16 (``storage_dtype``), halving it.
-* :func:`run_rounds` advances a chunk of rounds at a time: it computes the chunk's cohorts ahead
-  (:meth:`Engine.cohorts`), brings the union of their rows to the device padded to a fixed size
-  (one compiled program for every chunk), runs the chunk as one ``lax.scan`` over that subset
-  (:meth:`Engine.run_rounds_resident`) and writes the rows back. While the device runs a chunk,
-  the host already gathers the next chunk's rows (double buffering); rows both chunks share are
-  refreshed after the write-back.
-* :func:`evaluate_clients` evaluates the personal models of any set of clients, a chunk at a time.
-
-Numbers equal the all-resident engine's (tested: float32 storage is bit-identical).
+"""Client populations larger than the device: the clients' persistent state lives in host memory
+(:class:`HostPopulation`, copy-on-write from one initial row), and :func:`run_rounds` brings only
+the rows a chunk of rounds needs to the device (double-buffered); :func:`evaluate_clients`
+evaluates any set of clients' personal models. Numbers equal the all-resident engine's (float32
+storage bit for bit). Design and measurements: docs/scaling.md.
 """
 from __future__ import annotations
 

@@ -1,50 +1,17 @@
 """Privacy accounting of client-level DP-FedAvg (``algorithms.private.with_dp``) with Google's
 ``dp_accounting``: epsilon of a run, epsilon after every round, and the noise multiplier for a
-target epsilon.
+target epsilon. The unit of privacy is a client; one round releases the sum of the sampled clients'
+updates, each clipped to L2 norm C, plus N(0, (z C)^2) noise per coordinate.
 
-One round releases the sum of the sampled clients' updates, each clipped to L2 norm C, plus
-N(0, (z C)^2) noise per coordinate (z: the noise multiplier). The unit of privacy is a client
-(all of its examples together). Two ways the cohort is sampled, with their adjacency notions:
+* ``sampling="without_replacement"`` (fixed K of N, the engine's default): REPLACE-ONE adjacency,
+  sensitivity 2C, so the event carries ``GaussianDpEvent(z / 2)`` (dp_accounting's bound reads its
+  parameter as std / sensitivity; ``tests/algorithms/test_privacy.py`` pins that). RDP only.
+* ``sampling="poisson"`` (``--client-sampling poisson``, q = K / N): ADD-OR-REMOVE-ONE adjacency,
+  ``PoissonSampledDpEvent(q, GaussianDpEvent(z))``; RDP or PLD (on the ``PLD_VALUE_INTERVAL`` grid,
+  pessimistic, so epsilon stays an upper bound).
 
-* ``sampling="without_replacement"`` (default; what the engine does: ``engine.sample_clients``
-  draws exactly K of the N clients, uniformly without replacement, independently every round). The
-  run is ``SelfComposedDpEvent(SampledWithoutReplacementDpEvent(N, K, GaussianDpEvent(z / 2)),
-  rounds)`` under REPLACE-ONE adjacency (two federations of N clients that differ in one client's
-  data; N is public): dp_accounting accepts fixed-size sampling only under that relation (Wang,
-  Balle, Kasiviswanathan, AISTATS 2019, Thm. 27). Under replace-one the sum's L2 sensitivity is 2C
-  (one clipped update u replaced by u', ||u - u'|| <= 2C), and dp_accounting 0.6's RDP accountant
-  feeds the event's noise multiplier straight into that bound, which is normalised by the
-  sensitivity (its ``_compute_rdp_sample_wor_gaussian``: "ratio of the standard deviation of the
-  Gaussian noise to the l2-sensitivity"), whereas ``GaussianDpEvent`` documents ``s / C`` with C the
-  per-record bound (google/differential-privacy issue #378). So the event carries z C / (2 C) = z / 2;
-  ``tests/algorithms/test_privacy.py`` pins the library's convention, so a dp_accounting that changes it fails
-  there. Only the RDP accountant supports this event (``accountant="pld"`` raises).
-* ``sampling="poisson"``: every client joins a round independently with probability q = K / N,
-  ``PoissonSampledDpEvent(q, GaussianDpEvent(z))`` under ADD-OR-REMOVE-ONE adjacency (sensitivity C):
-  the accounting of McMahan et al. (ICLR 2018) and of the DP-SGD literature (Abadi et al. 2016):
-  what the engine does with ``--client-sampling poisson`` (``engine.sample_poisson_clients``; the
-  private mean then divides by the expected cohort size q N = K). RDP and PLD accountants both
-  support it (PLD is the tighter). A round whose members overflow the engine's cohort capacity
-  (probability <= 1e-9 a round, counted in ``cohort_overflow``) is not exactly a Poisson sample.
-
-A pinned cohort schedule or a cohort kept for several rounds (``--cohort-schedule``,
-``resample_every`` > 1) breaks the independent per-round sampling these events assume.
-
-``epsilon_curve`` gives epsilon after every round 1..R from one accountant call: RDP composes
-additively, so round r's RDP is r times one round's, converted to epsilon by ``rdp_to_epsilon`` (the
-same conversion as dp_accounting's, vectorised over rounds). ``z == 0`` gives epsilon = inf.
-
-Speed (``experiments/results/perf/dp_accounting_digits_cpu.json``): PLD discretises the privacy loss
-on a grid of ``PLD_VALUE_INTERVAL`` (1e-3, dp_accounting's default 1e-4). dp_accounting builds the
-discretised PLD as a PESSIMISTIC estimate (losses rounded up, truncated mass counted as infinite loss),
-so epsilon at any interval is an upper bound on the mechanism's; the coarser grid is about 10x faster
-and, over the settings ``tests/algorithms/test_privacy.py`` checks, at least the 1e-4 grid's epsilon and within
-1e-3 of it. One round's PLD is built once per (z, q) and self-composed for each round count
-(``functools.lru_cache``), and epsilons and calibrations are cached, so a run's rows, its summary and a
-sweep's seeds reuse them. dp_accounting's RDP series for Poisson sampling logs "failed to converge ...
-Excluding this order" for fractional orders near 1; leaving an order out only drops one of the upper
-bounds minimised over, so the result stays valid, and the calls here silence that log (``_quiet``): it
-asks nothing of the user.
+A pinned cohort schedule or ``resample_every`` > 1 breaks the independent per-round sampling these
+events assume. Conventions, the PLD grid and the measured speed: docs/privacy.md, "Accounting".
 """
 from __future__ import annotations
 
@@ -69,19 +36,13 @@ NeighborRel = dp_accounting.NeighboringRelation
 DEFAULT_ORDERS = tuple(float(a) for a in rdp_lib.DEFAULT_RDP_ORDERS)
 
 
-class _DropNonConvergence(logging.Filter):
-    """Drops dp_accounting's "_compute_log_a_frac failed to converge ... Excluding this order" records: the
-    order is left out of the minimum, which keeps epsilon an upper bound; nothing for a user to do."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "failed to converge" not in record.getMessage()
-
-
 @contextlib.contextmanager
 def _quiet():
-    """dp_accounting's non-convergence records dropped for the duration (a filter on absl's logger, which
-    dp_accounting logs through; a logger's filters see the records logged on it)."""
-    drop, logger = _DropNonConvergence(), logging.getLogger("absl")
+    """dp_accounting's "failed to converge ... Excluding this order" records (absl's logger) dropped for the
+    duration: the order is left out of the minimum, which keeps epsilon an upper bound; nothing to do."""
+    def drop(record: logging.LogRecord) -> bool:
+        return "failed to converge" not in record.getMessage()
+    logger = logging.getLogger("absl")
     logger.addFilter(drop)
     try:
         yield
@@ -217,8 +178,7 @@ def rdp_to_epsilon(orders, rdp, delta: float) -> np.ndarray:
 def epsilon_curve(noise_multiplier: float, rounds: int, delta: float, *, num_clients: int, clients_per_round: int,
                   sampling: str = "without_replacement", orders: tuple[float, ...] = DEFAULT_ORDERS) -> np.ndarray:
     """[rounds] float64: RDP epsilon at ``delta`` after rounds 1, 2, ..., ``rounds`` (entry r - 1 is
-    ``epsilon(z, r, delta, accountant="rdp")``). One accountant call for one round's RDP, scaled by r:
-    about 0.2 s for sampling without replacement, whatever ``rounds``."""
+    ``epsilon(z, r, delta, accountant="rdp")``): one accountant call for one round's RDP, scaled by r."""
     one = round_rdp(noise_multiplier, num_clients=num_clients, clients_per_round=clients_per_round,
                     sampling=sampling, orders=orders)
     # What RdpAccountant.compose(SelfComposedDpEvent(event, r)) computes: 0 + r * rdp, bit for bit.
@@ -230,9 +190,7 @@ def epsilon_by_round(noise_multiplier: float, rounds: int, delta: float, *, num_
                      clients_per_round: int, sampling: str = "without_replacement",
                      accountant: str = "rdp") -> Callable[[int], float]:
     """round r -> epsilon at ``delta`` after min(r, ``rounds``) rounds, by ``accountant``: what a run's
-    metrics rows say. RDP: ``epsilon_curve``, computed once (vectorised over rounds); PLD: ``epsilon``
-    per asked round (one round's PLD built once and self-composed r times: about 0.01-0.1 s a round
-    count, cached), so a long run evaluated every round does not compose the PLD of rounds it never asks."""
+    metrics rows say. RDP: ``epsilon_curve``, computed once; PLD: ``epsilon`` per asked round (cached)."""
     if accountant == "rdp":
         curve = epsilon_curve(noise_multiplier, rounds, delta, num_clients=num_clients,
                               clients_per_round=clients_per_round, sampling=sampling)

@@ -1,28 +1,12 @@
 """Several seeds of one configuration in one process ("replicas"), each with its own outputs.
 
 ``run_replicas(config, seeds)`` runs replica r as the run ``config`` with ``seed = seeds[r]`` and
-``out = OUT/seed<seed>``: its own partition, initial weights, cohorts, checkpoints and files, and
-the same numbers as that run started alone (tested). ``OUT/replicas.json`` collects the seeds'
-final accuracies (mean and sample std) and how they ran.
-
-The replicas share one compiled program when they differ only by their random keys and their
-partition of the same data pool:
-
-* ``vmap``: one program runs every replica's chunk of rounds (``vmap`` over a leading replica
-  axis of the stacked states; each replica's client index rows padded to a common width);
-* ``sequential``: the replicas run one after another through the same compiled round, so the
-  program compiles once instead of once per seed;
-* ``auto``: ``sequential`` on CPU (measured faster there than vmapped replicas:
-  ``experiments/results/perf/sweep_3x3_cpu.json``), ``vmap`` elsewhere (each replica's convolutions
-  run as batched matmuls, never grouped: ``models.layers.conv2d``).
-
-Replicas whose algorithm depends on the seed beyond its keys (malicious clients chosen by seed),
-or whose data pools or preprocessing constants differ (``synthetic`` data generated per seed,
-``standardize`` statistics of each partition), cannot share a program: they run one after
-another with a program each, and ``replicas.json`` says why.
-
-``resume=True`` (``--resume``) continues every seed that has a checkpoint and starts the others;
-the group first brings the replicas an interruption left behind up to the others.
+``out = OUT/seed<seed>`` (the same numbers as that run alone); ``OUT/replicas.json`` collects the
+seeds' final accuracies and how they ran. Replicas that differ only by their keys and partition
+share one compiled program: ``vmap`` (over a leading replica axis) or ``sequential`` (one after
+another); ``auto`` is sequential on CPU, vmap elsewhere. Others (seeded attacks, per-seed data or
+preprocessing) get a program each, and ``replicas.json`` says why. ``resume=True`` continues every
+seed that has a checkpoint and starts the others. See docs/running.md.
 """
 from __future__ import annotations
 
@@ -92,11 +76,6 @@ def padded_rows(idx: jax.Array, counts: jax.Array, width: int) -> tuple[jax.Arra
     idx_np, counts_np = np.asarray(idx), np.asarray(counts)
     rows, _ = pad_index_rows([idx_np[i, :c] for i, c in enumerate(counts_np)], pad_to=width)
     return jnp.asarray(rows), jnp.asarray(counts_np)
-
-
-def train_rows(runs, width: int) -> list[tuple[jax.Array, jax.Array]]:
-    """Each replica's (train_idx [N, width], train_count [N])."""
-    return [padded_rows(r.exp.data.train_idx, r.exp.data.train_count, width) for r in runs]
 
 
 def _stack(trees):
@@ -238,7 +217,7 @@ class RunGroup:
                                          global_test_idx=own.global_test_idx)
                 run.evaluate = (lambda data: lambda s: self.engine.evaluate(s, data))(eval_data)
             width = max(int(r.exp.data.train_idx.shape[1]) for r in runs)
-            self.rows = train_rows(runs, width)
+            self.rows = [padded_rows(r.exp.data.train_idx, r.exp.data.train_count, width) for r in runs]
             # Training reads only the pool and each replica's train rows: one data shape for all.
             self.train_data = [base.replace(train_idx=i, train_count=c) for i, c in self.rows]
 

@@ -1,19 +1,10 @@
 """The experiment driver: config -> data, model, algorithm, engine -> outputs.
 
-``run(RunConfig(...))`` is what the CLI and the experiment scripts call. It
-runs rounds in jitted chunks of ``eval_every`` rounds (``lax.scan``), and
-between chunks evaluates, appends one JSON line to ``OUT/metrics.jsonl``,
-saves a checkpoint (so ``resume=True`` continues an interrupted run exactly)
-and updates the progress bar.
-
-Output files (a public contract: keys are only ever added):
-* ``config.json``  - the resolved config, algorithm options and environment;
-* ``metrics.jsonl`` - per evaluated round: round, accuracy (personalised
-  mean), accuracy_std/min/max, global_accuracy (null without a global model),
-  loss (training loss of that round), test_loss, uplink_bits, downlink_bits,
-  flops, density (that round), seconds (since start), total_uplink_bits,
-  total_downlink_bits, total_flops (cumulative), plus algorithm extras;
-* ``summary.json`` - final and best accuracy, totals, speed, memory.
+``run(RunConfig(...))`` is what the CLI and the experiment scripts call. It runs rounds in jitted
+chunks (``lax.scan``), and between chunks evaluates, appends a row to ``OUT/metrics.jsonl``,
+checkpoints (so ``resume=True`` continues an interrupted run exactly) and updates the progress bar.
+The files it writes (``config.json``, ``metrics.jsonl``, ``summary.json``; keys are only ever added):
+docs/outputs.md.
 """
 from __future__ import annotations
 
@@ -417,7 +408,8 @@ def _start_state(config: RunConfig, exp: Experiment) -> tuple[Experiment, Engine
         state = jax.jit(engine.init, out_shardings=engine.state_shardings)(jax.random.PRNGKey(config.seed))
         return dataclasses.replace(exp, data=distributed.to_global(exp.data)), state, None
     if config.execution.client_state == "host":
-        state, population = _host_population(config, engine)
+        state, population = host_population.init_for_run(engine, config.seed, config.execution.client_storage,
+                                                         config.algorithm)
         return exp, state, population
     return exp, engine.init(jax.random.PRNGKey(config.seed)), None
 
@@ -561,18 +553,6 @@ def open_run(config: RunConfig | Checked, out: Path | None, *, resume: bool, ove
     if writes and out is not None:
         _write_config(out, config, exp, estimate, population, measured, history)
     return OpenRun(config, exp, out, state, totals, rows, build_seconds, population)
-
-
-def _host_population(config: RunConfig, engine: Engine) -> tuple[EngineState, "host_population.HostPopulation"]:
-    """``--client-state host``: the initial state with the clients' rows in host memory."""
-    if engine.algorithm.extra_clients is not None:
-        raise RunError(f"{config.algorithm} trains extra clients chosen inside each round, whose rows cannot be "
-                       f"brought to the device ahead: use {arg('client_state', 'device')}")
-    storage = jnp.bfloat16 if config.execution.client_storage == "bfloat16" else None
-    try:
-        return host_population.init(engine, jax.random.PRNGKey(config.seed), storage_dtype=storage)
-    except ValueError as e:
-        raise RunError(f"{e} ({arg('client_state', 'device')})") from None
 
 
 def check_multi_process(config: RunConfig, engine: Engine) -> None:
@@ -793,14 +773,12 @@ class OpenRun:
                 f.write(json.dumps(row, allow_nan=False) + "\n")
             assert self.sinks is not None, "start() opens the sinks"
             self.sinks.write(self.rows)
+        if (bad or broken) and self.bar is not None:
+            self.bar.close()
         if bad:
-            if self.bar is not None:
-                self.bar.close()
             raise RunError(f"training diverged{self.label}: the loss is NaN/inf at round {bad[0]}; lower {arg('lr')} "
                            f"(now {config.lr}) or check the data preprocessing ({arg('preprocess')})")
         if broken:
-            if self.bar is not None:
-                self.bar.close()
             raise RunError(f"evaluation diverged{self.label}: the test loss is NaN/inf at round {totals['round']} "
                            "(the model's outputs are not finite), so no accuracy is reported; check the model's "
                            f"normalisation (a BatchNorm running variance below 0 gives NaN) or lower {arg('lr')} "

@@ -1,33 +1,15 @@
 """Sweeps: a grid of hyper-parameters x seeds in one process, and the table a paper needs.
 
-``sweep(config, {"lr": [0.01, 0.1], "option.alpha": [0.001, 0.002]}, seeds=[0, 1, 2])`` runs
-every grid point with every seed ("members"); member ``(point, seed)`` is the run of ``config`` with
-the point's values and that seed, written to ``OUT/<point>/seed<seed>/`` with the usual files (the
-same numbers as that run started alone: tested). ``OUT/sweep.json`` and ``OUT/sweep.md`` hold, per
-grid point, the mean +- sample std over seeds of the final and best accuracy, Gbit, TFLOPs and
-density, and the best point by ``select``.
+``sweep(config, {"lr": [0.01, 0.1], "option.alpha": [0.001, 0.002]}, seeds=[0, 1, 2])`` runs every
+grid point with every seed ("members"); member ``(point, seed)`` is the run of ``config`` with the
+point's values and that seed, in ``OUT/<point>/seed<seed>/`` (the same numbers as that run alone).
+``OUT/sweep.json`` and ``OUT/sweep.md`` hold the mean +- sample std over seeds per grid point and the
+best point by ``select``.
 
-Swept keys: ``lr``, ``local_epochs``, ``malicious_fraction`` and any other ``RunConfig`` field that
-says what is computed, ``option.NAME`` (an algorithm option, e.g. SpaFL's ``option.alpha``,
-FedDrop's ``option.budget``) and ``model_option.NAME``.
-
-One compiled program serves many members. Members differing only in their seeds share one as
-``--seeds`` replicas do. Swept values that the algorithm only computes with (a learning rate, a
-regulariser's weight: ``lr`` and options declared as floats) enter the program as traced
-float32 arrays: the algorithm is rebuilt inside the
-program from them, so every grid point runs through the same compiled round. A value the algorithm
-turns into shapes or Python control flow (``local_epochs`` sizes the local loop's shuffles, FedDrop
-branches on its budget, a model option changes the layers) cannot be traced: the members are then
-grouped by those values and each group gets a program of its own; ``sweep.json`` says which keys and
-why (the tracing error). Within a program the members run one after another (``sequential``, the
-CPU default) or vmapped over a leading member axis (``vmap``, the default elsewhere), as
-``--replica-parallelism`` chooses for replicas.
-
-A member whose training diverges is recorded (``sweep.json``: ``diverged``) and the others go on.
-``resume=True`` continues the whole sweep: finished members are kept, interrupted ones resume from
-their checkpoints, the rest start. The grid, seeds and configuration left out are the recorded ones
-(``sweep.json``); a larger grid or more seeds extend the sweep, keeping and listing every old point;
-anything else is refused in one line (``resume_plan`` states the rule).
+Swept values the algorithm only computes with (``lr``, float options) enter one compiled program as
+traced float32 arrays (:func:`make_rebuild`); the others split the grid into a program per value
+(``sweep.json`` says which keys and why). A diverged member is recorded and the others go on;
+``resume=True`` continues or extends the sweep (:func:`resume_plan`). Details: docs/sweeps.md.
 """
 from __future__ import annotations
 
@@ -368,8 +350,7 @@ def sweep(config: RunConfig, axes: dict[str, list] | None = None, seeds: Sequenc
                 runner_group.close()
 
         # The first unfinished member decides which keys trace; then the members are opened one program
-        # (group) at a time, so only one group's states are alive at once (a personalised algorithm holds
-        # every client's model per member: nine 500-client SpaFL members opened together filled 23 GiB).
+        # (group) at a time, so only one group's states are alive at once (docs/sweeps.md).
         pending = [i for i, m in enumerate(members) if _name(m) not in diverged]
 
         def open_first() -> tuple[int, Any] | None:
