@@ -396,17 +396,17 @@ def bench(config: RunConfig, compare: dict[str, list] | None = None, *, rounds_t
                                                         progress, count_kernels)})
     note = _printer(progress)
     variants = []
-    for i, (point, variant) in enumerate(zip(points, checked)):
+    for i, (point, one) in enumerate(zip(points, checked)):
         name = variant_name(point)
         say = lambda text, i=i, name=name: note(f"[{i + 1}/{len(points)}] {name}: {text}")  # noqa: E731
         try:
             built = None
             if i == 0:
                 say("building ...")
-                built = build_variant(variant)
+                built = build_variant(one)
                 if parts.model is None:
                     check_models(built[0], configs, points)
-            variants.append(time_variant(variant, point, rounds_timed, note=say, built=built,
+            variants.append(time_variant(one, point, rounds_timed, note=say, built=built,
                                          count_kernels=count_kernels))
         except RunError as e:   # say which variant met it (one line still)
             if not point or str(e).startswith("--compare "):
