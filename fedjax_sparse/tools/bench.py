@@ -145,15 +145,10 @@ def variant_config(config: RunConfig, point: tuple, parts: Components) -> Checke
 
 
 # ---------------------------------------------------------------------------- timing one variant
-@contextlib.contextmanager
 def _matmul_precision(precision: str | None):
     """``jax.default_matmul_precision`` around tracing and running (None: as the process has it).
     The setting is part of jit's cache key, so each precision compiles its own program."""
-    if precision is None:
-        yield
-        return
-    with jax.default_matmul_precision(precision):
-        yield
+    return contextlib.nullcontext() if precision is None else jax.default_matmul_precision(precision)
 
 
 def matmul_tflops(size: int, precision: str | None = None, repeats: int = 5) -> float:
