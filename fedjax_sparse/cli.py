@@ -291,17 +291,15 @@ def cmd_bench(args) -> int:
     """``bench``: run's flags make the configuration; run's flags that make no sense for a benchmark
     are refused in one line, or ignored with a notice (``--out``: bench writes nothing but ``--json``)."""
     from fedjax_sparse.tools import bench
-    refused = {"--resume": args.resume or None, "--seeds": args.seeds, "--sweep": args.sweep,
-               "--coordinator": args.coordinator, "--num-processes": args.num_processes,
-               "--process-id": args.process_id}
-    fixes = {"--resume": "give the run's flags or --config FILE instead",
-             "--seeds": "bench one --seed (or --compare seed=0,1)",
-             "--sweep": "time each point alone with --compare KEY=V1,V2",
-             "--coordinator": "bench times one process", "--num-processes": "bench times one process",
-             "--process-id": "bench times one process"}
-    for flag, value in refused.items():
+    one_process = "bench times one process"
+    refused = {"--resume": (args.resume or None, "give the run's flags or --config FILE instead"),
+               "--seeds": (args.seeds, "bench one --seed (or --compare seed=0,1)"),
+               "--sweep": (args.sweep, "time each point alone with --compare KEY=V1,V2"),
+               "--coordinator": (args.coordinator, one_process), "--num-processes": (args.num_processes, one_process),
+               "--process-id": (args.process_id, one_process)}
+    for flag, (value, fix) in refused.items():
         if value is not None:
-            raise ValueError(f"bench does not take {flag}: {fixes[flag]}")
+            raise ValueError(f"bench does not take {flag}: {fix}")
     config, _ = config_from_args(args)
     if config.out:
         print(f"notice: bench writes no run folder; --out {config.out} ignored (--json FILE writes the result)",

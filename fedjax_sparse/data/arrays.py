@@ -63,7 +63,7 @@ from fedjax_sparse.data.datasets import NPZ_PREFIX, Dataset, dataset_options, lo
 
 from fedjax_sparse.errors import DataError, arg, in_callers_words
 from fedjax_sparse.data.federated import FederatedData, build_federated_data
-from fedjax_sparse.data.partitions import Partition, partition_dataset
+from fedjax_sparse.data.partitions import Partition, min_mean_max, partition_dataset
 
 __all__ = ["NPZ_KEYS", "NPZ_ID_KEYS", "PartitionedData", "from_arrays", "load", "load_npz", "partition"]
 
@@ -120,12 +120,7 @@ class PartitionedData:
 
     def to_federated(self, preprocess: str = "unit") -> FederatedData:
         """Stack the clients' index rows into device arrays (see `build_federated_data`)."""
-        try:
-            return build_federated_data(self.dataset, self.partition, preprocess=preprocess)
-        except DataError:
-            raise
-        except ValueError as e:
-            raise DataError(f"{self.name}: {e}") from None
+        return _in_data_words(self.name, build_federated_data, self.dataset, self.partition, preprocess=preprocess)
 
     @functools.cached_property
     def _digest(self) -> str:
@@ -161,10 +156,6 @@ class PartitionedData:
         d, p = self.dataset, self.partition
         train_n = np.array([len(i) for i in p.train_indices])
         test_n = np.array([len(i) for i in p.test_indices])
-
-        def stats(v: np.ndarray) -> dict[str, float]:
-            return {"min": int(v.min()), "mean": float(v.mean()), "max": int(v.max())}
-
         out: dict[str, Any] = {
             "name": d.name,
             "digest": self.digest(),
@@ -178,8 +169,8 @@ class PartitionedData:
             "partition": {
                 "spec": p.spec,
                 "test_from_train": bool(p.test_from_train),
-                "train_per_client": stats(train_n),
-                "test_per_client": stats(test_n),
+                "train_per_client": min_mean_max(train_n),
+                "test_per_client": min_mean_max(test_n),
             },
         }
         if self.client_names:
@@ -476,12 +467,18 @@ def from_arrays(
 
 
 def _partition(dataset: Dataset, spec: str, num_clients: int, seed: int, min_client_samples: int) -> Partition:
+    return _in_data_words(dataset.name, partition_dataset, dataset, spec, num_clients, seed,
+                          min_train_samples=min_client_samples)
+
+
+def _in_data_words(name: str, function, *args, **kwargs):
+    """``function(*args, **kwargs)``, a ValueError it raises made a DataError naming the data ``name``."""
     try:
-        return partition_dataset(dataset, spec, num_clients, seed, min_train_samples=min_client_samples)
+        return function(*args, **kwargs)
     except DataError:
         raise
     except ValueError as e:
-        raise DataError(f"{dataset.name}: {e}") from None
+        raise DataError(f"{name}: {e}") from None
 
 
 def partition(dataset: Dataset, spec: str, num_clients: int, seed: int = 0, *,

@@ -415,20 +415,9 @@ _IDX_SPECS = {
 
 def _load_idx_dataset(name: str, data_dir, verify_checksums: bool) -> Dataset:
     subdirs, prefix, num_classes, offset, transpose = _IDX_SPECS[name]
-    if prefix:
-        bases = {
-            "train_x": f"{prefix}train-images-idx3-ubyte",
-            "train_y": f"{prefix}train-labels-idx1-ubyte",
-            "test_x": f"{prefix}test-images-idx3-ubyte",
-            "test_y": f"{prefix}test-labels-idx1-ubyte",
-        }
-    else:
-        bases = {
-            "train_x": "train-images-idx3-ubyte",
-            "train_y": "train-labels-idx1-ubyte",
-            "test_x": "t10k-images-idx3-ubyte",
-            "test_y": "t10k-labels-idx1-ubyte",
-        }
+    test = "test" if prefix else "t10k"   # MNIST's release names its test files t10k-*
+    bases = {"train_x": f"{prefix}train-images-idx3-ubyte", "train_y": f"{prefix}train-labels-idx1-ubyte",
+             "test_x": f"{prefix}{test}-images-idx3-ubyte", "test_y": f"{prefix}{test}-labels-idx1-ubyte"}
     required = tuple(b + ".gz" for b in bases.values())
     found = _find_files(name, data_dir, subdirs, required, lambda r: _idx_variants(r[: -len(".gz")]))
     arrays = {}
@@ -597,8 +586,7 @@ def _read_tar_members(archive: Path, required: tuple[str, ...]) -> dict[str, tup
 _CIFAR10_SAMPLE_FILES = ("cifar10_train_first4000_lossless.npz", "cifar10_test_first1000_lossless.npz")
 
 
-def _load_cifar10_sample(data_dir, verify_checksums: bool) -> Dataset:
-    name = "cifar10_sample"
+def _load_cifar10_sample(name: str, data_dir, verify_checksums: bool) -> Dataset:
     found = _find_files(name, data_dir, ("cifar10_sample",), _CIFAR10_SAMPLE_FILES, lambda r: (r,))
     arrays = []
     for f in _CIFAR10_SAMPLE_FILES:
@@ -618,8 +606,7 @@ def _load_cifar10_sample(data_dir, verify_checksums: bool) -> Dataset:
     return Dataset(name, x_tr, y_tr, x_te, y_te, num_classes=10)
 
 
-def _load_svhn(data_dir, verify_checksums: bool) -> Dataset:
-    name = "svhn"
+def _load_svhn(name: str, data_dir, verify_checksums: bool) -> Dataset:
     files = ("train_32x32.mat", "test_32x32.mat")
     found = _find_files(name, data_dir, ("svhn", "SVHN", "svhn_cropped"), files, lambda r: (r,))
     try:
@@ -818,16 +805,10 @@ def load_dataset(name: str, data_dir: str | os.PathLike | None = None, *, downlo
         return _load_digits(**options)
     if name == "synthetic":
         return _load_synthetic(**options)
-    verify = options["verify_checksums"]
     if download:
         if name not in _TFDS_NAMES:
             raise DataError(f"{name}: cannot be downloaded; pass {arg('data_dir')} (use cifar10 for the full set)")
         return _load_tfds(name, data_dir)
-    if name in _IDX_SPECS:
-        return _load_idx_dataset(name, data_dir, verify)
-    if name in _CIFAR_SPECS:
-        return _load_cifar(name, data_dir, verify)
-    if name == "cifar10_sample":
-        return _load_cifar10_sample(data_dir, verify)
-    assert name == "svhn"
-    return _load_svhn(data_dir, verify)
+    loaders = {**dict.fromkeys(_IDX_SPECS, _load_idx_dataset), **dict.fromkeys(_CIFAR_SPECS, _load_cifar),
+               "cifar10_sample": _load_cifar10_sample, "svhn": _load_svhn}
+    return loaders[name](name, data_dir, options["verify_checksums"])

@@ -82,12 +82,9 @@ def build_federated_data(dataset, partition, *, preprocess: str = "unit") -> Fed
     """Dataset + Partition (see fedjax_sparse.data.partitions) -> FederatedData."""
     if preprocess not in PREPROCESSING:
         raise ValueError(f"unknown preprocessing {preprocess!r}; valid: {PREPROCESSING}")
-    train_x = np.asarray(dataset.train_x)
-    if train_x.ndim == 3:  # grayscale without a channel axis
-        train_x = train_x[..., None]
-    test_x_src = train_x if partition.test_from_train else np.asarray(dataset.test_x)
-    if test_x_src.ndim == 3:
-        test_x_src = test_x_src[..., None]
+    with_channel = lambda x: x[..., None] if x.ndim == 3 else x   # grayscale without a channel axis
+    train_x = with_channel(np.asarray(dataset.train_x))
+    test_x_src = train_x if partition.test_from_train else with_channel(np.asarray(dataset.test_x))
     test_y_src = dataset.train_y if partition.test_from_train else dataset.test_y
     train_idx, train_count = pad_index_rows(partition.train_indices)
     test_idx, test_count = pad_index_rows(partition.test_indices)

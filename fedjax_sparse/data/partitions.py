@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -198,13 +198,15 @@ def _draw_dirichlet(
     )
 
 
-def _iid(rng, n_train, n_test, num_clients):
-    train = np.array_split(rng.permutation(n_train), num_clients)
-    test = np.array_split(rng.permutation(n_test), num_clients)
+# Each scheme: (rng, dataset, num_clients, min_train_samples, max_redraws, **its parse_partition_spec params)
+# -> (train indices, test indices) per client.
+def _iid(rng, dataset, num_clients, *_):
+    train = np.array_split(rng.permutation(len(dataset.train_y)), num_clients)
+    test = np.array_split(rng.permutation(len(dataset.test_y)), num_clients)
     return train, test
 
 
-def _dirichlet(rng, dataset, num_clients, alpha, min_train_samples, max_redraws):
+def _dirichlet(rng, dataset, num_clients, min_train_samples, max_redraws, alpha):
     c = dataset.num_classes
     sizes = np.bincount(dataset.train_y, minlength=c)
     q = _draw_dirichlet(rng, sizes, alpha, num_clients, min_train_samples, max_redraws, lambda t: t)
@@ -225,18 +227,11 @@ def _local_test_size(total: np.ndarray, train_fraction: float) -> np.ndarray:
     return np.where(total >= 2, np.maximum(n_test, 1), 0)
 
 
-def _dirichlet_split(rng, dataset, num_clients, alpha, train_fraction, min_train_samples, max_redraws):
+def _dirichlet_split(rng, dataset, num_clients, min_train_samples, max_redraws, alpha, train_fraction):
     c = dataset.num_classes
     sizes = np.bincount(dataset.train_y, minlength=c)
-    q = _draw_dirichlet(
-        rng,
-        sizes,
-        alpha,
-        num_clients,
-        min_train_samples,
-        max_redraws,
-        lambda t: t - _local_test_size(t, train_fraction),
-    )
+    q = _draw_dirichlet(rng, sizes, alpha, num_clients, min_train_samples, max_redraws,
+                        lambda t: t - _local_test_size(t, train_fraction))
     pooled = [[] for _ in range(num_clients)]
     for label in range(c):
         idx = rng.permutation(np.flatnonzero(dataset.train_y == label))
@@ -251,7 +246,7 @@ def _dirichlet_split(rng, dataset, num_clients, alpha, train_fraction, min_train
     return train, test
 
 
-def _shards(rng, dataset, num_clients, shards_per_client):
+def _shards(rng, dataset, num_clients, _min_train_samples, _max_redraws, shards_per_client):
     n = len(dataset.train_y)
     num_shards = num_clients * shards_per_client
     if num_shards > n:
@@ -283,7 +278,7 @@ def _shards(rng, dataset, num_clients, shards_per_client):
     return train, test
 
 
-def _natural(dataset, num_clients):
+def _natural(rng, dataset, num_clients, *_):
     if dataset.train_client_ids is None or dataset.test_client_ids is None:
         raise ValueError(
             f"partition 'natural' needs a naturally federated dataset with client ids; "
@@ -333,7 +328,7 @@ def partition_dataset(
         raise ValueError(f"min_train_samples must be >= 0, got {min_train_samples}")
     if max_redraws < 1:
         raise ValueError(f"max_redraws must be >= 1, got {max_redraws}")
-    n_train, n_test = len(dataset.train_y), len(dataset.test_y)
+    n_train = len(dataset.train_y)
     need = num_clients * min_train_samples
     if scheme != "natural" and need > n_train:
         # No draw can work: said before any (a Dirichlet scheme would redraw max_redraws times first),
@@ -345,21 +340,9 @@ def partition_dataset(
             f"has {n_train}: use at most {n_train // min_train_samples} clients ({arg('num_clients')}){lower}"
         )
     rng = np.random.default_rng(seed)
-
-    test_from_train = False
-    if scheme == "iid":
-        train, test = _iid(rng, n_train, n_test, num_clients)
-    elif scheme == "dirichlet":
-        train, test = _dirichlet(rng, dataset, num_clients, params["alpha"], min_train_samples, max_redraws)
-    elif scheme == "dirichlet_split":
-        train, test = _dirichlet_split(
-            rng, dataset, num_clients, params["alpha"], params["train_fraction"], min_train_samples, max_redraws
-        )
-        test_from_train = True
-    elif scheme == "shards":
-        train, test = _shards(rng, dataset, num_clients, params["shards_per_client"])
-    else:
-        train, test = _natural(dataset, num_clients)
+    schemes: dict[str, Callable] = {"iid": _iid, "dirichlet": _dirichlet, "dirichlet_split": _dirichlet_split,
+                                    "shards": _shards, "natural": _natural}
+    train, test = schemes[scheme](rng, dataset, num_clients, min_train_samples, max_redraws, **params)
 
     smallest = min(len(t) for t in train)
     if smallest < min_train_samples:
@@ -371,7 +354,7 @@ def partition_dataset(
     return Partition(
         train_indices=[np.sort(t).astype(np.int64) for t in train],
         test_indices=[np.sort(t).astype(np.int64) for t in test],
-        test_from_train=test_from_train,
+        test_from_train=scheme == "dirichlet_split",
         spec=spec,
         num_classes=int(dataset.num_classes),
     )
@@ -380,7 +363,8 @@ def partition_dataset(
 # --------------------------------------------------------------------------- reporting
 
 
-def _stats(values: np.ndarray) -> dict[str, float]:
+def min_mean_max(values: np.ndarray) -> dict[str, float]:
+    """``{"min", "mean", "max"}`` of per-client counts (min and max as ints)."""
     return {"min": int(values.min()), "mean": float(values.mean()), "max": int(values.max())}
 
 
@@ -425,8 +409,8 @@ def partition_report(dataset, partition: Partition) -> dict[str, Any]:
             "test_per_class": test_counts.sum(0).tolist(),
         },
         "summary": {
-            "train_samples": _stats(train_tot),
-            "test_samples": _stats(test_tot),
+            "train_samples": min_mean_max(train_tot),
+            "test_samples": min_mean_max(test_tot),
             "mean_classes_per_client": float((train_counts > 0).sum(1).mean()),
             "mean_classes_over_5pct_per_client": float((share >= 0.05).sum(1).mean()),
         },

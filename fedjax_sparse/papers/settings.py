@@ -43,11 +43,10 @@ SPAFL_FMNIST_METHODS = {
     "local": dict(algorithm="spafl_local", lr=0.001, options=SPAFL_FMNIST_OPTIONS),
     "local_dense": dict(algorithm="local", lr=0.001, options=dict(momentum=0.9)),
     # Table 2's structured-sparsity baselines (docs/baselines.md); lr from the paper's Table 7.
-    # FedPM's frozen +-e/sqrt(fan_in) weights assume unit-scale inputs (its code normalises); on raw
-    # 0-255 pixels the logits are ~100x too large (training loss 300 in round 1).
+    # FedPM's frozen +-e/sqrt(fan_in) weights assume unit-scale inputs (its code normalises).
     "fedpm": dict(algorithm="fedpm", lr=0.15, options={}, base=dict(preprocess="unit")),
     "heterofl": dict(algorithm="heterofl", lr=0.001, options=dict(rates="0.5", momentum=0.9)),
-    # plain SGD: lr 0.01 with momentum 0.9 diverges on the raw 0-255 inputs (loss 7e4 in round 1)
+    # plain SGD: lr 0.01 with momentum 0.9 diverges on the raw 0-255 inputs
     "fjord": dict(algorithm="fjord", lr=0.01, options=dict(p_min=0.4, p_max=0.6)),
     # diagnostic, not a Table 2 row: FjORD with the optimiser the paper states for all methods (SGD,
     # momentum 0.9) at Table 7's lr, on unit-scaled inputs: are raw pixels why the paper's setting
@@ -166,10 +165,7 @@ SETTINGS: dict[str, dict] = {
     **{f"fsl_mnist_{name}": _flat(FSL_MNIST_BASE, method, rounds=2000)
        for name, method in FSL_MNIST_METHODS.items() if name != "fsl"},
     # The README's quickstart (no paper): SpaFL on scikit-learn's 8x8 digits (no download), seconds on a CPU,
-    # and FedAvg in the same setting. At SpaFL's default lr 0.01 (FMNIST's) the run's defaults on digits keep
-    # density 1.000 (49 % after 30 rounds) and this setting 0.906 (89.0 %); lr 0.05 prunes to 0.703 (91.5 %,
-    # seed 0; seeds 1 and 2 about 0.65 and 85 %). The decay keeps the thresholds from outrunning the
-    # weights: without it SpaFL collapsed (density -> 0.45, accuracy -> 30 %) by round 30-50 of seeds 0-2.
+    # and FedAvg in the same setting. lr 0.05 and the decay: docs/results.md, "The quickstart's setting".
     "spafl_digits": dict(QUICKSTART_DIGITS, algorithm="spafl", options={"alpha": 0.002, "lr_decay": 0.97}),
     "spafl_digits_fedavg": dict(QUICKSTART_DIGITS, algorithm="fedavg", options={}),
 }

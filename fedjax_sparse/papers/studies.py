@@ -220,13 +220,9 @@ def write_report(study: dict, out: Path, methods: list[str], seeds: list[int]) -
     table = {}
     for method, by_seed in runs.items():
         stats = [run_stats(r) for r in by_seed.values()]
-        table[method] = dict(
-            seeds=sorted(by_seed), rounds=[s["rounds"] for s in stats],
-            best_acc=[s["best_acc"] for s in stats], best_round=[s["best_round"] for s in stats],
-            final_acc=[s["final_acc"] for s in stats], density_at_best=[s["density_at_best"] for s in stats],
-            final_density=[s["final_density"] for s in stats], gbit=[s["gbit"] for s in stats],
-            flops=[s["flops"] for s in stats], flops_paper_convention=[s["flops_paper_convention"] for s in stats],
-            paper=study["paper"].get(method, {}), diverged_seeds=diverged.get(method, []))
+        # run_stats' keys, each a list over the seeds
+        table[method] = dict(seeds=sorted(by_seed), **{key: [s[key] for s in stats] for key in stats[0]},
+                             paper=study["paper"].get(method, {}), diverged_seeds=diverged.get(method, []))
     lines = [f"# {study['title']}", "",
              "Accuracy: personalised (each client on its own test set, unweighted mean over clients), "
              "mean ± std over seeds of the best round and of the final round; runs whose training "

@@ -66,9 +66,9 @@ from fedjax_sparse.core import memory
 from fedjax_sparse.tools import programs, timing
 from fedjax_sparse.driver import population as host_population
 from fedjax_sparse.driver.config import (EXECUTION_FIELDS, OPTION_PREFIXES, RunConfig, model_name, parse_overrides,
-                                         typed_axes, validate, with_overrides)
+                                         typed_axes, with_overrides)
 from fedjax_sparse.errors import RunError, arg
-from fedjax_sparse.driver.experiment import Components, Experiment, build, with_components
+from fedjax_sparse.driver.experiment import Checked, Components, Experiment, build, check, with_components
 from fedjax_sparse.driver.progress import jsonable
 from fedjax_sparse.driver.sweeps import grid
 
@@ -131,29 +131,24 @@ def variant_name(point: tuple) -> str:
                     for key, value in point)
 
 
-def variant_config(config: RunConfig, point: tuple, objects: frozenset[str] | set[str] = frozenset()) -> RunConfig:
+def variant_config(config: RunConfig, point: tuple, parts: Components) -> Checked:
     """``config`` with the variant's values (``matmul_precision`` and ``xla_flags`` are not
-    configuration: they are how the process runs it), type-checked and validated as ``run`` would;
-    a bad value is a one-line RunError naming the ``--compare`` value."""
+    configuration: they are how the process runs it), type-checked and validated as ``run`` would,
+    once (``build`` takes the result unchecked); a bad value is a one-line RunError naming the
+    ``--compare`` value. ``parts``: the objects given in place of names."""
     settings = tuple((key, value) for key, value in point if key not in (PRECISION_KEY, XLA_FLAGS_KEY))
     try:
         out = RunConfig.from_json(with_overrides(config, settings).to_json())   # type-checked as a config file
-        validate(out, objects=objects)
+        return check(*with_components(out, parts.model, parts.data, parts.algorithm))
     except RunError as e:
         raise RunError(f"--compare {variant_name(point)}: {e}") from None
-    return out
 
 
 # ---------------------------------------------------------------------------- timing one variant
-@contextlib.contextmanager
 def _matmul_precision(precision: str | None):
     """``jax.default_matmul_precision`` around tracing and running (None: as the process has it).
     The setting is part of jit's cache key, so each precision compiles its own program."""
-    if precision is None:
-        yield
-        return
-    with jax.default_matmul_precision(precision):
-        yield
+    return contextlib.nullcontext() if precision is None else jax.default_matmul_precision(precision)
 
 
 def matmul_tflops(size: int, precision: str | None = None, repeats: int = 5) -> float:
@@ -193,11 +188,10 @@ def _per_second(total, seconds: float) -> float | None:
     return None if total is None else float(total) / seconds
 
 
-def build_variant(config: RunConfig, parts: Components | None = None) -> tuple[Experiment, float]:
-    """(the variant's experiment, seconds to build it); ``parts``: objects replacing names."""
-    parts = parts or Components()
+def build_variant(checked: Checked) -> tuple[Experiment, float]:
+    """(the variant's experiment, seconds to build it), from its :func:`variant_config`."""
     t0 = time.perf_counter()
-    exp = build(config, model=parts.model, data=parts.data, algorithm=parts.algorithm)
+    exp = build(checked)
     return exp, time.perf_counter() - t0
 
 
@@ -251,16 +245,17 @@ def step_cost(engine, state, data, rounds: int = 50) -> dict:
     return {"lockstep_clients": lockstep, "cost": cost, "cost_per_client_step": per_client, "padding": padding}
 
 
-def time_variant(config: RunConfig, point: tuple, rounds_timed: int, parts: Components | None = None,
+def time_variant(checked: Checked, point: tuple, rounds_timed: int,
                  note: Callable[[str], None] = lambda text: None, built: tuple | None = None,
                  count_kernels: bool = False) -> dict:
-    """Builds ``config`` (one variant; ``built``: its :func:`build_variant` already), runs the
-    compiling round and times ``rounds_timed`` rounds, each synchronised. Returns the variant's
-    record (module docstring; ``matmul_tflops`` and the share are added by :func:`bench`)."""
+    """Builds ``checked`` (one variant's :func:`variant_config`; ``built``: its :func:`build_variant`
+    already), runs the compiling round and times ``rounds_timed`` rounds, each synchronised. Returns
+    the variant's record (module docstring; ``matmul_tflops`` and the share are added by :func:`bench`)."""
+    config = checked.config
     precision = dict(point).get(PRECISION_KEY)
     if built is None:
         note("building ...")
-        built = build_variant(config, parts)
+        built = build_variant(checked)
     exp, build_seconds = built
     estimate = memory.estimate(exp)
     memory.check_fits(estimate, config)   # refused in one line, as run refuses it
@@ -380,7 +375,8 @@ def bench(config: RunConfig, compare: dict[str, list] | None = None, *, rounds_t
     process = {key: axes[key] for key in (PRECISION_KEY, XLA_FLAGS_KEY) if key in axes}
     axes = {**typed_axes(config, {k: v for k, v in axes.items() if k not in process}, "compare"), **process}
     points = grid(axes)
-    configs = [variant_config(config, point, parts.given()) for point in points]   # all checked first
+    checked = [variant_config(config, point, parts) for point in points]   # all checked first, once each
+    configs = [c.config for c in checked]
     for variant in configs:
         if variant.cohort_schedule and variant.rounds < 1 + rounds_timed:
             raise RunError(f"{arg('cohort_schedule')} pins the cohorts of {variant.rounds} rounds, but bench runs "
@@ -395,17 +391,17 @@ def bench(config: RunConfig, compare: dict[str, list] | None = None, *, rounds_t
                                                         progress, count_kernels)})
     note = _printer(progress)
     variants = []
-    for i, (point, variant) in enumerate(zip(points, configs)):
+    for i, (point, one) in enumerate(zip(points, checked)):
         name = variant_name(point)
         say = lambda text, i=i, name=name: note(f"[{i + 1}/{len(points)}] {name}: {text}")  # noqa: E731
         try:
             built = None
             if i == 0:
                 say("building ...")
-                built = build_variant(variant, parts)
+                built = build_variant(one)
                 if parts.model is None:
                     check_models(built[0], configs, points)
-            variants.append(time_variant(variant, point, rounds_timed, parts, note=say, built=built,
+            variants.append(time_variant(one, point, rounds_timed, note=say, built=built,
                                          count_kernels=count_kernels))
         except RunError as e:   # say which variant met it (one line still)
             if not point or str(e).startswith("--compare "):

@@ -224,15 +224,7 @@ def plot_runs(paths, out: str | Path | None = None, *, x: str | None = None, y: 
         return _plot_sweep(items[0], out, x=x, y=y, title=title)
     runs = load_runs(paths)
     views = _views(runs, x, y)   # unknown keys are refused before anything is drawn
-    try:
-        # A Figure of its own (no pyplot): the process's backend (a notebook's inline one) is untouched.
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise RunError("plot needs matplotlib: pip install 'fedjax_sparse[plot]'") from None
-    cols = min(len(views), 2)
-    rows_ = math.ceil(len(views) / cols)
-    fig = Figure(figsize=(5.6 * cols, 4 * rows_))
-    axes = fig.subplots(rows_, cols, squeeze=False)
+    fig, axes = _figure(views)
     for ax, (xk, yk) in zip(axes.ravel(), views):
         for run in runs:
             points = [(a, b) for a, b in zip(run.series(xk), run.series(yk)) if a is not None and b is not None]
@@ -249,13 +241,31 @@ def plot_runs(paths, out: str | Path | None = None, *, x: str | None = None, y: 
                 at = [a for r, a in zip(run.series("round"), run.series(xk)) if r == at_round and a is not None]
                 if at:
                     ax.axvline(at[0], color=line.get_color(), linestyle=":", linewidth=1)
+        _scale_x(ax, [v for run in runs for v in run.series(xk) if isinstance(v, (int, float))])
+    return _finished(fig, axes, views, title, out, legend_size=8)
+
+
+def _figure(views: list[tuple[str, str]]):
+    """A Figure of its own (no pyplot: the process's backend, a notebook's inline one, is untouched)
+    with one panel per (x, y) view, two a row: (figure, axes [rows, cols])."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise RunError("plot needs matplotlib: pip install 'fedjax_sparse[plot]'") from None
+    cols = min(len(views), 2)
+    fig = Figure(figsize=(5.6 * cols, 4 * math.ceil(len(views) / cols)))
+    return fig, fig.subplots(math.ceil(len(views) / cols), cols, squeeze=False)
+
+
+def _finished(fig: "Figure", axes, views, title: str | None, out, legend_size: int) -> "Figure":
+    """The panels labelled and gridded, the unused ones hidden, the legend in the first: :func:`_saved`."""
+    for ax, (xk, yk) in zip(axes.ravel(), views):
         ax.set_xlabel(_axis_label(xk))
         ax.set_ylabel(_axis_label(yk))
-        _scale_x(ax, [v for run in runs for v in run.series(xk) if isinstance(v, (int, float))])
         ax.grid(alpha=0.3)
     for ax in axes.ravel()[len(views):]:
         ax.axis("off")
-    axes.ravel()[0].legend(fontsize=8)
+    axes.ravel()[0].legend(fontsize=legend_size)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -281,13 +291,7 @@ def _plot_sweep(sweep, out, *, x, y, title) -> "Figure":
     if not points:
         raise RunError(f"the sweep {name} has no member with metrics yet")
     views = _views([run for runs in points.values() for run in runs], x, y)
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise RunError("plot needs matplotlib: pip install 'fedjax_sparse[plot]'") from None
-    cols = min(len(views), 2)
-    fig = Figure(figsize=(5.6 * cols, 4 * math.ceil(len(views) / cols)))
-    axes = fig.subplots(math.ceil(len(views) / cols), cols, squeeze=False)
+    fig, axes = _figure(views)
     for ax, (xk, yk) in zip(axes.ravel(), views):
         scale = 100.0 if yk.endswith("accuracy") else 1.0
         for label, runs in points.items():
@@ -301,15 +305,7 @@ def _plot_sweep(sweep, out, *, x, y, title) -> "Figure":
             if len(runs) > 1:
                 std = scale * np.nanstd(ys, 0, ddof=1)
                 ax.fill_between(mean_x, mean_y - std, mean_y + std, color=line.get_color(), alpha=0.2)
-        ax.set_xlabel(_axis_label(xk))
-        ax.set_ylabel(_axis_label(yk))
-        ax.grid(alpha=0.3)
-    for ax in axes.ravel()[len(views):]:
-        ax.axis("off")
-    axes.ravel()[0].legend(fontsize=7)
-    fig.suptitle(title or f"sweep {name}: mean ± sample std over seeds")
-    fig.tight_layout()
-    return _saved(fig, out)
+    return _finished(fig, axes, views, title or f"sweep {name}: mean ± sample std over seeds", out, legend_size=7)
 
 
 def _saved(fig: "Figure", out: str | Path | None) -> "Figure":

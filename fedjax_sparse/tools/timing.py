@@ -19,17 +19,13 @@ def time_rounds(engine, state, data, rounds: int):
     """Runs one round (compiles), then ``rounds`` more, each jitted alone and
     synchronised. Returns (state, seconds of the first round including
     compilation, [rounds] seconds of the others, the last round's metrics)."""
-    t0 = time.perf_counter()
-    state, metrics = engine.round_fn(state, data)
-    jax.block_until_ready(state)
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        state, metrics = engine.round_fn(state, data)
-        jax.block_until_ready(state)
-        times.append(time.perf_counter() - t0)
-    return state, first, times, metrics
+    last = [state, None]
+
+    def one_round():
+        last[:] = engine.round_fn(last[0], data)
+        return last[0]
+    first, times = time_calls(one_round, rounds)
+    return last[0], first, times, last[1]
 
 
 def time_calls(fn, repeats: int) -> tuple[float, list[float]]:
@@ -117,13 +113,8 @@ def product_gflops(m: int, k: int, n: int, dtype=jnp.float32, repeats: int = 5) 
     a = jax.random.normal(jax.random.PRNGKey(0), (m, k)).astype(dtype)
     b = jax.random.normal(jax.random.PRNGKey(1), (k, n)).astype(dtype)
     f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-    jax.block_until_ready(f(a, b))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(a, b))
-        best = min(best, time.perf_counter() - t0)
-    return 2 * m * k * n / best / 1e9
+    _, times = time_calls(lambda: f(a, b), repeats)
+    return 2 * m * k * n / min(times, default=float("inf")) / 1e9
 
 
 def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:

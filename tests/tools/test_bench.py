@@ -212,3 +212,25 @@ def test_bench_reports_step_cost_and_padding_per_schedule():
     assert flops["map"] <= flops["vmap"] <= 1.3 * flops["map"] and flops["map"] <= flops["packed"] <= 1.3 * flops["map"]
     assert steps["vmap"]["lockstep_clients"] == config.clients_per_round and steps["map"]["lockstep_clients"] == 1
     assert "executed/useful" in bench.format_table(result)
+
+
+def test_bench_checks_each_variant_once(monkeypatch, capsys):
+    """On the CLI's path and bench.bench's: one validation per variant (before any is built), none
+    again when the variant is built."""
+    import sys
+    from fedjax_sparse.driver import config as config_module
+    calls = []
+    original = config_module.validate
+
+    def counted(config, *args, **kwargs):
+        calls.append(config.execution.client_parallelism)
+        return original(config, *args, **kwargs)
+    for module in [m for key, m in list(sys.modules.items()) if key.startswith("fedjax_sparse")]:
+        if getattr(module, "validate", None) is original:
+            monkeypatch.setattr(module, "validate", counted)
+    assert main(["bench", *QUICK, "--rounds-timed", "1", "--matmul-size", "64", "--compare",
+                 "client_parallelism=map,vmap", "--quiet"]) == 0, capsys.readouterr().err
+    assert calls == ["map", "vmap"]
+    calls.clear()
+    bench.bench(fjs.RunConfig(**QUICK_CONFIG), {"client_parallelism": ["map"]}, rounds_timed=1, matmul_size=64)
+    assert calls == ["map"]
