@@ -114,7 +114,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_sparse.models import layers as L
-from fedjax_sparse.models.flax import macs as macs_lib
+from fedjax_sparse.models.flax.program_flow import layer_scope, program_flow
 from fedjax_sparse.models.base import Hooks, LayerInfo, Model, shape_tuple
 
 Path = tuple  # a module path inside the user's variables, e.g. ("Block_0", "Dense_0") or ("layers", 0)
@@ -149,31 +149,9 @@ def entry_name(path: Path) -> str:
 
 
 # ---------------------------------------------------------------- data flow
-def direct_sources(fn: Callable, x_aval, probe_avals: Sequence) -> tuple[list[frozenset], frozenset]:
-    """Which probes each output of ``fn(x, *probes) -> (logits, [layer inputs])`` depends on.
-
-    Returns (per layer input: a frozenset of probe indices, -1 standing for ``x``; the same for the
-    logits). Dependencies are followed through the jaxpr conservatively (an equation's outputs
-    depend on all its inputs), which is exact for the chains and sums of a network's data flow."""
-    closed = jax.make_jaxpr(fn)(x_aval, *probe_avals)
-    jaxpr = closed.jaxpr
-    deps: dict = {}
-    for i, var in enumerate(jaxpr.invars):
-        deps[var] = frozenset({i - 1})
-
-    def of(v):
-        return frozenset() if isinstance(v, jax.extend.core.Literal) else deps.get(v, frozenset())
-    for eqn in jaxpr.eqns:
-        union = frozenset().union(*(of(v) for v in eqn.invars))
-        for out in eqn.outvars:
-            deps[out] = union
-    outs = [of(v) for v in jaxpr.outvars]
-    return outs[1:], outs[0]
-
-
 def link_layers(names: Sequence[str], in_units: Sequence[int], out_units: Sequence[int],
                 sources: Sequence[frozenset], logits_sources: frozenset) -> tuple[list[str | None], bool]:
-    """(input_layer of each layer, sequential) from each layer's direct sources (see ``direct_sources``).
+    """(input_layer of each layer, sequential) from each layer's direct sources (``program_flow``).
 
     A layer's ``input_layer`` is the latest layer among its sources whose output width its input is
     made of (``in_units`` a multiple of it: a flatten repeats channels); ``sequential`` holds when
@@ -187,60 +165,6 @@ def link_layers(names: Sequence[str], in_units: Sequence[int], out_units: Sequen
     sequential = (list(sources) == expected and logits_sources == frozenset({len(names) - 1})
                   and all(inp is not None for inp in inputs[1:]))
     return inputs, sequential
-
-
-def layers_from_hooks(model: Model) -> tuple[tuple[LayerInfo, ...], bool]:
-    """The layer table of any :class:`Model` whose forward pass calls ``hooks.kernel`` on each
-    weight layer's kernel and ``hooks.activation`` on its output (the zoo's models), derived as
-    ``from_flax`` derives it: kernel shapes from the kernel hook, MACs from the output the
-    activation hook sees (output positions x kernel entries), ``input_layer`` and ``sequential``
-    from the data flow with each layer's output replaced by a probe. Layers whose kernel bypasses
-    the hooks (the ResNet's classifier, the ViT's embeddings) are not seen. ``in_units`` is the
-    kernel's input width (no grouped convolutions in the zoo). Returns (layers, sequential).
-
-    It checks the zoo's hand-written tables independently (``tests/models/test_flax_models.py``)."""
-    variables = jax.eval_shape(model.init, jax.random.PRNGKey(0))
-    x_aval = jax.ShapeDtypeStruct((2,) + tuple(model.input_shape), jnp.float32)
-    kernels: dict[str, tuple] = {}
-    outputs: dict[str, tuple] = {}
-
-    def record_kernel(name, kernel):
-        kernels.setdefault(name, tuple(kernel.shape))
-        return kernel
-
-    def record_output(name, h):
-        if name in kernels:
-            outputs.setdefault(name, tuple(h.shape))
-        return h
-    jax.eval_shape(lambda v, x: model.apply(v, x, hooks=Hooks(kernel=record_kernel, activation=record_output)),
-                   variables, x_aval)
-    names = [n for n in kernels if n in outputs]
-
-    concrete = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), variables)
-
-    def probed(x, *probes):
-        # The value the activation hook receives depends on the layer's input only (its kernel is no
-        # probe): its probe sources are the layer's direct sources. The hook then returns the probe.
-        by_name = dict(zip(names, probes))
-        received: dict[str, Any] = {}
-
-        def activation(name, h):
-            if name in by_name:
-                received[name] = h
-                return by_name[name]
-            return h
-        logits, _ = model.apply(concrete, x, hooks=Hooks(activation=activation))
-        return logits, [received[n] for n in names]
-    sources, logits_sources = direct_sources(probed, x_aval,
-                                             [jax.ShapeDtypeStruct(outputs[n], jnp.float32) for n in names])
-    in_units = [kernels[n][-2] for n in names]
-    out_units = [kernels[n][-1] for n in names]
-    inputs, sequential = link_layers(names, in_units, out_units, sources, logits_sources)
-    layers = tuple(
-        LayerInfo(n, "conv" if len(kernels[n]) > 2 else "dense", kernels[n], int(kernels[n][-2]), int(kernels[n][-1]),
-                  int(math.prod(outputs[n][1:-1])) * int(math.prod(kernels[n])), inp)
-        for n, inp in zip(names, inputs))
-    return layers, sequential
 
 
 # ---------------------------------------------------------------- the shared interception logic
@@ -262,7 +186,7 @@ class _Calls:
     mode "run": applies the activation hooks (and the CPU convolution fast path).
     mode "reference": the module's own code everywhere (no fast path, no hooks), with the adapter's
     BatchNorm/Dropout modes: what ``from_flax``'s equivalence check compares "run" against; each weight
-    layer's call runs in a ``jax.named_scope`` tagged with its name (``macs.TAG``), from which the program's
+    layer's call runs in a ``jax.named_scope`` tagged with its name (``program_flow.TAG``), from which the program's
     data flow, products and costs are read (:mod:`~fedjax_sparse.models.flax.program_flow`).
     ``layer_outputs`` keeps each weight layer's output (before its hook) in "run"/"reference" mode,
     which names the first layer where the two differ (not for layers inside a lifted transform, whose
@@ -308,7 +232,7 @@ class _Calls:
         if out is None:
             self.active.append(path)
             try:
-                with macs_lib.layer_scope(entry_name(path)) if self.mode == "reference" else contextlib.nullcontext():
+                with layer_scope(entry_name(path)) if self.mode == "reference" else contextlib.nullcontext():
                     out = original()
             finally:
                 self.active.pop()
@@ -1028,8 +952,6 @@ def _program_flows(model_name: str, apply_nested: Callable, to_nested: Callable,
                    input_shape: tuple, names: Sequence[str]) -> dict:
     """{batch: ProgramFlow} of the module's own forward pass (evaluation mode) at batch 1 and 2: the
     difference of their costs is what one more example costs."""
-    from fedjax_sparse.models.flax.program_flow import program_flow
-
     def forward(v, x):
         return apply_nested(to_nested(v), x, _Calls("reference"), False)[0]
     flows = {}
@@ -1273,4 +1195,4 @@ def _plain(tree):
     return tree
 
 
-__all__ = ["direct_sources", "entry_name", "from_flax", "layers_from_hooks", "link_layers"]
+__all__ = ["entry_name", "from_flax", "link_layers"]

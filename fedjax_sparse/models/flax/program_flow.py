@@ -1,7 +1,7 @@
 """What a traced forward pass says about each weight layer: its inputs, its products, their contraction.
 
 ``from_flax`` runs the module's own code with each weight layer's call inside a ``jax.named_scope``
-tagged with its name (:func:`fedjax_sparse.models.flax.macs.layer_scope`) and reads the jaxpr once
+tagged with its name (:func:`layer_scope`) and reads the jaxpr once
 (:func:`program_flow`), following every value through sub-programs: ``pjit``/``jit``, ``remat``
 (``nn.remat``, ``nnx.remat``), ``custom_jvp``/``custom_vjp``, ``cond`` (sources from every branch, MACs of
 the largest), and ``scan`` (its carry to a fixed point, its body's products times its length), so a
@@ -18,20 +18,24 @@ seen with its true inputs and costs. Per weight layer it gives:
   ``x @ lora_a @ lora_b`` beside the kernel), which a mechanism acting on the kernel's rows does not
   reach.
 
-A value's dependencies are followed conservatively (an equation's outputs depend on all its inputs),
-which is exact for the chains, sums and concatenations of a network's data flow. Products inside a
-``while`` loop are refused (``ValueError``), as in :mod:`~fedjax_sparse.models.flax.macs`.
+MACs of a product, from its shapes: ``dot_general`` prod(lhs shape) x prod(rhs dims neither contracted
+nor batch); ``conv_general_dilated`` prod(output shape) x kh x kw x in/groups. A value's dependencies are
+followed conservatively (an equation's outputs depend on all its inputs), which is exact for the chains,
+sums and concatenations of a network's data flow. Products inside a ``while`` loop are refused
+(``ValueError``): the program does not say its trip count.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Sequence
 
 import jax
 import jax.extend  # noqa: F401  (jax.extend.core: not imported by `import jax`)
 
-from fedjax_sparse.models.flax import macs as macs_lib
+TAG = "fjs_layer:"
+_TAGGED = re.compile(re.escape(TAG) + r"([^/()\s]+)")
 
 # A value's dependencies: (sources, parameters, made in). ``sources``: layer indices (-1: the model input) whose
 # outputs it is computed from; ``parameters``: for a value computed from parameters alone (a kernel transform, a
@@ -56,6 +60,19 @@ class ProgramFlow:
     layers: dict            # layer name -> LayerFlow
     logits_sources: frozenset
     other_macs: int         # products outside every layer's call (attention's scores and values)
+
+
+def layer_scope(name: str):
+    """The ``jax.named_scope`` that attributes the products traced inside it to the layer ``name``
+    (whose ``/`` are written ``::``: the name stack joins scopes with ``/``)."""
+    return jax.named_scope(TAG + name.replace("/", "::"))
+
+
+def layer_of(eqn, inherited: str | None) -> str | None:
+    """The innermost layer tag on the equation's name stack (a transform writes its scopes inside
+    its own name, ``vmap(fjs_layer:conv1)``: ``nn.vmap``), else ``inherited``."""
+    found = _TAGGED.findall(str(eqn.source_info.name_stack))
+    return found[-1].replace("::", "/") if found else inherited
 
 
 def _sub(value):
@@ -85,8 +102,14 @@ def _contraction(eqn, weight: int) -> int:
     return int(math.prod(rhs)) // int(rhs[eqn.params["dimension_numbers"].rhs_spec[0]])
 
 
-def _product_macs(eqn) -> int:
-    return macs_lib.dot_macs(eqn) if eqn.primitive.name == "dot_general" else macs_lib.conv_macs(eqn)
+def product_macs(eqn) -> int:
+    """MACs of one ``dot_general`` or ``conv_general_dilated`` equation (see the module docstring)."""
+    if eqn.primitive.name == "dot_general":
+        lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+        (_, rc), (_, rb) = eqn.params["dimension_numbers"]
+        return int(math.prod(lhs)) * int(math.prod(d for i, d in enumerate(rhs) if i not in tuple(rc) + tuple(rb)))
+    rhs, out = eqn.invars[1].aval.shape, eqn.outvars[0].aval.shape
+    return int(math.prod(out)) * (int(math.prod(rhs)) // int(rhs[eqn.params["dimension_numbers"].rhs_spec[0]]))
 
 
 class _Flow:
@@ -111,7 +134,7 @@ class _Flow:
                 mine.side += f.side
 
     def scope(self, eqn, inherited):
-        layer = macs_lib.layer_of(eqn, inherited)
+        layer = layer_of(eqn, inherited)
         return layer if layer in self.index else inherited
 
     def entering(self, deps: tuple, where) -> tuple:
@@ -131,7 +154,7 @@ class _Flow:
         return (frozenset({self.index[where]}), frozenset(), None)
 
     def product(self, eqn, ins: Sequence[tuple], where, scale: int) -> None:
-        macs = scale * _product_macs(eqn)
+        macs = scale * product_macs(eqn)
         if where is None:
             self.other_macs += macs
             return
@@ -222,7 +245,7 @@ class _Flow:
 
 def program_flow(jaxpr, in_labels: Sequence, layers: Sequence[str]) -> ProgramFlow:
     """The flow of ``jaxpr`` (its first output: the logits) for the weight layers ``layers`` (their scopes
-    tagged by ``macs.layer_scope``). ``in_labels``: per input variable, ``("input",)`` for the model's
+    tagged by :func:`layer_scope`). ``in_labels``: per input variable, ``("input",)`` for the model's
     input (source ``-1``), a parameter's label (``("params", entry, leaf)``; a layer's kernel is
     ``("params", name, "kernel")``) or None (a constant)."""
     index = {name: i for i, name in enumerate(layers)}
@@ -238,4 +261,4 @@ def program_flow(jaxpr, in_labels: Sequence, layers: Sequence[str]) -> ProgramFl
     return ProgramFlow(flow.layers, logits[0], flow.other_macs)
 
 
-__all__ = ["LayerFlow", "ProgramFlow", "program_flow"]
+__all__ = ["LayerFlow", "ProgramFlow", "TAG", "layer_scope", "product_macs", "program_flow"]
