@@ -25,18 +25,11 @@ an algorithm maps it over layers (``jax.tree_util.tree_map``) and clients
   SORT(theta_s)" of Algorithm 2, so the i-th least important edge receives
   the i-th smallest initial score.
 
-Speed: XLA:CPU sorts float arrays (and argsorts anything) with a comparator
-callback, several times slower than numpy on the 1.6M-edge LeNet layer
-(measured in the FSL benchmarks); numpy sorts each key packed with its index
-into one uint64 (distinct values, so the order is the stable one). ``argsort``
-therefore calls numpy through ``jax.pure_callback`` on the CPU and ``jnp.argsort``
-elsewhere (chosen where the program is lowered, like the convolutions' ``"auto"``);
-both are stable and order floats totally (-0.0 before +0.0), so
-results are identical. Top-k masks never sort: ``topk_mask`` finds
-the k-th largest value over the values' order-preserving integer keys by a
-radix select (two 65536-bin histograms, a few ms for 1.6M values) or, on
-small layers, a 32-step bisection of the key, and breaks ties by index, so
-it keeps exactly ``n - int((1 - k) n)`` edges like edge-popup.
+Sorting: ``argsort`` calls numpy through ``jax.pure_callback`` on the CPU (XLA:CPU's comparator sort is
+several times slower; docs/fsl.md) and ``jnp.argsort`` elsewhere, both stable with floats ordered
+totally, so results are identical. Top-k masks never sort: ``topk_mask`` finds the k-th largest value
+over order-preserving integer keys (a radix select, or a bisection on small layers) and breaks ties by
+index, keeping exactly ``n - int((1 - k) n)`` edges like edge-popup.
 """
 from __future__ import annotations
 
