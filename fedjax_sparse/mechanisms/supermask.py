@@ -43,6 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
 
+from fedjax_sparse.models.base import glorot_normal_init, he_normal_init, torch_default_init
+
 WEIGHT_INITS = ("signed_constant", "kaiming_normal", "glorot_normal")
 MASK_BY = ("abs", "raw")
 
@@ -64,10 +66,9 @@ def frozen_weights(key: jax.Array, shape: Sequence[int], init: str = "signed_con
         sign = jnp.where(jax.random.bernoulli(key, 0.5, shape), 1.0, -1.0)
         return (sign * math.sqrt(2.0 / fan_in)).astype(jnp.float32)
     if init == "kaiming_normal":
-        return jax.random.normal(key, shape, jnp.float32) * math.sqrt(2.0 / fan_in)
+        return he_normal_init(key, shape, fan_in)
     if init == "glorot_normal":
-        fan_out = shape[-1] * math.prod(shape[:-2]) if len(shape) > 2 else shape[-1]
-        return jax.random.normal(key, shape, jnp.float32) * math.sqrt(2.0 / (fan_in + fan_out))
+        return glorot_normal_init(key, shape, fan_in)
     raise ValueError(f"unknown weight init {init!r}; valid: {WEIGHT_INITS}")
 
 
@@ -75,8 +76,7 @@ def initial_scores(key: jax.Array, shape: Sequence[int], fan_in: int | None = No
     """Kaiming-uniform scores, PyTorch's ``kaiming_uniform_(a=sqrt(5))``: U(+-1/sqrt(fan_in))
     (``fan_in`` as in :func:`frozen_weights`)."""
     shape = tuple(int(s) for s in shape)
-    bound = 1.0 / math.sqrt(int(fan_in) if fan_in is not None else math.prod(shape[:-1]))
-    return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
+    return torch_default_init(key, shape, int(fan_in) if fan_in is not None else math.prod(shape[:-1]))
 
 
 def supernet_from_seed(seed_key: jax.Array, kernel_shapes: dict[str, Sequence[int]],
@@ -180,9 +180,14 @@ def sparse_reputations(top: jax.Array, n: int) -> jax.Array:
     return jnp.zeros((n,), jnp.int32).at[top].set(jnp.arange(n - m, n, dtype=jnp.int32))
 
 
-def _check_sum_fits(k: int, n: int) -> None:
+def _vote(reps: jax.Array, include: jax.Array | None) -> jax.Array:
+    """[K, n] reputations -> [n] ranking of their sums over the clients with ``include`` true (all: None)."""
+    k, n = reps.shape
     if k * n >= 2 ** 31:
         raise ValueError(f"reputation sums of {k} clients over {n} edges overflow int32")
+    if include is not None:
+        reps = reps * include[:, None].astype(jnp.int32)
+    return argsort(reps.sum(0))
 
 
 def vote(rankings: jax.Array, include: jax.Array | None = None) -> jax.Array:
@@ -192,22 +197,12 @@ def vote(rankings: jax.Array, include: jax.Array | None = None) -> jax.Array:
     ranking; reputations are summed over the clients (only those with
     ``include`` true, [K] bool, when given) and the sums argsorted (stable).
     """
-    k, n = rankings.shape
-    _check_sum_fits(k, n)
-    reps = jax.vmap(reputations)(rankings)
-    if include is not None:
-        reps = reps * include[:, None].astype(jnp.int32)
-    return argsort(reps.sum(0))
+    return _vote(jax.vmap(reputations)(rankings), include)
 
 
 def vote_sparse(tops: jax.Array, n: int, include: jax.Array | None = None) -> jax.Array:
     """Sparse-FSL's VOTE: [K, m] top edge ids per client -> [n] global ranking."""
-    k = tops.shape[0]
-    _check_sum_fits(k, n)
-    reps = jax.vmap(lambda t: sparse_reputations(t, n))(tops)
-    if include is not None:
-        reps = reps * include[:, None].astype(jnp.int32)
-    return argsort(reps.sum(0))
+    return _vote(jax.vmap(lambda t: sparse_reputations(t, n))(tops), include)
 
 
 def reorder_scores(sorted_scores: jax.Array, ranking_: jax.Array) -> jax.Array:

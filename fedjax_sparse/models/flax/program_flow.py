@@ -1,28 +1,21 @@
 """What a traced forward pass says about each weight layer: its inputs, its products, their contraction.
 
 ``from_flax`` runs the module's own code with each weight layer's call inside a ``jax.named_scope``
-tagged with its name (:func:`layer_scope`) and reads the jaxpr once
-(:func:`program_flow`), following every value through sub-programs: ``pjit``/``jit``, ``remat``
-(``nn.remat``, ``nnx.remat``), ``custom_jvp``/``custom_vjp``, ``cond`` (sources from every branch, MACs of
-the largest), and ``scan`` (its carry to a fixed point, its body's products times its length), so a
-layer under a lifted transform (``nn.remat``, ``nn.scan``, ``nn.jit``, ``nn.vmap``, their NNX forms) is
-seen with its true inputs and costs. Per weight layer it gives:
+tagged with its name (:func:`layer_scope`) and reads the jaxpr once (:func:`program_flow`), following
+every value through sub-programs (``pjit``, ``remat``, ``custom_jvp``/``custom_vjp``, ``cond``: sources
+from every branch, MACs of the largest; ``scan``: its carry to a fixed point, its body's products times
+its length; docs/design.md, "Your Flax model"). Per weight layer (:class:`LayerFlow`):
 
-* ``sources``: the layers (and ``-1``, the model input) whose outputs reach the layer's call without
-  passing another weight layer: a value computed inside a layer's call is that layer's output, values
-  computed from parameters alone (a kernel transform, a learned query) come from no layer;
-* the products inside its call that multiply by its own kernel (``kernel_products`` equations, one per
-  call site: a layer applied twice has two; ``kernel_macs``; ``contractions``: how many entries each
-  output of such a product sums over, from the product's contracted axes, not the kernel's shape);
-* the other products inside its call that involve data (``side_macs``, ``side``: LoRA's
-  ``x @ lora_a @ lora_b`` beside the kernel), which a mechanism acting on the kernel's rows does not
-  reach.
+* ``sources``: the layers (``-1``: the model input) whose outputs reach the layer's call without passing
+  another weight layer (a value computed inside a layer's call is that layer's output);
+* the products inside its call that multiply by its own kernel (``kernel_products``, ``kernel_macs``,
+  ``contractions``: entries each output sums over), and the other products there that involve data
+  (``side_macs``, ``side``: LoRA's ``x @ lora_a @ lora_b``), which the kernel's rows do not reach.
 
 MACs of a product, from its shapes: ``dot_general`` prod(lhs shape) x prod(rhs dims neither contracted
-nor batch); ``conv_general_dilated`` prod(output shape) x kh x kw x in/groups. A value's dependencies are
-followed conservatively (an equation's outputs depend on all its inputs), which is exact for the chains,
-sums and concatenations of a network's data flow. Products inside a ``while`` loop are refused
-(``ValueError``): the program does not say its trip count.
+nor batch); ``conv_general_dilated`` prod(output shape) x kh x kw x in/groups. Dependencies are followed
+conservatively (an equation's outputs depend on all its inputs). Products inside a ``while`` loop are
+refused (``ValueError``): the program does not say its trip count.
 """
 from __future__ import annotations
 
@@ -90,6 +83,17 @@ def _join(*deps) -> tuple:
     if sources:
         return (sources, frozenset(), None)
     return (sources, frozenset().union(*(d[1] for d in deps)), next((d[2] for d in deps if d[2] is not None), None))
+
+
+def _fixed_point(carry: list, step) -> list:
+    """A loop's carry dependencies joined with ``step(carry)``'s until they stop growing (a finite, monotone
+    lattice: a fixed point within a few rounds)."""
+    for _ in range(64):
+        new = [_join(c, o) for c, o in zip(carry, step(carry))]
+        if new == carry:
+            break
+        carry = new
+    return carry
 
 
 def _contraction(eqn, weight: int) -> int:
@@ -205,12 +209,7 @@ class _Flow:
         consts, carries = eqn.params["num_consts"], eqn.params["num_carry"]
         head, carry, xs = ins[:consts], list(ins[consts:consts + carries]), ins[consts + carries:]
         length = int(eqn.params["length"])
-        for _ in range(64):   # a finite lattice, monotone: a fixed point within a few rounds
-            outs = self.run(body, head + carry + xs, where, scale * length, False)
-            new = [_join(c, o) for c, o in zip(carry, outs[:carries])]
-            if new == carry:
-                break
-            carry = new
+        carry = _fixed_point(carry, lambda c: self.run(body, head + c + xs, where, scale * length, False)[:carries])
         outs = self.run(body, head + carry + xs, where, scale * length, costs)
         return [_join(c, o) for c, o in zip(carry, outs[:carries])] + outs[carries:]
 
@@ -225,12 +224,7 @@ class _Flow:
                              "program does not say (and reverse-mode training cannot differentiate); use a scan "
                              "(lax.scan, nn.scan, a fori_loop with static bounds)")
         consts, carry = ins[cond_n:cond_n + body_n], list(ins[cond_n + body_n:])
-        for _ in range(64):
-            new = [_join(c, o) for c, o in zip(carry, self.run(body, consts + carry, where, 1, False))]
-            if new == carry:
-                break
-            carry = new
-        return carry
+        return _fixed_point(carry, lambda c: self.run(body, consts + c, where, 1, False))
 
     def cond(self, eqn, ins, where, scale, costs):
         branches = []
