@@ -121,10 +121,8 @@ def _numpy_order_keys(x: np.ndarray) -> np.ndarray:
 
 
 def _numpy_argsort(x: np.ndarray) -> np.ndarray:
-    """Stable argsort along the last axis: each key and its index packed into one uint64
-    (key in the high word, index in the low word) and sorted. The packed values are distinct, so
-    any sort gives the stable order, and numpy sorts uint64 with its SIMD sort (x86-simd-sort), faster
-    than two stable 16-bit radix passes (docs/design.md, "Constants and the measurements behind them")."""
+    """Stable argsort along the last axis: each key (high word) and its index (low word) packed into one
+    uint64 and sorted; the packed values are distinct, so any sort gives the stable order (why: docs/design.md)."""
     keys = _numpy_order_keys(np.ascontiguousarray(x)).reshape(-1, x.shape[-1])
     n = keys.shape[-1]
     out = np.empty(keys.shape, np.int32)
@@ -301,14 +299,11 @@ def _radix_select(keys: jax.Array, kept: int) -> tuple[jax.Array, jax.Array]:
 
 
 def kth_largest_key(keys: jax.Array, kept: int, method: str = "auto") -> jax.Array:
-    """The largest uint32 ``t`` with ``count(keys >= t) >= kept``, i.e. the ``kept``-th largest
-    key. ``radix``: a two-pass radix select (a 65536-bin histogram of the high 16 bits picks the
-    bin, a histogram of the low 16 bits inside that bin picks the value; two scatter-adds instead
-    of a sort). ``bisect``: the answer's 32 bits set from the top, each kept when enough keys reach
-    it (32 compare-and-count passes). ``sort``: the keys sorted, the ``kept``-th from the top (one
-    library sort). ``auto``: up to ``BISECT_MAX_KEYS`` keys, bisect on the CPU and sort elsewhere (a
-    GPU launches a bisection's 32 iterations one after another, a sort as one call; chosen where the
-    program is lowered), else radix. All give the same key."""
+    """The largest uint32 ``t`` with ``count(keys >= t) >= kept``, i.e. the ``kept``-th largest key.
+    ``radix``: ``_radix_select``. ``bisect``: the answer's 32 bits set from the top, each kept when enough
+    keys reach it. ``sort``: the ``kept``-th of the sorted keys from the top. ``auto``: up to
+    ``BISECT_MAX_KEYS`` keys, bisect on the CPU and sort elsewhere (a GPU runs a bisection's 32 iterations
+    one after another; chosen where the program is lowered), else radix. All give the same key."""
     if method == "auto":
         if keys.shape[-1] > BISECT_MAX_KEYS:
             return kth_largest_key(keys, kept, "radix")
@@ -357,9 +352,8 @@ def _tie_cut(at: jax.Array, room: jax.Array) -> jax.Array:
     """[] int32: the ties (``at``) at indices below it are the ``room`` lowest (``n`` when every tie fits).
     On a large layer without a prefix count over the layer: ties counted per ``TIE_BLOCK`` entries (one
     reduction over ``at``), the prefix count over the block counts finds the block holding tie
-    ``room + 1``, and a prefix count inside that block its index. Every step of every FSL client runs it
-    (no conditional on whether any tie needs cutting: that one cost a copy of its operands on XLA:CPU, and
-    this is one reduction over ``at``)."""
+    ``room + 1``, and a prefix count inside that block its index (no conditional on whether any tie needs
+    cutting: docs/design.md)."""
     n = at.shape[-1]
     if n <= TIE_BLOCK:
         over = jnp.cumsum(at, dtype=jnp.int32) > room

@@ -105,21 +105,13 @@ class _Recorded:
 
 
 class _Calls:
-    """What one traced forward pass does at each intercepted module call.
-
-    mode "record": runs the modules, records weight layers and which BatchNorm reads which layer.
-    mode "run": applies the activation hooks (and the CPU convolution fast path).
-    mode "reference": the module's own code everywhere (no fast path, no hooks), with the adapter's
-    BatchNorm/Dropout modes: what ``from_flax``'s equivalence check compares "run" against; each weight
-    layer's call runs in a ``jax.named_scope`` tagged with its name (``program_flow.TAG``), from which the program's
-    data flow, products and costs are read (:mod:`~fedjax_sparse.models.flax.program_flow`).
-    ``layer_outputs`` keeps each weight layer's output (before its hook) in "run"/"reference" mode,
-    which names the first layer where the two differ (not for layers inside a lifted transform, whose
-    outputs live on its own trace).
-    A layer inside a lifted transform (``nested``: ``nn.remat``, ``nn.scan``, a recurrent cell under
-    ``nn.RNN``) may be traced more than once per pass (Flax traces a scan body for its shapes first), and a
-    layer may be applied more than once (a shared head): each call is hooked; how many times a pass
-    multiplies by a kernel is read from the program (``LayerInfo.uses``)."""
+    """What one traced forward pass does at each intercepted module call, by ``mode``: "record" runs the
+    modules and records the weight layers and which BatchNorm reads which; "run" applies the activation
+    hooks (and the fast convolution); "reference" runs the module's own code everywhere, with the adapter's
+    BatchNorm/Dropout modes and each weight layer's call in a scope tagged with its name (``layer_scope``,
+    read by ``program_flow``). ``layer_outputs``: each weight layer's output before its hook ("run" and
+    "reference", not inside a lifted transform), to name the first layer where the two differ. A layer
+    called more than once (a scan body traced twice, a shared head) is hooked at each call."""
 
     def __init__(self, mode: str, *, train: bool = False, hooks: Hooks | None = None, sample_mask=None,
                  bn_of: dict | None = None, conv_impl: str = "auto", rng=None):
