@@ -178,14 +178,9 @@ def sparse_reputations(top: jax.Array, n: int) -> jax.Array:
     return jnp.zeros((n,), jnp.int32).at[top].set(jnp.arange(n - m, n, dtype=jnp.int32))
 
 
-def _vote(reps: jax.Array, include: jax.Array | None) -> jax.Array:
-    """[K, n] reputations -> [n] ranking of their sums over the clients with ``include`` true (all: None)."""
-    k, n = reps.shape
+def _check_sum_fits(k: int, n: int) -> None:
     if k * n >= 2 ** 31:
         raise ValueError(f"reputation sums of {k} clients over {n} edges overflow int32")
-    if include is not None:
-        reps = reps * include[:, None].astype(jnp.int32)
-    return argsort(reps.sum(0))
 
 
 def vote(rankings: jax.Array, include: jax.Array | None = None) -> jax.Array:
@@ -195,12 +190,22 @@ def vote(rankings: jax.Array, include: jax.Array | None = None) -> jax.Array:
     ranking; reputations are summed over the clients (only those with
     ``include`` true, [K] bool, when given) and the sums argsorted (stable).
     """
-    return _vote(jax.vmap(reputations)(rankings), include)
+    k, n = rankings.shape
+    _check_sum_fits(k, n)
+    reps = jax.vmap(reputations)(rankings)
+    if include is not None:
+        reps = reps * include[:, None].astype(jnp.int32)
+    return argsort(reps.sum(0))
 
 
 def vote_sparse(tops: jax.Array, n: int, include: jax.Array | None = None) -> jax.Array:
     """Sparse-FSL's VOTE: [K, m] top edge ids per client -> [n] global ranking."""
-    return _vote(jax.vmap(lambda t: sparse_reputations(t, n))(tops), include)
+    k = tops.shape[0]
+    _check_sum_fits(k, n)
+    reps = jax.vmap(lambda t: sparse_reputations(t, n))(tops)
+    if include is not None:
+        reps = reps * include[:, None].astype(jnp.int32)
+    return argsort(reps.sum(0))
 
 
 def reorder_scores(sorted_scores: jax.Array, ranking_: jax.Array) -> jax.Array:
