@@ -25,18 +25,11 @@ an algorithm maps it over layers (``jax.tree_util.tree_map``) and clients
   SORT(theta_s)" of Algorithm 2, so the i-th least important edge receives
   the i-th smallest initial score.
 
-Speed: XLA:CPU sorts float arrays (and argsorts anything) with a comparator
-callback, several times slower than numpy on the 1.6M-edge LeNet layer
-(measured in the FSL benchmarks); numpy sorts each key packed with its index
-into one uint64 (distinct values, so the order is the stable one). ``argsort``
-therefore calls numpy through ``jax.pure_callback`` on the CPU and ``jnp.argsort``
-elsewhere (chosen where the program is lowered, like the convolutions' ``"auto"``);
-both are stable and order floats totally (-0.0 before +0.0), so
-results are identical. Top-k masks never sort: ``topk_mask`` finds
-the k-th largest value over the values' order-preserving integer keys by a
-radix select (two 65536-bin histograms, a few ms for 1.6M values) or, on
-small layers, a 32-step bisection of the key, and breaks ties by index, so
-it keeps exactly ``n - int((1 - k) n)`` edges like edge-popup.
+Sorting: ``argsort`` calls numpy through ``jax.pure_callback`` on the CPU (XLA:CPU's comparator sort is
+several times slower; docs/fsl.md) and ``jnp.argsort`` elsewhere, both stable with floats ordered
+totally, so results are identical. Top-k masks never sort: ``topk_mask`` finds the k-th largest value
+over order-preserving integer keys (a radix select, or a bisection on small layers) and breaks ties by
+index, keeping exactly ``n - int((1 - k) n)`` edges like edge-popup.
 """
 from __future__ import annotations
 
@@ -49,6 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
+
+from fedjax_sparse.models.base import glorot_normal_init, he_normal_init, torch_default_init
 
 WEIGHT_INITS = ("signed_constant", "kaiming_normal", "glorot_normal")
 MASK_BY = ("abs", "raw")
@@ -71,10 +66,9 @@ def frozen_weights(key: jax.Array, shape: Sequence[int], init: str = "signed_con
         sign = jnp.where(jax.random.bernoulli(key, 0.5, shape), 1.0, -1.0)
         return (sign * math.sqrt(2.0 / fan_in)).astype(jnp.float32)
     if init == "kaiming_normal":
-        return jax.random.normal(key, shape, jnp.float32) * math.sqrt(2.0 / fan_in)
+        return he_normal_init(key, shape, fan_in)
     if init == "glorot_normal":
-        fan_out = shape[-1] * math.prod(shape[:-2]) if len(shape) > 2 else shape[-1]
-        return jax.random.normal(key, shape, jnp.float32) * math.sqrt(2.0 / (fan_in + fan_out))
+        return glorot_normal_init(key, shape, fan_in)
     raise ValueError(f"unknown weight init {init!r}; valid: {WEIGHT_INITS}")
 
 
@@ -82,8 +76,7 @@ def initial_scores(key: jax.Array, shape: Sequence[int], fan_in: int | None = No
     """Kaiming-uniform scores, PyTorch's ``kaiming_uniform_(a=sqrt(5))``: U(+-1/sqrt(fan_in))
     (``fan_in`` as in :func:`frozen_weights`)."""
     shape = tuple(int(s) for s in shape)
-    bound = 1.0 / math.sqrt(int(fan_in) if fan_in is not None else math.prod(shape[:-1]))
-    return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
+    return torch_default_init(key, shape, int(fan_in) if fan_in is not None else math.prod(shape[:-1]))
 
 
 def supernet_from_seed(seed_key: jax.Array, kernel_shapes: dict[str, Sequence[int]],
@@ -128,10 +121,8 @@ def _numpy_order_keys(x: np.ndarray) -> np.ndarray:
 
 
 def _numpy_argsort(x: np.ndarray) -> np.ndarray:
-    """Stable argsort along the last axis: each key and its index packed into one uint64
-    (key in the high word, index in the low word) and sorted. The packed values are distinct, so
-    any sort gives the stable order, and numpy sorts uint64 with its SIMD sort (x86-simd-sort), faster
-    than two stable 16-bit radix passes (docs/design.md, "Constants and the measurements behind them")."""
+    """Stable argsort along the last axis: each key (high word) and its index (low word) packed into one
+    uint64 and sorted; the packed values are distinct, so any sort gives the stable order (why: docs/design.md)."""
     keys = _numpy_order_keys(np.ascontiguousarray(x)).reshape(-1, x.shape[-1])
     n = keys.shape[-1]
     out = np.empty(keys.shape, np.int32)
@@ -313,14 +304,11 @@ def _radix_select(keys: jax.Array, kept: int) -> tuple[jax.Array, jax.Array]:
 
 
 def kth_largest_key(keys: jax.Array, kept: int, method: str = "auto") -> jax.Array:
-    """The largest uint32 ``t`` with ``count(keys >= t) >= kept``, i.e. the ``kept``-th largest
-    key. ``radix``: a two-pass radix select (a 65536-bin histogram of the high 16 bits picks the
-    bin, a histogram of the low 16 bits inside that bin picks the value; two scatter-adds instead
-    of a sort). ``bisect``: the answer's 32 bits set from the top, each kept when enough keys reach
-    it (32 compare-and-count passes). ``sort``: the keys sorted, the ``kept``-th from the top (one
-    library sort). ``auto``: up to ``BISECT_MAX_KEYS`` keys, bisect on the CPU and sort elsewhere (a
-    GPU launches a bisection's 32 iterations one after another, a sort as one call; chosen where the
-    program is lowered), else radix. All give the same key."""
+    """The largest uint32 ``t`` with ``count(keys >= t) >= kept``, i.e. the ``kept``-th largest key.
+    ``radix``: ``_radix_select``. ``bisect``: the answer's 32 bits set from the top, each kept when enough
+    keys reach it. ``sort``: the ``kept``-th of the sorted keys from the top. ``auto``: up to
+    ``BISECT_MAX_KEYS`` keys, bisect on the CPU and sort elsewhere (a GPU runs a bisection's 32 iterations
+    one after another; chosen where the program is lowered), else radix. All give the same key."""
     if method == "auto":
         if keys.shape[-1] > BISECT_MAX_KEYS:
             return kth_largest_key(keys, kept, "radix")
@@ -369,9 +357,8 @@ def _tie_cut(at: jax.Array, room: jax.Array) -> jax.Array:
     """[] int32: the ties (``at``) at indices below it are the ``room`` lowest (``n`` when every tie fits).
     On a large layer without a prefix count over the layer: ties counted per ``TIE_BLOCK`` entries (one
     reduction over ``at``), the prefix count over the block counts finds the block holding tie
-    ``room + 1``, and a prefix count inside that block its index. Every step of every FSL client runs it
-    (no conditional on whether any tie needs cutting: that one cost a copy of its operands on XLA:CPU, and
-    this is one reduction over ``at``)."""
+    ``room + 1``, and a prefix count inside that block its index (no conditional on whether any tie needs
+    cutting: docs/design.md)."""
     n = at.shape[-1]
     if n <= TIE_BLOCK:
         over = jnp.cumsum(at, dtype=jnp.int32) > room

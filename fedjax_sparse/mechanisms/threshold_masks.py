@@ -18,6 +18,8 @@ supermask is in :mod:`fedjax_sparse.mechanisms.supermask`.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -32,51 +34,29 @@ STE_ESTIMATORS = ("identity", "truncated")
 RESET_KEPT_FRACTION = 0.01
 
 
-def _heaviside(x: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _step(x, estimator: str):
     # step(0) = 0, as in the reference code ((x > 0).float()).
     return (x > 0).astype(x.dtype)
 
 
-@jax.custom_vjp
-def _step_identity(x):
-    return _heaviside(x)
+def _step_fwd(x, estimator):
+    return _step(x, estimator), (x if estimator == "truncated" else None)
 
 
-def _step_identity_fwd(x):
-    return _heaviside(x), None
+def _step_bwd(estimator, x, g):
+    return (g if estimator == "identity" else g * (jnp.abs(x) > 1.0).astype(g.dtype),)
 
 
-def _step_identity_bwd(_, g):
-    return (g,)
-
-
-_step_identity.defvjp(_step_identity_fwd, _step_identity_bwd)
-
-
-@jax.custom_vjp
-def _step_truncated(x):
-    return _heaviside(x)
-
-
-def _step_truncated_fwd(x):
-    return _heaviside(x), x
-
-
-def _step_truncated_bwd(x, g):
-    return (g * (jnp.abs(x) > 1.0).astype(g.dtype),)
-
-
-_step_truncated.defvjp(_step_truncated_fwd, _step_truncated_bwd)
+_step.defvjp(_step_fwd, _step_bwd)
 
 
 def step_ste(x: jax.Array, estimator: str = "identity") -> jax.Array:
     """Unit step ``1[x > 0]`` (same shape and dtype as ``x``) whose gradient is
     the straight-through ``estimator`` (one of :data:`STE_ESTIMATORS`)."""
-    if estimator == "identity":
-        return _step_identity(x)
-    if estimator == "truncated":
-        return _step_truncated(x)
-    raise ValueError(f"unknown straight-through estimator {estimator!r}; valid: {STE_ESTIMATORS}")
+    if estimator not in STE_ESTIMATORS:
+        raise ValueError(f"unknown straight-through estimator {estimator!r}; valid: {STE_ESTIMATORS}")
+    return _step(x, estimator)
 
 
 def _trailing_axes(shape: tuple, out_units: int) -> int:

@@ -155,42 +155,31 @@ class WidthLayout:
             return slice(0, int(rows.size))
         return rows
 
+    def _sub_model(self, variables: dict, counts: tuple[int, ...], fn) -> dict:
+        """``variables`` with each entry of the ``counts`` sub-model (static) replaced by ``fn(collection,
+        entry, key, value, index)``, ``index``: what the sub-model holds of ``value``."""
+        params, stats = {}, dict(variables.get("batch_stats", {}))
+        entries = [(name, i, self.kept_rows(i, counts)) for i, name in enumerate(self.names)]
+        for entry, i, rows in entries + [(entry, i, None) for entry, i in self.attached]:
+            k = counts[i]
+            params[entry] = {key: fn("params", entry, key, value, (..., rows, slice(k)) if key == "kernel"
+                                     and rows is not None else (..., slice(k)))
+                             for key, value in variables["params"][entry].items()}
+            if entry in stats:
+                stats[entry] = {key: fn("batch_stats", entry, key, value, (..., slice(k)))
+                                for key, value in stats[entry].items()}
+        return {**variables, "params": params, "batch_stats": stats}
+
     def slice(self, variables: dict, counts: tuple[int, ...]) -> dict:
         """The sub-model itself (static ``counts``): kernels [..., kept rows,
         kept outputs], per-channel vectors [kept outputs]; a model of these
         shapes computes what the full model does under :meth:`hooks`."""
-        params, stats = {}, dict(variables.get("batch_stats", {}))
-        for i, name in enumerate(self.names):
-            k, rows = counts[i], self.kept_rows(i, counts)
-            params[name] = {key: (value[..., rows, :k] if key == "kernel" else value[..., :k])
-                            for key, value in variables["params"][name].items()}
-            if name in stats:
-                stats[name] = {key: value[..., :k] for key, value in stats[name].items()}
-        for entry, i in self.attached:
-            k = counts[i]
-            params[entry] = {key: value[..., :k] for key, value in variables["params"][entry].items()}
-            if entry in stats:
-                stats[entry] = {key: value[..., :k] for key, value in stats[entry].items()}
-        return {**variables, "params": params, "batch_stats": stats}
+        return self._sub_model(variables, counts, lambda c, e, key, value, index: value[index])
 
     def unslice(self, variables: dict, sub: dict, counts: tuple[int, ...]) -> dict:
         """``variables`` with the entries of the ``counts`` sub-model replaced by ``sub``'s."""
-        params, stats = {}, dict(variables.get("batch_stats", {}))
-        for i, name in enumerate(self.names):
-            k, rows = counts[i], self.kept_rows(i, counts)
-            params[name] = {key: (value.at[..., rows, :k] if key == "kernel" else value.at[..., :k]).set(
-                sub["params"][name][key]) for key, value in variables["params"][name].items()}
-            if name in stats:
-                stats[name] = {key: value.at[..., :k].set(sub["batch_stats"][name][key])
-                               for key, value in stats[name].items()}
-        for entry, i in self.attached:
-            k = counts[i]
-            params[entry] = {key: value.at[..., :k].set(sub["params"][entry][key])
-                             for key, value in variables["params"][entry].items()}
-            if entry in stats:
-                stats[entry] = {key: value.at[..., :k].set(sub["batch_stats"][entry][key])
-                                for key, value in stats[entry].items()}
-        return {**variables, "params": params, "batch_stats": stats}
+        return self._sub_model(variables, counts,
+                               lambda c, e, key, value, index: value.at[index].set(sub[c][e][key]))
 
     def predict(self, model: Model, variables: dict, counts: tuple[int, ...], sliced: bool):
         """The ``counts`` sub-model's predict function: the cut-out network

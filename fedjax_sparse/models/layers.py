@@ -5,28 +5,17 @@ All activations are NHWC (images) or [batch, features]; conv kernels are HWIO
 (one output neuron / filter, the unit SpaFL thresholds and FedDrop drops) is
 always ``kernel[..., i]``.
 
-Convolutions (``impl``):
+Convolutions (``impl``; why each exists: docs/design.md, "Convolutions: where the program is lowered"):
 
-* ``"xla"``: ``lax.conv_general_dilated`` (cuDNN on GPU), as is. Under ``vmap`` with a kernel that
-  carries the vmapped axis (each client its own weights) JAX batches it into a *grouped* convolution
-  (``feature_group_count`` = clients, ``batch_group_count`` for the kernel gradient), which cuDNN runs
-  about group by group: the clients are not parallel.
-* ``"im2col"``: shifted slices concatenated into patches, then one matmul; under ``vmap`` a batched
-  matmul. XLA:CPU runs convolutions inside ``lax.scan``/``while`` several times slower than outside
-  (measured: shared/notes/performance-facts.md) while matmuls do not suffer, so on CPU the round
-  engine's scanned local steps use this form.
-* ``"batched_im2col"``: XLA's convolution where the kernel is shared, and im2col (batched matmuls)
-  wherever a ``vmap`` gives the kernel its own axis: a ``custom_vmap`` rule chooses per ``vmap``, for
-  the forward pass and (through a ``custom_vjp``) for both gradients, at any nesting of vmaps
-  (clients, seeds, sweep members). Reverse mode (``jax.grad``/``vjp``) and reverse-over-forward-batched
-  uses such as ``jax.hessian`` work; forward mode (``jax.jvp``/``jacfwd``) is refused in one line naming
-  the layer and ``"xla"``/``"im2col"``, which support it.
-
-``"auto"`` (default) is chosen where the program is lowered (``lax.platform_dependent``), so a program
-exported for ``"cuda"`` on a CPU-only machine is the one a GPU process runs: on CPU ``"im2col"``
-(inside ``with outside_loops():``, code traced outside any scan/while such as the per-client
-evaluation, ``"batched_im2col"``, XLA:CPU's native convolution being the faster one there), on every
-other platform ``"batched_im2col"``.
+* ``"xla"``: ``lax.conv_general_dilated`` as is (under a ``vmap`` over per-client kernels JAX makes it
+  a grouped convolution, which cuDNN runs about group by group);
+* ``"im2col"``: shifted slices concatenated into patches, then one matmul (XLA:CPU runs convolutions
+  inside ``scan``/``while`` several times slower than matmuls);
+* ``"batched_im2col"``: XLA's convolution where the kernel is shared, im2col's batched matmuls wherever
+  a ``vmap`` gives the kernel its own axis (a ``custom_vmap`` rule, for the forward pass and both
+  gradients); reverse mode only (``jax.hessian`` works), forward mode (``jax.jvp``) is refused;
+* ``"auto"`` (default), chosen where the program is lowered (``lax.platform_dependent``): on CPU
+  ``"im2col"`` (``"batched_im2col"`` inside ``with outside_loops():``), elsewhere ``"batched_im2col"``.
 """
 from __future__ import annotations
 

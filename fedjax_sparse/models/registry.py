@@ -83,9 +83,9 @@ def load_model_reference(name: str, **options):
         raise ValueError(f"{arg('model', name)}: {module_name} has no attribute {attribute!r}")
     target = getattr(module, attribute)
     what = "a Flax module (flax.linen / flax.nnx), a Model, or a factory building one without arguments"
-    if isinstance(target, type) and not _is_model_class(target):
+    if isinstance(target, type) and not issubclass(target, _model_types()):
         raise ValueError(f"{arg('model', name)}: {module_name}.{attribute} is the class {target.__name__}, not {what}")
-    if _is_model(target):
+    if isinstance(target, _model_types()):
         if options:
             raise ValueError(f"{arg('model', name)} is an instance; {arg('model_option')} needs a class or factory")
         return target
@@ -99,21 +99,17 @@ def load_model_reference(name: str, **options):
     except TypeError as e:
         raise ValueError(f"{arg('model', name)}: building it failed ({e}); a Module class must build without "
                          f"arguments (or with {arg('model_option', 'KEY=VALUE')} ones)") from None
-    if not _is_model(built):
+    if not isinstance(built, _model_types()):
         raise ValueError(f"{arg('model', name)}: {module_name}.{attribute}() returned a {type(built).__name__}, "
                          f"not {what}")
     return built
 
 
-def _is_model(obj) -> bool:
-    """A Flax module instance or a :class:`Model`."""
-    return isinstance(obj, Model) or _is_module_instance(obj)
-
-
-def _is_model_class(cls: type) -> bool:
+def _model_types() -> tuple:
+    """What ``--model package.module:Name`` may name: a Flax module (linen or nnx) or a :class:`Model`."""
     import flax.linen as nn
     from flax import nnx
-    return issubclass(cls, (nn.Module, nnx.Module, Model))
+    return (nn.Module, nnx.Module, Model)
 
 
 def _needs_arguments(function, options: dict) -> list[str]:
@@ -124,12 +120,6 @@ def _needs_arguments(function, options: dict) -> list[str]:
         return []
     return [p.name for p in parameters if p.default is p.empty and p.name not in options
             and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-
-
-def _is_module_instance(obj) -> bool:
-    import flax.linen as nn
-    from flax import nnx
-    return isinstance(obj, (nn.Module, nnx.Module))
 
 
 @in_callers_words

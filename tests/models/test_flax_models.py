@@ -6,18 +6,98 @@ table (kernel shapes, units, MACs, which layer feeds which), the same logits, an
 and final states for FedAvg, SpaFL, FSL and FedDrop over 3 rounds on real Fashion-MNIST clients.
 """
 import dataclasses
+import math
+from typing import Any, Callable, Sequence
 
 import flax.linen as nn
 import jax
+import jax.extend  # noqa: F401  (jax.extend.core: not imported by `import jax`)
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import fedjax_sparse as fjs
-from fedjax_sparse.models import Hooks, from_flax, make_model
-from fedjax_sparse.models.flax.adapter import direct_sources, layers_from_hooks, link_layers
+from fedjax_sparse.models import Hooks, LayerInfo, Model, from_flax, make_model
+from fedjax_sparse.models.flax.adapter import link_layers
 from fedjax_sparse.models.flax_examples import LeNet5Caffe as LinenLeNet
 from fedjax_sparse.models.flax_examples import NnxLeNet5Caffe
+
+
+# A reference derivation of a hand-written model's layer table, independent of from_flax's program_flow.
+def direct_sources(fn: Callable, x_aval, probe_avals: Sequence) -> tuple[list[frozenset], frozenset]:
+    """Which probes each output of ``fn(x, *probes) -> (logits, [layer inputs])`` depends on.
+
+    Returns (per layer input: a frozenset of probe indices, -1 standing for ``x``; the same for the
+    logits). Dependencies are followed through the jaxpr conservatively (an equation's outputs
+    depend on all its inputs), which is exact for the chains and sums of a network's data flow."""
+    closed = jax.make_jaxpr(fn)(x_aval, *probe_avals)
+    jaxpr = closed.jaxpr
+    deps: dict = {}
+    for i, var in enumerate(jaxpr.invars):
+        deps[var] = frozenset({i - 1})
+
+    def of(v):
+        return frozenset() if isinstance(v, jax.extend.core.Literal) else deps.get(v, frozenset())
+    for eqn in jaxpr.eqns:
+        union = frozenset().union(*(of(v) for v in eqn.invars))
+        for out in eqn.outvars:
+            deps[out] = union
+    outs = [of(v) for v in jaxpr.outvars]
+    return outs[1:], outs[0]
+
+
+def layers_from_hooks(model: Model) -> tuple[tuple[LayerInfo, ...], bool]:
+    """The layer table of any :class:`Model` whose forward pass calls ``hooks.kernel`` on each
+    weight layer's kernel and ``hooks.activation`` on its output (the zoo's models), derived as
+    ``from_flax`` derives it: kernel shapes from the kernel hook, MACs from the output the
+    activation hook sees (output positions x kernel entries), ``input_layer`` and ``sequential``
+    from the data flow with each layer's output replaced by a probe. Layers whose kernel bypasses
+    the hooks (the ResNet's classifier, the ViT's embeddings) are not seen. ``in_units`` is the
+    kernel's input width (no grouped convolutions in the zoo). Returns (layers, sequential).
+
+    It checks the zoo's hand-written tables independently (below)."""
+    variables = jax.eval_shape(model.init, jax.random.PRNGKey(0))
+    x_aval = jax.ShapeDtypeStruct((2,) + tuple(model.input_shape), jnp.float32)
+    kernels: dict[str, tuple] = {}
+    outputs: dict[str, tuple] = {}
+
+    def record_kernel(name, kernel):
+        kernels.setdefault(name, tuple(kernel.shape))
+        return kernel
+
+    def record_output(name, h):
+        if name in kernels:
+            outputs.setdefault(name, tuple(h.shape))
+        return h
+    jax.eval_shape(lambda v, x: model.apply(v, x, hooks=Hooks(kernel=record_kernel, activation=record_output)),
+                   variables, x_aval)
+    names = [n for n in kernels if n in outputs]
+
+    concrete = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), variables)
+
+    def probed(x, *probes):
+        # The value the activation hook receives depends on the layer's input only (its kernel is no
+        # probe): its probe sources are the layer's direct sources. The hook then returns the probe.
+        by_name = dict(zip(names, probes))
+        received: dict[str, Any] = {}
+
+        def activation(name, h):
+            if name in by_name:
+                received[name] = h
+                return by_name[name]
+            return h
+        logits, _ = model.apply(concrete, x, hooks=Hooks(activation=activation))
+        return logits, [received[n] for n in names]
+    sources, logits_sources = direct_sources(probed, x_aval,
+                                             [jax.ShapeDtypeStruct(outputs[n], jnp.float32) for n in names])
+    in_units = [kernels[n][-2] for n in names]
+    out_units = [kernels[n][-1] for n in names]
+    inputs, sequential = link_layers(names, in_units, out_units, sources, logits_sources)
+    layers = tuple(
+        LayerInfo(n, "conv" if len(kernels[n]) > 2 else "dense", kernels[n], int(kernels[n][-2]), int(kernels[n][-1]),
+                  int(math.prod(outputs[n][1:-1])) * int(math.prod(kernels[n])), inp)
+        for n, inp in zip(names, inputs))
+    return layers, sequential
 
 
 class Residual(nn.Module):

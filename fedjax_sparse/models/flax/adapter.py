@@ -1,103 +1,28 @@
 """Any Flax model as a :class:`fedjax_sparse.models.Model`: ``from_flax(module, input_shape=...)``.
 
-Every algorithm here works on a ``Model`` (a layer table plus ``init``/``apply`` with
-:class:`Hooks`); this module derives that from a ``flax.linen`` or ``flax.nnx`` module so that
-SpaFL, FedDrop, FSL, FedPM and the FedAvg family run on a researcher's own network unchanged.
+Every algorithm works on a ``Model`` (a layer table plus ``init``/``apply`` with :class:`Hooks`); this
+module derives that from a ``flax.linen`` or ``flax.nnx`` module, from one abstract forward pass (no
+FLOPs spent) and the module's own program (:mod:`~fedjax_sparse.models.flax.program_flow`):
 
-What is derived, from one abstract forward pass (no FLOPs spent):
+* the weight layers, every parameterised product in call order, named by their module path joined with
+  ``/`` (``"conv1"``, ``"Block_0/Dense_0"``), with kind (``LayerInfo.kind``), kernel shape, units, MACs
+  per example, ``contraction``, ``uses`` and ``input_layer``; ``Model.sequential``, ``other_macs``
+  (products of no layer's kernel) and ``row_leaks`` (layers whose output does not follow their rows);
+* ``BatchNorm`` modules reading a weight layer's output directly: per-channel entries of that layer
+  (``Model.channel_entries``), trained with statistics over a padded batch's real samples only;
+* refused in one line: a kernel no seen layer multiplies by, a kernel the stored one is no stack of,
+  products inside a ``while`` loop, rng streams other than ``dropout``, collections other than
+  ``params`` and ``batch_stats``, and any model whose adapted forward pass (fast paths included) differs
+  from the module's own on a probe batch (logits to 1e-4 of their scale).
 
-* the weight layers: every parameterised product in call order, named by their module path joined
-  with ``/`` (``"conv1"``, ``"Block_0/Dense_0"``, ``"layers/0"``), with kind, kernel shape and
-  input/output units: ``Dense``/``Linear`` (``"dense"``), ``Conv`` incl. grouped/depthwise (``"conv"``),
-  ``DenseGeneral``/``LinearGeneral``, attention's projections among them (``"dense_general"``, one row
-  per output unit over the kernel's trailing output axes: ``LayerInfo.out_axes``), ``Einsum``
-  (``"einsum"``), ``Embed`` (``"embed"``: its table is the entry's ``"kernel"`` in the Model's variables,
-  ``"embedding"`` in the module's; a lookup, 0 MACs), the Dense/Conv inside a recurrent cell
-  (``"recurrent"``, linen's ``nn.RNN`` and ``nnx.RNN``; a lifted scan traces the cell more than once, which is
-  the same use) and a layer repeated by a lifted scan (``"scanned"``: ``nn.scan`` over layers, NNX blocks
-  built by ``nnx.vmap`` and run by ``nnx.scan``; one kernel per repetition stacked on leading axes);
-* from the module's own program (:mod:`~fedjax_sparse.models.flax.program_flow`; each layer's call runs in a
-  named scope tagged with its name, and every value is followed through sub-programs, so layers under
-  ``nn.remat``, ``nn.jit``, ``nn.scan``, ``nn.vmap``, ``nnx.remat``, ``nnx.scan`` and ``nnx.vmap`` are seen as the
-  others): MACs per example (every dot and convolution, scans times their length, at batch 1 and 2) of the
-  products multiplying by each layer's kernel; the rest (attention's score and value products, products
-  inside a layer's call beside its kernel's, LoRA's ``x @ lora_a @ lora_b``) is ``Model.other_macs``, so
-  ``forward_macs`` is the program's total; ``LayerInfo.contraction``, how many entries each output of the
-  kernel's product sums over where the kernel's shape says otherwise (a fused qkv Einsum), which is the
-  fan-in of FedPM's and FSL's constants; ``LayerInfo.uses``, how many times a pass multiplies by the
-  kernel (a shared head: 2); which layer feeds which (``LayerInfo.input_layer``) and whether the network
-  is a plain chain (``Model.sequential``): a value computed inside a layer's call is that layer's output,
-  and a layer's direct sources are the layers whose outputs reach its call without passing another (a
-  residual add reaches two: not sequential);
-* refused in one line: a ``kernel``/``embedding`` no seen layer multiplies by (ConvTranspose,
-  OptimizedLSTMCell, a product with a module's own ``self.param``), a kernel the stored one is no stack of,
-  products inside a ``while`` loop. What each mechanism does to each kind, or why it refuses it:
-  ``models.base.check_layer_kinds`` and the table in docs/design.md;
-* ``Model.row_leaks``: layers whose output does not follow their kernel's rows (products beside the
-  kernel's, a weight layer called inside another's call, or, on the probe, a pruned row whose output still
-  moves with the input): the mechanisms that threshold rows or drop units refuse them;
-* ``BatchNorm`` modules that read a weight layer's output directly: they are declared per-channel
-  entries of that layer (``Model.channel_entries``), trained with statistics over the real samples
-  of a padded batch only (Flax's ``mask``), and the layer's activation hook moves behind them.
-
-How algorithms act on the model (:class:`Hooks`): ``hooks.kernel`` is applied to each layer's
-kernel before the forward pass (it is pure); ``hooks.activation`` is applied to each layer's output
-(behind its BatchNorm when it has one; ReLU, max-pool and the positive dropout scale commute, so for
-the networks here this equals the zoo's placement after the nonlinearity). Convolutions of the
-common form (2-D, equal strides, SAME/VALID padding, no dilation or groups) are computed by
-:func:`fedjax_sparse.models.layers.conv2d`: its im2col form is several times faster inside the
-engine's scans on XLA:CPU, and under a ``vmap`` over clients (each its own kernel) it runs batched
-matmuls where Flax's convolution would become a grouped one (slow on GPUs); and ``nn.max_pool`` /
-``nnx.max_pool`` over non-overlapping windows by
-:func:`~fedjax_sparse.models.layers.max_pool` (the zoo's pool: same values, cheaper gradient on CPU,
-ties split as in the zoo; a ``max_pool`` imported by name before the call keeps Flax's own);
-everything else is Flax's own code. The fast convolution applies only to layers that run Flax's own
-``Conv`` code with its own convolution function in float32: a subclass overriding anything of it (its own
-``__call__``, or ``param`` standardising the kernel where it is read, as BiT's ``StdConv`` does) is still a
-weight layer, and runs its own code.
-
-Never a different network: ``from_flax`` runs the adapted forward pass (fast paths included, no-op
-hooks) and the module's own code (Flax's layers and pool, the same BatchNorm/Dropout modes) on a
-probe batch of 2 random examples with the weights of ``init`` moved off their initial values (every
-parameter and statistic: a zero-initialised head would make both sides' logits 0), in evaluation mode and, when
-``__call__`` takes a train flag, training mode (dropout on, the same key on both sides), and refuses
-the model (``ValueError`` naming the largest difference and the first layer that differs) unless the
-logits agree to 1e-4 of their scale.
-
-Normalisation and padding (:mod:`~fedjax_sparse.models.flax.probes`, on a probe with every parameter
-and statistic perturbed): a unit the mechanisms drop must be exactly zero where the next weight
-layer reads it (zero kernel gradient on those rows, training and evaluation mode); where a
-normalisation the adapter does not handle sits between (``GroupNorm``, ``LayerNorm``, a library's own
-BatchNorm, a ``BatchNorm`` behind the ReLU) the layer goes into ``Model.unit_drop_leaks`` and FedDrop,
-UniDrop, Caldas' dropout, HeteroFL and FjORD refuse the model in one line naming the layer and the
-normalisation (other algorithms run it). Padded rows of a batch must change nothing for the real rows
-(logits and batch statistics, training mode with the sample mask and evaluation mode): a module with
-its own batch statistics is refused in one line.
-
-Train/eval mode: ``BatchNorm`` gets ``use_running_average=not train`` whatever the module says (also
-when the module fixes it when built, ``BatchNorm(not self.training)``), ``Dropout`` is active exactly in
-training with a key whatever ``deterministic`` it was built with, a ``train``/``training`` argument of
-``__call__`` receives ``train`` (``deterministic`` its negation).
-Randomness the model's authors wrote: in training, ``Model.apply(..., rng=key)`` gives linen the key as
-the ``dropout`` stream (``nn.Dropout``, attention dropout in ``nn.MultiHeadDotProductAttention``, a
-module's own ``self.make_rng('dropout')``) and each ``nnx.Dropout`` the key folded with its path; the
-algorithms' local steps pass ``training.model_rng(step_key)``, a fresh key per step derived from the
-client's step key (the same seed gives the same numbers), and evaluation passes none (dropout off:
-``Dropout`` is the identity, the train flag is false). Without a key ``Dropout`` is the identity in
-training too. ``from_flax`` traces training mode with a key and refuses, in one line naming the layer and
-the fix, a module that asks for another rng stream (``self.make_rng('noise')``) or computes over a device
-axis (``BatchNorm(axis_name=...)``: the engine's vmap over clients binds none). ``nnx`` layers that hold
-their own ``Rngs`` (other than ``nnx.Dropout``) draw from them as their code says. A layer applied twice
-(a shared head) is one layer with ``uses`` 2; variable collections other than ``params`` and ``batch_stats``
-are refused.
-
-Modules that run by themselves: an NNX model is merged from copies of all its state (an ``nnx.Rngs``'
-counters, what ``sow`` stored after the user called it), each module tagged with its path in a static
-attribute that NNX's lifted transforms carry into their copies; a linen module inside
-``nnx.bridge.ToNNX`` is intercepted under the bridge's path; ``nn.jit`` retraces each block (it keys its
-cache by the module's configuration, which would reuse one block's trace for the next). When the adapter
-fails on a module that runs by itself, the one-line error says it is the adapter's limit, not the model's
-error.
+At run time ``hooks.kernel`` is applied to each layer's kernel before the forward pass and
+``hooks.activation`` to each layer's output (behind its BatchNorm when it has one). Plain 2-D ``Conv``
+layers running Flax's own code in float32 are computed by :func:`fedjax_sparse.models.layers.conv2d`
+(im2col inside the engine's scans on CPU, batched matmuls under a ``vmap`` over clients) and
+non-overlapping ``max_pool`` by :func:`~fedjax_sparse.models.layers.max_pool`; everything else is Flax's
+own code. ``BatchNorm`` and ``Dropout`` follow the adapter's train/eval mode whatever the module fixed.
+The normalisation and padding probes are in :mod:`~fedjax_sparse.models.flax.probes`; the full
+description, with what each mechanism does to each layer kind, is docs/design.md ("Your Flax model").
 """
 from __future__ import annotations
 
@@ -114,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_sparse.models import layers as L
-from fedjax_sparse.models.flax import macs as macs_lib
+from fedjax_sparse.models.flax.program_flow import layer_scope, program_flow
 from fedjax_sparse.models.base import Hooks, LayerInfo, Model, shape_tuple
 
 Path = tuple  # a module path inside the user's variables, e.g. ("Block_0", "Dense_0") or ("layers", 0)
@@ -149,31 +74,9 @@ def entry_name(path: Path) -> str:
 
 
 # ---------------------------------------------------------------- data flow
-def direct_sources(fn: Callable, x_aval, probe_avals: Sequence) -> tuple[list[frozenset], frozenset]:
-    """Which probes each output of ``fn(x, *probes) -> (logits, [layer inputs])`` depends on.
-
-    Returns (per layer input: a frozenset of probe indices, -1 standing for ``x``; the same for the
-    logits). Dependencies are followed through the jaxpr conservatively (an equation's outputs
-    depend on all its inputs), which is exact for the chains and sums of a network's data flow."""
-    closed = jax.make_jaxpr(fn)(x_aval, *probe_avals)
-    jaxpr = closed.jaxpr
-    deps: dict = {}
-    for i, var in enumerate(jaxpr.invars):
-        deps[var] = frozenset({i - 1})
-
-    def of(v):
-        return frozenset() if isinstance(v, jax.extend.core.Literal) else deps.get(v, frozenset())
-    for eqn in jaxpr.eqns:
-        union = frozenset().union(*(of(v) for v in eqn.invars))
-        for out in eqn.outvars:
-            deps[out] = union
-    outs = [of(v) for v in jaxpr.outvars]
-    return outs[1:], outs[0]
-
-
 def link_layers(names: Sequence[str], in_units: Sequence[int], out_units: Sequence[int],
                 sources: Sequence[frozenset], logits_sources: frozenset) -> tuple[list[str | None], bool]:
-    """(input_layer of each layer, sequential) from each layer's direct sources (see ``direct_sources``).
+    """(input_layer of each layer, sequential) from each layer's direct sources (``program_flow``).
 
     A layer's ``input_layer`` is the latest layer among its sources whose output width its input is
     made of (``in_units`` a multiple of it: a flatten repeats channels); ``sequential`` holds when
@@ -189,60 +92,6 @@ def link_layers(names: Sequence[str], in_units: Sequence[int], out_units: Sequen
     return inputs, sequential
 
 
-def layers_from_hooks(model: Model) -> tuple[tuple[LayerInfo, ...], bool]:
-    """The layer table of any :class:`Model` whose forward pass calls ``hooks.kernel`` on each
-    weight layer's kernel and ``hooks.activation`` on its output (the zoo's models), derived as
-    ``from_flax`` derives it: kernel shapes from the kernel hook, MACs from the output the
-    activation hook sees (output positions x kernel entries), ``input_layer`` and ``sequential``
-    from the data flow with each layer's output replaced by a probe. Layers whose kernel bypasses
-    the hooks (the ResNet's classifier, the ViT's embeddings) are not seen. ``in_units`` is the
-    kernel's input width (no grouped convolutions in the zoo). Returns (layers, sequential).
-
-    It checks the zoo's hand-written tables independently (``tests/models/test_flax_models.py``)."""
-    variables = jax.eval_shape(model.init, jax.random.PRNGKey(0))
-    x_aval = jax.ShapeDtypeStruct((2,) + tuple(model.input_shape), jnp.float32)
-    kernels: dict[str, tuple] = {}
-    outputs: dict[str, tuple] = {}
-
-    def record_kernel(name, kernel):
-        kernels.setdefault(name, tuple(kernel.shape))
-        return kernel
-
-    def record_output(name, h):
-        if name in kernels:
-            outputs.setdefault(name, tuple(h.shape))
-        return h
-    jax.eval_shape(lambda v, x: model.apply(v, x, hooks=Hooks(kernel=record_kernel, activation=record_output)),
-                   variables, x_aval)
-    names = [n for n in kernels if n in outputs]
-
-    concrete = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), variables)
-
-    def probed(x, *probes):
-        # The value the activation hook receives depends on the layer's input only (its kernel is no
-        # probe): its probe sources are the layer's direct sources. The hook then returns the probe.
-        by_name = dict(zip(names, probes))
-        received: dict[str, Any] = {}
-
-        def activation(name, h):
-            if name in by_name:
-                received[name] = h
-                return by_name[name]
-            return h
-        logits, _ = model.apply(concrete, x, hooks=Hooks(activation=activation))
-        return logits, [received[n] for n in names]
-    sources, logits_sources = direct_sources(probed, x_aval,
-                                             [jax.ShapeDtypeStruct(outputs[n], jnp.float32) for n in names])
-    in_units = [kernels[n][-2] for n in names]
-    out_units = [kernels[n][-1] for n in names]
-    inputs, sequential = link_layers(names, in_units, out_units, sources, logits_sources)
-    layers = tuple(
-        LayerInfo(n, "conv" if len(kernels[n]) > 2 else "dense", kernels[n], int(kernels[n][-2]), int(kernels[n][-1]),
-                  int(math.prod(outputs[n][1:-1])) * int(math.prod(kernels[n])), inp)
-        for n, inp in zip(names, inputs))
-    return layers, sequential
-
-
 # ---------------------------------------------------------------- the shared interception logic
 @dataclasses.dataclass
 class _Recorded:
@@ -256,21 +105,13 @@ class _Recorded:
 
 
 class _Calls:
-    """What one traced forward pass does at each intercepted module call.
-
-    mode "record": runs the modules, records weight layers and which BatchNorm reads which layer.
-    mode "run": applies the activation hooks (and the CPU convolution fast path).
-    mode "reference": the module's own code everywhere (no fast path, no hooks), with the adapter's
-    BatchNorm/Dropout modes: what ``from_flax``'s equivalence check compares "run" against; each weight
-    layer's call runs in a ``jax.named_scope`` tagged with its name (``macs.TAG``), from which the program's
-    data flow, products and costs are read (:mod:`~fedjax_sparse.models.flax.program_flow`).
-    ``layer_outputs`` keeps each weight layer's output (before its hook) in "run"/"reference" mode,
-    which names the first layer where the two differ (not for layers inside a lifted transform, whose
-    outputs live on its own trace).
-    A layer inside a lifted transform (``nested``: ``nn.remat``, ``nn.scan``, a recurrent cell under
-    ``nn.RNN``) may be traced more than once per pass (Flax traces a scan body for its shapes first), and a
-    layer may be applied more than once (a shared head): each call is hooked; how many times a pass
-    multiplies by a kernel is read from the program (``LayerInfo.uses``)."""
+    """What one traced forward pass does at each intercepted module call, by ``mode``: "record" runs the
+    modules and records the weight layers and which BatchNorm reads which; "run" applies the activation
+    hooks (and the fast convolution); "reference" runs the module's own code everywhere, with the adapter's
+    BatchNorm/Dropout modes and each weight layer's call in a scope tagged with its name (``layer_scope``,
+    read by ``program_flow``). ``layer_outputs``: each weight layer's output before its hook ("run" and
+    "reference", not inside a lifted transform), to name the first layer where the two differ. A layer
+    called more than once (a scan body traced twice, a shared head) is hooked at each call."""
 
     def __init__(self, mode: str, *, train: bool = False, hooks: Hooks | None = None, sample_mask=None,
                  bn_of: dict | None = None, conv_impl: str = "auto", rng=None):
@@ -308,7 +149,7 @@ class _Calls:
         if out is None:
             self.active.append(path)
             try:
-                with macs_lib.layer_scope(entry_name(path)) if self.mode == "reference" else contextlib.nullcontext():
+                with layer_scope(entry_name(path)) if self.mode == "reference" else contextlib.nullcontext():
                     out = original()
             finally:
                 self.active.pop()
@@ -534,6 +375,7 @@ def _retraced_jit():
         proxy.from_module = original
 
 
+@contextlib.contextmanager
 def _linen_interceptor(calls: _Calls, prefix: Callable[[], Path | None] = lambda: ()):
     """The linen method interceptor of one traced pass. ``prefix()``: the path of the variables' root (a
     bridge module's path inside an NNX model), None when a linen module runs outside the adapter's view."""
@@ -578,18 +420,11 @@ def _linen_interceptor(calls: _Calls, prefix: Callable[[], Path | None] = lambda
             with _field_cleared(m, "deterministic"):
                 return next_fun(*args, **{**kwargs, "deterministic": not active})
         return next_fun(*args, **kwargs)
-    return _both(nn.intercept_methods(interceptor), _retraced_jit())
-
-
-@contextlib.contextmanager
-def _both(first, second):
-    with first, second:
+    with nn.intercept_methods(interceptor), _retraced_jit():
         yield
 
 
 def _linen_parts(module, train_kwargs):
-    intercepted = _linen_interceptor
-
     def init(key, x):
         return module.init({"params": key}, x, **train_kwargs(False))
 
@@ -597,7 +432,7 @@ def _linen_parts(module, train_kwargs):
         mutable = ["batch_stats"] if train and nested.get("batch_stats") else False
         rngs = {"dropout": calls.rng} if calls.rng is not None else None
         calls.outer_trace = _current_trace()
-        with intercepted(calls), _zoo_max_pool(calls.mode != "reference"):
+        with _linen_interceptor(calls), _zoo_max_pool(calls.mode != "reference"):
             out = module.apply(nested, x, **train_kwargs(train), rngs=rngs, mutable=mutable)
         if mutable:
             logits, updated = out
@@ -781,20 +616,6 @@ def _user_frame(error: BaseException) -> tuple[str, int, str] | None:
     return found
 
 
-def _failing_conv(error: BaseException):
-    """The innermost Flax ``Conv`` whose ``__call__`` is on the traceback (None if none)."""
-    import flax.linen as nn
-    from flax import nnx
-    found = None
-    tb = error.__traceback__
-    while tb is not None:
-        candidate = tb.tb_frame.f_locals.get("self")
-        if isinstance(candidate, (nn.Conv, nnx.Conv)):
-            found = candidate
-        tb = tb.tb_next
-    return found
-
-
 _SHAPE_WORDS = ("shape", "dimension", "rank", "axis", "axes", "broadcast", "incompatible", "size")
 
 
@@ -892,7 +713,9 @@ def _build_error(model_name: str, input_shape: tuple, error: Exception, train: b
                           "layers outside that construct")
     what = f"from_flax: {model_name} raised {type(error).__name__}: {first}{at}, on inputs of shape [batch, " \
            f"{', '.join(map(str, input_shape))}]"
-    conv = _failing_conv(error)
+    import flax.linen as nn
+    from flax import nnx
+    conv = _failing_module(error, (nn.Conv, nnx.Conv))
     if conv is not None:
         spatial = len(conv.kernel_size) if not isinstance(conv.kernel_size, int) else 1
         if len(input_shape) != spatial + 1:
@@ -1028,8 +851,6 @@ def _program_flows(model_name: str, apply_nested: Callable, to_nested: Callable,
                    input_shape: tuple, names: Sequence[str]) -> dict:
     """{batch: ProgramFlow} of the module's own forward pass (evaluation mode) at batch 1 and 2: the
     difference of their costs is what one more example costs."""
-    from fedjax_sparse.models.flax.program_flow import program_flow
-
     def forward(v, x):
         return apply_nested(to_nested(v), x, _Calls("reference"), False)[0]
     flows = {}
@@ -1235,18 +1056,14 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     # own code on a probe batch, in evaluation mode and, when __call__ takes a train flag, training mode.
     check_key = jax.random.PRNGKey(_PROBE_KEY)  # dropout on in training mode, the same masks on both sides
 
-    def adapted(variables, x, train):
-        calls = _Calls("run", train=train, hooks=Hooks(), bn_of=bn_of, conv_impl=conv_impl,
-                       rng=check_key if train else None)
-        params = {"params": variables["params"], "batch_stats": variables.get("batch_stats", {})}
-        logits, _ = apply_nested(to_nested(params), x, calls, train)
-        return logits, calls.layer_outputs
-
-    def own(variables, x, train):
-        calls = _Calls("reference", train=train, bn_of=bn_of, conv_impl=conv_impl, rng=check_key if train else None)
-        params = {"params": variables["params"], "batch_stats": variables.get("batch_stats", {})}
-        logits, _ = apply_nested(to_nested(params), x, calls, train)
-        return logits, calls.layer_outputs
+    def forward(mode):   # "run": the adapted pass (no-op hooks); "reference": the module's own code
+        def apply(variables, x, train):
+            calls = _Calls(mode, train=train, hooks=Hooks(), bn_of=bn_of, conv_impl=conv_impl,
+                           rng=check_key if train else None)
+            params = {"params": variables["params"], "batch_stats": variables.get("batch_stats", {})}
+            logits, _ = apply_nested(to_nested(params), x, calls, train)
+            return logits, calls.layer_outputs
+        return apply
     modes = (False, True) if train_kwargs(True) else (False,)
     # The first real weights: made once, for this check and the probes (memory.check_weights_fit's peak).
     variables = init_fn(jax.random.PRNGKey(0))
@@ -1254,7 +1071,7 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     # logits 0 whatever the layers before it compute.
     from fedjax_sparse.models.flax import probes as flax_probes
     probe_variables = flax_probes.perturbed(variables, set(names), _PROBE_KEY + 1)
-    _check_same_network(model_name, adapted, own, probe_variables, input_shape, modes)
+    _check_same_network(model_name, forward("run"), forward("reference"), probe_variables, input_shape, modes)
     del probe_variables
 
     # 5. On a probe: padded rows change nothing for the real ones (else refused), and which layers' dropped
@@ -1273,4 +1090,4 @@ def _plain(tree):
     return tree
 
 
-__all__ = ["direct_sources", "entry_name", "from_flax", "layers_from_hooks", "link_layers"]
+__all__ = ["entry_name", "from_flax", "link_layers"]

@@ -1,32 +1,16 @@
-"""What ``from_flax`` verifies on a probe batch beyond "the same network" (issue 41 item 3).
+"""What ``from_flax`` verifies on a probe batch beyond "the same network", on the adapted model itself
+(``Model.apply`` and its hooks, with every parameter and statistic moved off its initial value so that no
+zero maps to zero by luck of the initialisation; docs/design.md has the full description):
 
-Two assumptions the algorithms make of every model are checked on the adapted model itself (through
-``Model.apply`` and its hooks, with the variables of ``init`` moved off their initial values: biases,
-norm scales and offsets and running statistics perturbed, so that a zero is not mapped to zero by luck
-of the initialisation):
-
-* **A dropped unit is zero downstream** (:func:`unit_drop_leaks`). FedDrop/UniDrop, Caldas et al.'s
-  dropout and HeteroFL/FjORD's masked widths zero a layer's output units through ``hooks.activation``
-  and book the next layer's products with them as not computed. With every other output channel of
-  every hidden layer zeroed, the gradient of the logits with respect to each next layer's kernel must
-  be exactly zero on the kernel rows that read the dropped channels (row ``f`` reads channel
-  ``f % C``: channels last, a flatten repeating them), in training and in evaluation mode: those
-  rows multiply exactly the dropped inputs. A normalisation the adapter does not know between the two
-  layers (``GroupNorm``, ``LayerNorm`` over channels, a library's own BatchNorm class, Flax's
-  ``BatchNorm`` behind the ReLU instead of directly after the layer) renormalises the zeros into
-  nonzero values; such a layer is recorded in ``Model.unit_drop_leaks`` (the layer, the next layer
-  and the modules called between them) and every mechanism that drops its units refuses it in one line
-  (:meth:`Model.check_unit_drops`); algorithms that drop no units run the model unchanged.
-* **Padded rows change nothing for the real ones** (:func:`padding_leak`). Local training pads a
-  client's last batch of each epoch (count not a multiple of the batch size) with a 0/1 sample mask,
-  and evaluation pads its last batch; Flax's ``BatchNorm`` gets the mask (statistics over the real
-  rows). The real rows' logits and the new batch statistics must be the same whether the padded rows
-  hold zeros or large random values, in training mode (with the mask) and evaluation mode (without):
-  a module computing over the batch axis itself (its own batch statistics) fails, and ``from_flax``
-  refuses the model in one line naming the first layer whose output moves and the modules called
-  before it.
-
-Both cost one gradient and four forward passes of a batch of 5 examples.
+* **A dropped unit is zero downstream** (:func:`unit_drop_leaks`): with every other output channel of
+  every hidden layer zeroed by ``hooks.activation``, the gradient of the logits with respect to each next
+  layer's kernel must be exactly zero on the rows reading a dropped channel (row ``f`` reads channel
+  ``f % C``), in training and evaluation mode; else the layer goes into ``Model.unit_drop_leaks`` and
+  the mechanisms that drop its units refuse it (:meth:`Model.check_unit_drops`).
+* **Padded rows change nothing for the real ones** (:func:`padding_leak`): the real rows' logits and
+  batch statistics must not depend on what padded rows hold (training mode with the sample mask,
+  evaluation mode without); else ``from_flax`` refuses the model in one line.
+* **A pruned row computes nothing** (:func:`row_leaks`): see its docstring.
 """
 from __future__ import annotations
 

@@ -1,37 +1,34 @@
 """What a traced forward pass says about each weight layer: its inputs, its products, their contraction.
 
 ``from_flax`` runs the module's own code with each weight layer's call inside a ``jax.named_scope``
-tagged with its name (:func:`fedjax_sparse.models.flax.macs.layer_scope`) and reads the jaxpr once
-(:func:`program_flow`), following every value through sub-programs: ``pjit``/``jit``, ``remat``
-(``nn.remat``, ``nnx.remat``), ``custom_jvp``/``custom_vjp``, ``cond`` (sources from every branch, MACs of
-the largest), and ``scan`` (its carry to a fixed point, its body's products times its length), so a
-layer under a lifted transform (``nn.remat``, ``nn.scan``, ``nn.jit``, ``nn.vmap``, their NNX forms) is
-seen with its true inputs and costs. Per weight layer it gives:
+tagged with its name (:func:`layer_scope`) and reads the jaxpr once (:func:`program_flow`), following
+every value through sub-programs (``pjit``, ``remat``, ``custom_jvp``/``custom_vjp``, ``cond``: sources
+from every branch, MACs of the largest; ``scan``: its carry to a fixed point, its body's products times
+its length; docs/design.md, "Your Flax model"). Per weight layer (:class:`LayerFlow`):
 
-* ``sources``: the layers (and ``-1``, the model input) whose outputs reach the layer's call without
-  passing another weight layer: a value computed inside a layer's call is that layer's output, values
-  computed from parameters alone (a kernel transform, a learned query) come from no layer;
-* the products inside its call that multiply by its own kernel (``kernel_products`` equations, one per
-  call site: a layer applied twice has two; ``kernel_macs``; ``contractions``: how many entries each
-  output of such a product sums over, from the product's contracted axes, not the kernel's shape);
-* the other products inside its call that involve data (``side_macs``, ``side``: LoRA's
-  ``x @ lora_a @ lora_b`` beside the kernel), which a mechanism acting on the kernel's rows does not
-  reach.
+* ``sources``: the layers (``-1``: the model input) whose outputs reach the layer's call without passing
+  another weight layer (a value computed inside a layer's call is that layer's output);
+* the products inside its call that multiply by its own kernel (``kernel_products``, ``kernel_macs``,
+  ``contractions``: entries each output sums over), and the other products there that involve data
+  (``side_macs``, ``side``: LoRA's ``x @ lora_a @ lora_b``), which the kernel's rows do not reach.
 
-A value's dependencies are followed conservatively (an equation's outputs depend on all its inputs),
-which is exact for the chains, sums and concatenations of a network's data flow. Products inside a
-``while`` loop are refused (``ValueError``), as in :mod:`~fedjax_sparse.models.flax.macs`.
+MACs of a product, from its shapes: ``dot_general`` prod(lhs shape) x prod(rhs dims neither contracted
+nor batch); ``conv_general_dilated`` prod(output shape) x kh x kw x in/groups. Dependencies are followed
+conservatively (an equation's outputs depend on all its inputs). Products inside a ``while`` loop are
+refused (``ValueError``): the program does not say its trip count.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Sequence
 
 import jax
 import jax.extend  # noqa: F401  (jax.extend.core: not imported by `import jax`)
 
-from fedjax_sparse.models.flax import macs as macs_lib
+TAG = "fjs_layer:"
+_TAGGED = re.compile(re.escape(TAG) + r"([^/()\s]+)")
 
 # A value's dependencies: (sources, parameters, made in). ``sources``: layer indices (-1: the model input) whose
 # outputs it is computed from; ``parameters``: for a value computed from parameters alone (a kernel transform, a
@@ -58,6 +55,19 @@ class ProgramFlow:
     other_macs: int         # products outside every layer's call (attention's scores and values)
 
 
+def layer_scope(name: str):
+    """The ``jax.named_scope`` that attributes the products traced inside it to the layer ``name``
+    (whose ``/`` are written ``::``: the name stack joins scopes with ``/``)."""
+    return jax.named_scope(TAG + name.replace("/", "::"))
+
+
+def layer_of(eqn, inherited: str | None) -> str | None:
+    """The innermost layer tag on the equation's name stack (a transform writes its scopes inside
+    its own name, ``vmap(fjs_layer:conv1)``: ``nn.vmap``), else ``inherited``."""
+    found = _TAGGED.findall(str(eqn.source_info.name_stack))
+    return found[-1].replace("::", "/") if found else inherited
+
+
 def _sub(value):
     if isinstance(value, jax.extend.core.ClosedJaxpr):
         return [value.jaxpr]
@@ -75,6 +85,17 @@ def _join(*deps) -> tuple:
     return (sources, frozenset().union(*(d[1] for d in deps)), next((d[2] for d in deps if d[2] is not None), None))
 
 
+def _fixed_point(carry: list, step) -> list:
+    """A loop's carry dependencies joined with ``step(carry)``'s until they stop growing (a finite, monotone
+    lattice: a fixed point within a few rounds)."""
+    for _ in range(64):
+        new = [_join(c, o) for c, o in zip(carry, step(carry))]
+        if new == carry:
+            break
+        carry = new
+    return carry
+
+
 def _contraction(eqn, weight: int) -> int:
     """How many entries each output of a product sums over (the contracted axes of its operands)."""
     if eqn.primitive.name == "dot_general":
@@ -85,8 +106,14 @@ def _contraction(eqn, weight: int) -> int:
     return int(math.prod(rhs)) // int(rhs[eqn.params["dimension_numbers"].rhs_spec[0]])
 
 
-def _product_macs(eqn) -> int:
-    return macs_lib.dot_macs(eqn) if eqn.primitive.name == "dot_general" else macs_lib.conv_macs(eqn)
+def product_macs(eqn) -> int:
+    """MACs of one ``dot_general`` or ``conv_general_dilated`` equation (see the module docstring)."""
+    if eqn.primitive.name == "dot_general":
+        lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+        (_, rc), (_, rb) = eqn.params["dimension_numbers"]
+        return int(math.prod(lhs)) * int(math.prod(d for i, d in enumerate(rhs) if i not in tuple(rc) + tuple(rb)))
+    rhs, out = eqn.invars[1].aval.shape, eqn.outvars[0].aval.shape
+    return int(math.prod(out)) * (int(math.prod(rhs)) // int(rhs[eqn.params["dimension_numbers"].rhs_spec[0]]))
 
 
 class _Flow:
@@ -111,7 +138,7 @@ class _Flow:
                 mine.side += f.side
 
     def scope(self, eqn, inherited):
-        layer = macs_lib.layer_of(eqn, inherited)
+        layer = layer_of(eqn, inherited)
         return layer if layer in self.index else inherited
 
     def entering(self, deps: tuple, where) -> tuple:
@@ -131,7 +158,7 @@ class _Flow:
         return (frozenset({self.index[where]}), frozenset(), None)
 
     def product(self, eqn, ins: Sequence[tuple], where, scale: int) -> None:
-        macs = scale * _product_macs(eqn)
+        macs = scale * product_macs(eqn)
         if where is None:
             self.other_macs += macs
             return
@@ -182,12 +209,7 @@ class _Flow:
         consts, carries = eqn.params["num_consts"], eqn.params["num_carry"]
         head, carry, xs = ins[:consts], list(ins[consts:consts + carries]), ins[consts + carries:]
         length = int(eqn.params["length"])
-        for _ in range(64):   # a finite lattice, monotone: a fixed point within a few rounds
-            outs = self.run(body, head + carry + xs, where, scale * length, False)
-            new = [_join(c, o) for c, o in zip(carry, outs[:carries])]
-            if new == carry:
-                break
-            carry = new
+        carry = _fixed_point(carry, lambda c: self.run(body, head + c + xs, where, scale * length, False)[:carries])
         outs = self.run(body, head + carry + xs, where, scale * length, costs)
         return [_join(c, o) for c, o in zip(carry, outs[:carries])] + outs[carries:]
 
@@ -202,12 +224,7 @@ class _Flow:
                              "program does not say (and reverse-mode training cannot differentiate); use a scan "
                              "(lax.scan, nn.scan, a fori_loop with static bounds)")
         consts, carry = ins[cond_n:cond_n + body_n], list(ins[cond_n + body_n:])
-        for _ in range(64):
-            new = [_join(c, o) for c, o in zip(carry, self.run(body, consts + carry, where, 1, False))]
-            if new == carry:
-                break
-            carry = new
-        return carry
+        return _fixed_point(carry, lambda c: self.run(body, consts + c, where, 1, False))
 
     def cond(self, eqn, ins, where, scale, costs):
         branches = []
@@ -222,7 +239,7 @@ class _Flow:
 
 def program_flow(jaxpr, in_labels: Sequence, layers: Sequence[str]) -> ProgramFlow:
     """The flow of ``jaxpr`` (its first output: the logits) for the weight layers ``layers`` (their scopes
-    tagged by ``macs.layer_scope``). ``in_labels``: per input variable, ``("input",)`` for the model's
+    tagged by :func:`layer_scope`). ``in_labels``: per input variable, ``("input",)`` for the model's
     input (source ``-1``), a parameter's label (``("params", entry, leaf)``; a layer's kernel is
     ``("params", name, "kernel")``) or None (a constant)."""
     index = {name: i for i, name in enumerate(layers)}
@@ -238,4 +255,4 @@ def program_flow(jaxpr, in_labels: Sequence, layers: Sequence[str]) -> ProgramFl
     return ProgramFlow(flow.layers, logits[0], flow.other_macs)
 
 
-__all__ = ["LayerFlow", "ProgramFlow", "program_flow"]
+__all__ = ["LayerFlow", "ProgramFlow", "TAG", "layer_scope", "product_macs", "program_flow"]
