@@ -48,9 +48,7 @@ from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import local_train, predict_fn, sgd
 from fedjax_sparse.errors import arg
 
-# The fields of every state class are declared in the sorted order of the dict keys the state had
-# before it was typed: checkpoints store the state's leaves in flatten order (sorted keys for a
-# dict, field order for a NamedTuple), so this keeps checkpoints of earlier versions loadable.
+# Field order is the checkpoints' leaf order (docs/design.md, "Algorithm states"): never reorder.
 
 
 class FedAvgServerState(NamedTuple):
@@ -59,9 +57,7 @@ class FedAvgServerState(NamedTuple):
     variables: dict   # the global model {"params": ..., "batch_stats": ...}, leaves shaped as the model's
 
 
-# The server state's class follows the server optimiser, not one class with None fields: orbax refuses to
-# restore a checkpoint into a template with a field the checkpoint lacks, even a None one (seen:
-# tests/algorithms/test_server_optimizers.py), and checkpoints of FedAvg and FedAvgM written before must still load.
+# One class per server optimiser, not None fields: orbax restores no checkpoint lacking a field.
 class FedAvgMServerState(NamedTuple):
     """Server state under ``server_optimizer=momentum`` (``fedavgm``)."""
     variables: dict   # the global model

@@ -1,31 +1,14 @@
 """FjORD (Horváth et al., NeurIPS 2021): ordered dropout.
 
-Every local step samples a width p ~ U(p_min, p_max) (SpaFL's setting, appendix
-A.1.1: U(0.4, 0.6)) and trains the sub-model of the first ``ceil(p C)``
-channels of every layer but the last (HeteroFL's nested slices,
-``mechanisms.widths.WidthLayout``), so the p = 0.4 sub-model is a prefix of the p = 0.6
-one and channels beyond the step's width get exactly zero gradient (their
-activations are zeroed; see ``heterofl``). The same p holds for every layer of
-a step; clients and steps draw independently (the client's private key).
-
-Communication: the client downloads the p_max sub-model (it cannot know its
-draws in advance) and uploads the sub-model it actually touched, the prefix of
-its largest sampled width (an exact, data-dependent count); 32 bits per value.
-Aggregation: as FjORD's Alg. 1 and HeteroFL, every entry is averaged over the
-sampled clients whose uploaded sub-model holds it (uniform, or data-size
-weighted); entries no client held keep their value.
-Evaluation: the global model cut to ``eval_rate`` (default p_max, the widest
-trained sub-model).
-Realisation (``sliced=True``, default): the client trains the p_max sub-model
-cut out of the broadcast model (``WidthLayout.slice``, static shapes), with each
-step's narrower width applied by zeroing activations inside it; ``sliced=False``
-zeroes them in the full model (the same computation, tested, at dense cost).
-Left out: FjORD's optional self-distillation (KD) and its discrete width set /
-per-device tiers (SpaFL samples p continuously, all clients alike).
-
-FLOPs: exact, 6 x the MACs of each step's sub-model x the step's real examples
-(per layer ``sum_steps in_kept * out_kept * examples``, an int32 count: enough
-for LeNet/CNN-sized layers and local rounds, not for 10^9 channel-pair-examples).
+Every local step draws a width p ~ U(p_min, p_max) (the client's private key)
+and trains HeteroFL's nested width-p sub-model (``mechanisms.widths.WidthLayout``):
+channels beyond it get zero gradient. The client downloads the p_max sub-model
+and uploads the prefix of its widest draw; the server averages every entry over
+the clients that uploaded it. ``sliced=True`` trains the cut-out p_max sub-model,
+``sliced=False`` the full model (same numbers, dense cost). FLOPs are exact:
+per layer ``sum_steps in_kept * out_kept * examples`` (an int32 count) times
+6 x the MACs of one channel pair. Self-distillation and discrete width tiers
+are left out. Details: docs/baselines.md, "FjORD".
 """
 from __future__ import annotations
 
