@@ -28,13 +28,14 @@ import optax
 from fedjax_sparse.errors import arg
 from fedjax_sparse.core import accounting
 from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics, tree_weighted_mean
+from fedjax_sparse.algorithms.fedavg_family import global_model_predict
 from fedjax_sparse.algorithms.registry import register_algorithm
-from fedjax_sparse.algorithms.supervised import predict_fn, sgd
+from fedjax_sparse.algorithms.supervised import sgd, sgd_step
 from fedjax_sparse.mechanisms.syncdrop import (INIT_SCHEMES, ChannelLayout, SparseFlopsModel, channel_scale_hooks,
                                               channel_uniforms, dropout_aware_init, dropout_scale, keep_mask,
                                               solve_scaling)
 from fedjax_sparse.models.base import Model, check_layer_kinds
-from fedjax_sparse.core.training import masked_cross_entropy, model_rng, run_local_epochs
+from fedjax_sparse.core.training import model_rng, run_local_epochs
 
 PSD_SHIFTS = ("always", "negative", "none")
 
@@ -215,21 +216,14 @@ def syncdrop_local_train(model: Model, optimizer: optax.GradientTransformation, 
     ``channel_uniforms(draw_key, s)``: pass the round's shared key for SyncDrop,
     a private key for independent dropout. Returns (variables, LocalStats,
     sampled forward FLOPs summed over the examples seen)."""
-    def loss_fn(params, stats, batch, hooks, rng):
-        logits, new_stats = model.apply({"params": params, "batch_stats": stats}, batch.x,
-                                        train=True, hooks=hooks, sample_mask=batch.mask, rng=rng)
-        return masked_cross_entropy(logits, batch.y, batch.mask), new_stats
-
     def step(carry, batch, step_index, num_steps, step_key):
         params, stats, opt_state, sampled = carry
         mask = keep_mask(channel_uniforms(draw_key, step_index, layout), keep_probs)
         hooks = channel_scale_hooks(layout, dropout_scale(mask, keep_probs, rescale))
-        (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, stats, batch, hooks,
-                                                                            model_rng(step_key))
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, stats, opt_state, loss = sgd_step(model, optimizer, params, stats, opt_state, batch,
+                                                  model_rng(step_key), hooks)
         sampled = sampled + flops.forward_of_mask(mask) * batch.mask.sum()
-        return (params, new_stats, opt_state, sampled), loss
+        return (params, stats, opt_state, sampled), loss
 
     params = variables["params"]
     carry = (params, variables.get("batch_stats", {}), optimizer.init(params), jnp.zeros((), jnp.float32))
@@ -348,13 +342,10 @@ def _dropout_fedavg(task: Task, name: str, *, budget, mu, synchronized, rescale,
                            keep_mean=q.mean(), keep_min=q.min(), keep_max=q.max(), keep_std=q.std())
         return FedDropServerState(keep_probs=keep_all, variables=new), metrics
 
-    def global_predict(server_state: FedDropServerState, x):
-        return predict_fn(model, server_state.variables)(x)
-
     hparams = {"initial_keep_prob": p0, "num_dropout_channels": layout.total,
                "dropout_layers": list(layout.names)}
     return Algorithm(name, init_fn, broadcast, client_update, server_update,
-                     personal_predict=None, global_predict=global_predict, hparams=hparams)
+                     personal_predict=None, global_predict=global_model_predict(model), hparams=hparams)
 
 
 @register_algorithm("feddrop", FEDDROP_OPTIONS, description="FedDrop: synchronised channel dropout with per-client "

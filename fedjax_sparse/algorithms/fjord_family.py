@@ -24,9 +24,9 @@ from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics
 from fedjax_sparse.algorithms.heterofl_family import WIDTH_UNWRAPPABLE, HeteroFLMessage, width_layout
 from fedjax_sparse.mechanisms.widths import WidthLayout, per_entry_mean
 from fedjax_sparse.algorithms.registry import register_algorithm
-from fedjax_sparse.algorithms.supervised import sgd
+from fedjax_sparse.algorithms.supervised import sgd, sgd_step
 from fedjax_sparse.models.base import Model
-from fedjax_sparse.core.training import masked_cross_entropy, model_rng, run_local_epochs
+from fedjax_sparse.core.training import model_rng, run_local_epochs
 
 
 def sample_width(key: jax.Array, p_min: float, p_max: float) -> jax.Array:
@@ -39,21 +39,13 @@ def ordered_dropout_train(model: Model, layout: WidthLayout, optimizer: optax.Gr
                           batch_size: int, preprocess):
     """Local SGD where step s trains the width-p_s sub-model (p_s drawn from the
     step's key). Returns (variables, LocalStats, widest counts [L], pair-examples [L])."""
-    def loss_fn(params, stats, batch, hooks, rng):
-        logits, new_stats = model.apply({"params": params, "batch_stats": stats}, batch.x,
-                                        train=True, hooks=hooks, sample_mask=batch.mask, rng=rng)
-        return masked_cross_entropy(logits, batch.y, batch.mask), new_stats
-
     def step(carry, batch, step_index, num_steps, step_key):
         params, stats, opt_state, widest, pair_examples = carry
         counts = layout.counts(sample_width(step_key, p_min, p_max))
-        (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, stats, batch,
-                                                                            layout.hooks(counts),
-                                                                            model_rng(step_key))
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, stats, opt_state, loss = sgd_step(model, optimizer, params, stats, opt_state, batch,
+                                                  model_rng(step_key), layout.hooks(counts))
         examples = batch.mask.sum().astype(jnp.int32)
-        carry = (params, new_stats, opt_state, jnp.maximum(widest, counts),
+        carry = (params, stats, opt_state, jnp.maximum(widest, counts),
                  pair_examples + layout.pair_counts(counts) * examples)
         return carry, loss
 

@@ -27,9 +27,9 @@ from fedjax_sparse.errors import arg
 from fedjax_sparse.core import accounting
 from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics, replicate
 from fedjax_sparse.algorithms.compose import ATTACKS, WRAPPER_AGGREGATORS, UpdateServer, with_aggregator, with_attack
-from fedjax_sparse.algorithms.fedavg_family import FedAvgServerState
+from fedjax_sparse.algorithms.fedavg_family import FedAvgServerState, global_model_predict
 from fedjax_sparse.algorithms.registry import register_algorithm
-from fedjax_sparse.algorithms.supervised import local_train, predict_fn
+from fedjax_sparse.algorithms.supervised import local_train
 from fedjax_sparse.mechanisms.attacks import DEVIATIONS, Threat, sign_reverse_attack
 from fedjax_sparse.mechanisms.robust_aggregation import sign_majority, topk_sparsify
 from fedjax_sparse.mechanisms.supermask import kept_count
@@ -131,10 +131,7 @@ def _make_base(task: Task, name: str, *, momentum, weight_decay, lr_decay, lr_sc
         new = dict(server_state.variables, params=unravel(flat + server_lr * update))
         return server_state._replace(variables=new)
 
-    def global_predict(server_state: FedAvgServerState, x):
-        return predict_fn(model, server_state.variables)(x)
-
-    return num_params, init, broadcast, train, apply_update, global_vector, global_predict
+    return num_params, init, broadcast, train, apply_update, global_vector, global_model_predict(model)
 
 
 # ---------------------------------------------------------------- FedAvg, and under robust aggregators

@@ -12,19 +12,11 @@ rounds). One round of the engine is::
     server_state, server_metrics = server_update(server_state, messages, ServerContext)
 
 ``messages`` and the returned client states are stacked over the K sampled
-clients. ``client_update`` must return in ``metrics`` at least the keys of
-:data:`REQUIRED_CLIENT_METRICS` (``loss``, ``num_examples``; build them with
-:func:`client_metrics`). Cost accounting is an optional part
-(:data:`ACCOUNTING_METRICS`): FLOPs and bits, when reported, are exact
-:class:`fedjax_sparse.core.accounting.Cost` values the host sums over clients and
-rounds as Python ints; an algorithm that does not count them gets ``null``
-(unknown) in ``metrics.jsonl``, never a made-up 0. ``loss`` is averaged weighted
-by examples, everything else uniformly over the sampled clients.
-
-Evaluation: ``personal_predict(server_state, client_state, client_id, x)``
-gives the logits a client would use (personalised accuracy); when it is None,
-the global model stands in. ``global_predict(server_state, x)`` is the global
-model, or None when there is none (Local, SpaFL).
+clients. ``client_update``'s metrics hold at least :data:`REQUIRED_CLIENT_METRICS`
+(build them with :func:`client_metrics`); the costs (:data:`ACCOUNTING_METRICS`)
+are optional, exact :class:`fedjax_sparse.core.accounting.Cost` values, ``null``
+in ``metrics.jsonl`` when not counted. Details: docs/design.md, "An algorithm is
+data plus pure functions".
 """
 from __future__ import annotations
 
