@@ -214,14 +214,9 @@ class AggregatingServer:
 
 def with_aggregator(alg: Algorithm, aggregator: str, *, trim_fraction: float = 0.1, krum_select: int = -1,
                     threat: Threat | None = None) -> Algorithm:
-    """``alg`` whose server sees the robust aggregate of its clients' messages (see ``Aggregator``).
-
-    ``trimmed_mean`` drops the ``floor(trim_fraction * K)`` largest and smallest
-    values of every coordinate; ``multi_krum`` assumes that many malicious
-    clients and averages the ``K - 2f - 2`` it selects; ``mean`` is the uniform
-    mean. ``trim_fraction < 0``: f is the number of malicious clients of
-    ``threat`` sampled in the round. An ``UpdateServer`` applies the aggregate
-    exactly; any other server receives K copies of it."""
+    """``alg`` whose server sees the robust aggregate of its clients' messages (the options and f:
+    ``Aggregator``). An ``UpdateServer`` applies the aggregate exactly; any other server receives K
+    copies of it."""
     robust = Aggregator(aggregator, trim_fraction, krum_select, threat)
     inner = alg.server_update
     if isinstance(inner, UpdateServer) and inner.aggregator is None:
@@ -244,18 +239,12 @@ def with_attack(alg: Algorithm, attack: str, *, num_clients: int | None = None,
     from the honest updates the attackers know (``knowledge``: ``all`` sampled
     clients' or only the ``malicious`` ones'):
 
-    * ``min_max`` (Shejwalkar & Houmansadr 2021, AGR-agnostic): ``mean - gamma
-      * dev`` of the known updates (``deviation``: ``std``, ``sign``,
-      ``unit_vec``) with the largest gamma (halving search from ``gamma_init``,
-      ``search_steps`` tests) whose distance to every known update stays within
-      their largest pairwise distance;
-    * ``tailored`` (DYN-OPT): against the ``with_aggregator`` that ``alg`` is
-      wrapped in, gamma kept while the trimmed mean moves further from the
-      benign mean (Trimmed-mean) or while every malicious update is selected
-      (Multi-Krum); ``min_max`` when there is none or it is ``mean``;
-    * ``scale``: ``attack_scale`` times the global model (needs an
-      ``UpdateServer`` or messages shaped like the broadcast model);
-    * ``none``: no attack; the sampled malicious clients are only counted.
+    ``min_max`` (Shejwalkar & Houmansadr 2021): ``mean - gamma * dev`` of the known updates
+    (``deviation``: ``std``, ``sign``, ``unit_vec``), gamma from a halving search (``gamma_init``,
+    ``search_steps`` tests); ``tailored`` (DYN-OPT) against the ``with_aggregator`` ``alg`` is wrapped
+    in (``min_max`` when there is none or it is ``mean``); ``scale``: ``attack_scale`` times the global
+    model (an ``UpdateServer`` or model-shaped messages); ``none``: the malicious clients are only
+    counted. The formulas: docs/fsl.md, "Baselines".
 
     Server metrics: ``malicious_clients`` (sampled this round) and
     ``attack_gamma``. An inactive threat (``malicious_fraction`` 0) never attacks."""

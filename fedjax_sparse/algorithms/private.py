@@ -134,18 +134,10 @@ def same_structure(a, b) -> bool:
 
 def update_reference(payload, row):
     """What one client's message ``row`` is relative to, as a pytree shaped like ``row``, or None
-    when the message is an update already (the reference is then zero).
-
-    * the payload itself when the messages have its structure (FedAvg, FedProx, FedAvgM: the model);
-    * SpaFL (``SpaflServerState``): the global thresholds ``tau`` every sampled client started from
-      (not ``delta``, the last change, which has the same structure);
-    * Caldas et al. (``CaldasServerState``): the global model; SCAFFOLD (``ScaffoldServerState``):
-      the global model for ``variables`` and zero for ``delta_control`` (a change already);
-    * UniDrop and FedDrop (``FedDropServerState``): the global model ``variables`` for the messages'
-      ``variables``. ``row`` is then the message without its accounting leaves (``accounting_keys``:
-      ``sampled_flops``), which ``PrivateServer`` takes out before it asks. (FedDrop with
-      ``optimize=True`` is refused by ``dp_refusal``, which knows the options; a reference cannot.)
-    """
+    when the message is an update already (the reference is then zero): the payload when the messages
+    have its structure, SpaFL's global ``tau`` (not ``delta``, of the same structure), the global model
+    for Caldas et al., SCAFFOLD (zero for ``delta_control``) and FedDrop (``row`` without its accounting
+    leaves). docs/privacy.md lists what an update is."""
     if same_structure(payload, row):
         return payload
     if isinstance(payload, SpaflServerState):
@@ -305,10 +297,8 @@ def with_dp(alg: Algorithm, *, clip_norm: float, noise_multiplier: float, client
     ``update_reference``. Wrap it outermost among the aggregator wrappers (``with_aggregator`` outside
     it would see the raw messages); an attack (the clients' behaviour) may wrap it.
 
-    Server metrics: ``dp_clipped_fraction`` and ``dp_update_norm``. Raises TypeError in one line for
-    algorithms whose clients send no float updates (FSL, FedPM, SignSGD, HeteroFL, FjORD, Local) and for
-    FedDrop with ``optimize=True``, as read from ``alg.hparams`` (``make_algorithm`` records the options).
-    Message entries in ``ACCOUNTING_KEYS`` pass through outside the mechanism (``accounting_keys``)."""
+    Raises TypeError in one line for a registered algorithm ``dp_refusal`` refuses (read from
+    ``alg.hparams``, where ``make_algorithm`` records the options)."""
     registered = _registered_options(alg)
     if registered is not None:
         refusal = dp_refusal(*registered)

@@ -52,15 +52,11 @@ def register_algorithm(name: str, options: type | dict | None = None, *,
     """Registers ``builder(task, **options)`` under ``name``. ``options``: a frozen
     dataclass type, or a dict of defaults (a dataclass is made from it).
 
-    ``description`` (one line: what it is), ``paper`` (its reference) and ``lr`` (the client
-    learning rate a run takes when none is given; None: ``catalog.DEFAULT_LR``) are what ``list``
-    shows and ``--lr`` defaults to: nothing else needs editing for a new algorithm.
-
-    ``unwrappable``: leave it None when the clients send float pytrees that the server
-    averages (the robust aggregators and attacks of ``compose`` then apply); otherwise the
-    reason they cannot, starting "its clients send ..." (e.g. "its clients send rankings
-    (integers), not float updates"), or a function of the options instance returning that
-    reason or None (when only some options change what is sent)."""
+    ``description`` (one line), ``paper`` and ``lr`` (the client learning rate a run takes when none
+    is given; None: ``catalog.DEFAULT_LR``) are what ``list`` shows and ``--lr`` defaults to.
+    ``unwrappable``: None when the clients send float pytrees the server averages (the wrappers of
+    ``compose`` apply); else the reason they cannot ("its clients send rankings (integers), not float
+    updates"), or a function of the options instance returning it or None."""
     if options is None or isinstance(options, dict):
         options = options_class(name, dict(options or {}))
     if not dataclasses.is_dataclass(options):

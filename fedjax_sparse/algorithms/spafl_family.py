@@ -265,18 +265,15 @@ def parse_dense_layers(text: str, model: Model, hooked: tuple[LayerInfo, ...]) -
 
 
 def dead_layers(setup: SpaflSetup, params: dict) -> list[str]:
-    """Thresholded layers of which every row is pruned by the initial thresholds (all 0): ``mean|w_row|
-    <= 0``, i.e. an all-zero kernel. Such a layer never gets a gradient (a pruned row passes none to
-    its weights, and |w| has slope 0 at w = 0), so it stays pruned for the whole run."""
+    """Thresholded layers of which every row is pruned by the initial thresholds (all 0): an all-zero
+    kernel, which never gets a gradient (docs/spafl.md)."""
     tau0 = init_thresholds(setup.layers)
     return [name for name, mask in row_masks(params, tau0, setup.ste).items() if not bool(jnp.any(mask > 0))]
 
 
 def check_no_dead_layers(setup: SpaflSetup, model: Model, name: str = "spafl") -> None:
-    """Refuses, in one line naming the layers and the fixes, a model with a layer that starts fully
-    pruned (:func:`dead_layers` of ``model.init``'s weights; its init is key-independent for all-zero
-    kernels). Skipped when the weights cannot be evaluated (the builder traced by a sweep, which checked
-    the same model and options concretely first)."""
+    """Refuses, in one line naming the layers and the fixes, a model with :func:`dead_layers` in
+    ``model.init``'s weights; skipped when they are traced (a sweep checked them concretely first)."""
     with jax.ensure_compile_time_eval():
         params = model.init(jax.random.PRNGKey(0))["params"]
         if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(params)):

@@ -98,12 +98,9 @@ class Algorithm:
     # Optional: (server_state, client_state) -> [] kept fraction of the model the
     # client holds now (evaluated over all clients: ``density_all_clients``).
     personal_density: Callable[[Any, Any], jax.Array] | None = None
-    # Optional: (server_state, key, round, sampled_ids [K]) -> (ids [M], active []) of clients
-    # that also run ``client_update`` this round (from the broadcast, on their own data and state)
-    # without being aggregated or having their state written back; their messages reach
-    # ``server_update`` as ``ctx.extra_messages`` (zeros when ``active`` is false, and then
-    # nothing runs). Threat models use it: FSL's attackers train benign rankings of malicious
-    # clients that were not sampled.
+    # Optional: (server_state, key, round, sampled_ids [K]) -> (ids [M], active []) of clients that also
+    # run ``client_update`` this round, unaggregated, their messages in ``ctx.extra_messages`` (zeros
+    # when not ``active``); FSL's attackers use it (docs/design.md, "Extra client updates").
     extra_clients: Callable[[Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]] | None = None
     # Whether ``server_update`` honours ``ServerContext.mask`` (a cohort of varying size, padded;
     # possibly empty): the engine's Poisson client sampling refuses algorithms that do not declare it.

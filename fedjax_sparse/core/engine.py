@@ -402,10 +402,8 @@ class Engine:
 
     def _extra_updates(self, state: EngineState, data: FederatedData, payload, key_shared, server_ctx, one_client):
         """Runs ``client_update`` for the algorithm's extra clients of this round (only when it
-        says they are active) and returns ``server_ctx`` carrying their ids and messages.
-        Their new states are dropped and their costs are not counted (they are not the
-        federation's work). The key is derived apart from the round's four keys, so
-        algorithms without extras draw exactly what they drew before."""
+        says they are active) and returns ``server_ctx`` carrying their ids and messages; their
+        states and costs are dropped. Their key is apart from the round's four keys."""
         key_extra = jax.random.fold_in(jax.random.fold_in(state.key, state.round), 0x5EED)
         key_pick, key_train = jax.random.split(key_extra)
         extra_clients = self.algorithm.extra_clients
@@ -484,10 +482,9 @@ class Engine:
         return self._replica_scan_fn(states, data, int(num_rounds))
 
     def advance(self, state: EngineState, data: FederatedData, num_rounds: int, round_mode: str = "scan"):
-        """``num_rounds`` rounds by either path: ``"scan"`` (one jitted lax.scan)
-        or ``"per_round"`` (the per-round jit called from Python: the reference the scan is tested
-        against, and a way to step rounds in a notebook; not a run mode, no recorded win). Returns
-        (state, host metrics with one entry per round, see :func:`metrics_to_host`)."""
+        """``num_rounds`` rounds by ``"scan"`` (one jitted lax.scan) or ``"per_round"`` (the
+        per-round jit from Python: the scan's reference, not a run mode). Returns (state, host
+        metrics with one entry per round, see :func:`metrics_to_host`)."""
         if round_mode == "scan":
             return self.run_rounds(state, data, num_rounds)
         if round_mode != "per_round":
