@@ -1,32 +1,12 @@
-"""FedDrop's baselines on the round engine: FedProx, SCAFFOLD and the
-federated dropout of Caldas et al. (FedAvg itself is in fedavg.py).
-
-FedProx (Li et al. 2020): local loss + mu/2 ||w - w_global||^2; otherwise
-FedAvg (data-weighted mean, dense model both ways).
-
-SCAFFOLD (Karimireddy et al. 2020, Alg. 1): client control variate c_i
-(client state, zeros at start) and server c (zeros). Local steps
-``y <- y - lr (g_i(y) - c_i + c)``; then option I ``c_i+ = grad f_i(x)`` (one
-extra pass over the local data at the server model x) or option II
-``c_i+ = c_i - c + (x - y) / (K lr)`` with K the local step count. The
-server moves ``x <- x + server_lr * mean_i (y_i - x)`` (data-weighted mean by
-default, like our FedAvg; ``weighted=False``: the paper's uniform mean) and
-``c <- c + (1/N) sum_i (c_i+ - c_i)``, which keeps c the mean of all N c_i.
-Communication is doubled: (x, c) down and (dy, dc) up.
-
-Caldas et al. 2018 (federated dropout): the server keeps a random
-``keep`` fraction of the units of every hidden layer (conv channels and hidden
-dense units; never the input or the logits) and the client trains that
-smaller dense sub-model. Simulated with a 0/1 activation mask: a dropped unit
-outputs 0, so its incoming and outgoing weights get zero gradient and stay at
-the server values, which is exactly sub-model training. The server averages
-each weight over the clients whose sub-model contains it (weights held by
-nobody keep their value). By default one sub-model per round is shared by
-all clients (the FedDrop paper describes Caldas et al. this way);
-``per_client=True`` draws one per client. Both links carry only the
-sub-model's weights; FLOPs scale per layer by (kept inputs x kept outputs).
-The masks come from a key in the server state folded with the round (and
-client id), so client and server derive the same sub-model without sending it.
+"""FedDrop's baselines on the round engine: FedProx (Li et al. 2020: local loss +
+mu/2 ||w - w_global||^2), SCAFFOLD (Karimireddy et al. 2020, Alg. 1, options I
+and II: client control variates c_i in the client state, server c; twice the
+communication) and the federated dropout of Caldas et al. 2018 (each round a
+random ``keep`` fraction of every hidden layer's units, simulated by a 0/1
+activation mask; the server averages each weight over the clients whose
+sub-model holds it; both links carry the sub-model, FLOPs scale by kept inputs
+x kept outputs). FedAvg itself is in fedavg_family.py. Details: docs/feddrop.md,
+"Options".
 """
 from __future__ import annotations
 
@@ -46,8 +26,7 @@ from fedjax_sparse.models.base import Hooks, Model, check_layer_kinds
 from fedjax_sparse.core.training import masked_cross_entropy, model_rng, run_local_epochs
 
 
-# State fields are declared in the sorted order of the dict keys these states had before they were
-# typed, so that checkpoints (leaves in flatten order) of earlier versions load unchanged.
+# Field order is the checkpoints' leaf order (docs/design.md, "Algorithm states"): never reorder.
 # FedProx's server state is FedAvg's (fedavg.FedAvgServerState); its clients keep nothing.
 
 

@@ -1,12 +1,9 @@
 """Composition: robust aggregators and model-poisoning attacks as wrappers around
-any algorithm whose client messages are float pytrees (FedAvg, FedAvgM,
-FedProx, SCAFFOLD, SpaFL's thresholds, FedDrop's models, TopK's sparse
-updates...), so every attack meets every aggregator. An algorithm whose clients
-send something else (FSL's integer rankings, SignSGD's signs, FedPM's masks,
-HeteroFL's and FjORD's sub-models, nothing at all for Local) declares it when
-it registers (``register_algorithm(..., unwrappable=...)``), and
-``config.validate`` refuses ``--aggregator`` / ``--attack`` around it in one
-line before anything is built.
+any algorithm whose client messages are float pytrees, so every attack meets
+every aggregator (docs/design.md, "Composition"). An algorithm whose clients
+send something else declares it when it registers
+(``register_algorithm(..., unwrappable=...)``), and ``config.validate`` refuses
+``--aggregator`` / ``--attack`` around it in one line.
 
     alg = with_attack(with_aggregator(make_algorithm("spafl", task), "trimmed_mean"),
                       "min_max", malicious_fraction=0.2, num_clients=task.num_clients, seed=0)
@@ -14,31 +11,14 @@ line before anything is built.
 The server side of a round then runs, outermost first: the attack replaces the
 sampled malicious clients' messages, the aggregator reduces the [K, P]
 flattened messages to one robust aggregate, then the wrapped server applies it.
-
-* Around an ``UpdateServer`` (a server that averages flat float updates [K, P]
-  and applies the mean: the FSL paper's FedAvg in ``algorithms.robust``, TopK)
-  the wrappers see inside: the aggregator replaces the mean, so its aggregate
-  is applied exactly, and the attack perturbs the updates themselves.
-* Around any other server the aggregator hands it K copies of the aggregate,
-  so a server that (weighted-)averages its messages applies the robust
-  aggregate up to rounding; the attack works on ``message - broadcast
-  payload`` when the messages have the payload's structure (FedAvg's models),
-  else on the messages themselves (SpaFL's thresholds). A server that uses the
-  individual messages beyond their mean (FedDrop's trajectory similarity)
-  sees K identical rows: wrap such algorithms with an attack only, or read the
-  result knowing that.
-
-Threat model: the malicious clients are ``mechanisms.attacks.Threat``'s fixed
-seeded subset of client ids, as for SignSGD's and FSL's own attacks. The FSL
-paper's robust aggregators know how many malicious clients a round sampled:
-pass the same ``threat`` to both wrappers and ``trim_fraction < 0``.
-
-Attacks (``with_attack``): ``min_max`` (AGR-agnostic), ``tailored`` (DYN-OPT
-against the ``with_aggregator`` inside it: Trimmed-mean or Multi-Krum;
-``min_max`` against a mean), ``scale`` (the FSL authors' attack on plain
-FedAvg: a large multiple of the global model), ``none`` (the malicious clients
-train honestly; only counted). The mechanisms themselves are pure functions in
-``fedjax_sparse.mechanisms.robust_aggregation`` and ``.attacks``.
+Around an ``UpdateServer`` (flat float updates it averages) the aggregate is
+applied exactly and the attack perturbs the updates; around any other server
+the aggregator hands it K copies of the aggregate (a server that uses the
+individual messages beyond their mean, like FedDrop's, sees K identical rows)
+and the attack works on ``message - payload`` when the messages have the
+payload's structure. The malicious clients are ``mechanisms.attacks.Threat``'s
+fixed seeded subset; pass the same ``threat`` to both wrappers and
+``trim_fraction < 0`` for aggregators that know how many were sampled.
 """
 from __future__ import annotations
 
@@ -234,14 +214,9 @@ class AggregatingServer:
 
 def with_aggregator(alg: Algorithm, aggregator: str, *, trim_fraction: float = 0.1, krum_select: int = -1,
                     threat: Threat | None = None) -> Algorithm:
-    """``alg`` whose server sees the robust aggregate of its clients' messages (see ``Aggregator``).
-
-    ``trimmed_mean`` drops the ``floor(trim_fraction * K)`` largest and smallest
-    values of every coordinate; ``multi_krum`` assumes that many malicious
-    clients and averages the ``K - 2f - 2`` it selects; ``mean`` is the uniform
-    mean. ``trim_fraction < 0``: f is the number of malicious clients of
-    ``threat`` sampled in the round. An ``UpdateServer`` applies the aggregate
-    exactly; any other server receives K copies of it."""
+    """``alg`` whose server sees the robust aggregate of its clients' messages (the options and f:
+    ``Aggregator``). An ``UpdateServer`` applies the aggregate exactly; any other server receives K
+    copies of it."""
     robust = Aggregator(aggregator, trim_fraction, krum_select, threat)
     inner = alg.server_update
     if isinstance(inner, UpdateServer) and inner.aggregator is None:
@@ -264,18 +239,12 @@ def with_attack(alg: Algorithm, attack: str, *, num_clients: int | None = None,
     from the honest updates the attackers know (``knowledge``: ``all`` sampled
     clients' or only the ``malicious`` ones'):
 
-    * ``min_max`` (Shejwalkar & Houmansadr 2021, AGR-agnostic): ``mean - gamma
-      * dev`` of the known updates (``deviation``: ``std``, ``sign``,
-      ``unit_vec``) with the largest gamma (halving search from ``gamma_init``,
-      ``search_steps`` tests) whose distance to every known update stays within
-      their largest pairwise distance;
-    * ``tailored`` (DYN-OPT): against the ``with_aggregator`` that ``alg`` is
-      wrapped in, gamma kept while the trimmed mean moves further from the
-      benign mean (Trimmed-mean) or while every malicious update is selected
-      (Multi-Krum); ``min_max`` when there is none or it is ``mean``;
-    * ``scale``: ``attack_scale`` times the global model (needs an
-      ``UpdateServer`` or messages shaped like the broadcast model);
-    * ``none``: no attack; the sampled malicious clients are only counted.
+    ``min_max`` (Shejwalkar & Houmansadr 2021): ``mean - gamma * dev`` of the known updates
+    (``deviation``: ``std``, ``sign``, ``unit_vec``), gamma from a halving search (``gamma_init``,
+    ``search_steps`` tests); ``tailored`` (DYN-OPT) against the ``with_aggregator`` ``alg`` is wrapped
+    in (``min_max`` when there is none or it is ``mean``); ``scale``: ``attack_scale`` times the global
+    model (an ``UpdateServer`` or model-shaped messages); ``none``: the malicious clients are only
+    counted. The formulas: docs/fsl.md, "Baselines".
 
     Server metrics: ``malicious_clients`` (sampled this round) and
     ``attack_gamma``. An inactive threat (``malicious_fraction`` 0) never attacks."""

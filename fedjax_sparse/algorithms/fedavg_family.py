@@ -4,31 +4,12 @@ communication).
 FedAvg: the server model goes down, each sampled client runs local SGD from it (optimizer state fresh
 each round) and sends its model back. The server takes the data-size weighted mean of the client models
 (``weighted=False``: uniform) and, as in Reddi et al., "Adaptive Federated Optimization" (ICLR 2021),
-hands the pseudo-gradient ``g = w - mean`` (minus the mean update) to an optax optimiser,
-``server_optimizer``:
-
-* ``sgd`` (default): ``w <- w - server_lr g = w + server_lr (mean - w)``; ``server_lr = 1`` is FedAvg.
-* ``momentum``: ``optax.sgd(server_lr, server_momentum)``, FedAvgM (Hsu, Qi & Brown 2019):
-  ``v <- beta v + (mean - w)``, ``w <- w + server_lr v``.
-* ``adam``, ``yogi``, ``adagrad``: FedAdam, FedYogi, FedAdagrad (Reddi et al.): optax's
-  ``adam(server_lr, server_b1, server_b2, eps=server_tau)``, ``yogi`` (the same, its accumulators
-  starting at ``server_tau**2``) and ``adagrad(server_lr, eps=server_tau**2)`` (its sum starting at 0).
-
-They are optax's optimisers, as FedJAX's ``server_optimizer`` is, with the paper's hyper-parameters as
-defaults (beta1 0.9, beta2 0.99, tau 1e-3). The paper's tau is added to the root of the second moment:
-that is optax's ``eps`` for Adam and Yogi; optax's Adagrad adds its ``eps`` under the root, so it gets
-tau**2 (``sqrt(v + tau**2)`` lies within a factor sqrt(2) of the paper's ``sqrt(v) + tau``), and
-Yogi's accumulators start at tau**2 as the paper's ``v_{-1}``. Where optax differs from the paper's
-Algorithm 2, optax's is what runs: Adam and Yogi divide the moments by their bias corrections
-``1 - beta**t`` (the paper does not: optax's steps are smaller by ``sqrt(1 - b2**t) / (1 - b1**t)``,
-0.48 at round 10, 0.80 at round 100, 0.98 at round 300), and Adagrad has no first moment. Those are the
-optimisers a reader of optax or FedJAX knows, and none is re-derived here.
-
-The optimiser moves the parameters; a model's other collections (BatchNorm running statistics) are
-the clients' mean moved by ``server_lr`` under ``sgd`` (FedAvg's rule) and the clients' mean under
-the others (momentum or an adaptive scale of running statistics has no meaning). ``fedavgm``,
-``fedadam``, ``fedyogi`` and ``fedadagrad`` are FedAvg with that optimiser fixed, each with the
-options its optimiser reads. Communication: the whole model (float32) each way.
+hands the pseudo-gradient ``g = w - mean`` to an optax optimiser, ``server_optimizer``: ``sgd``
+(``server_lr = 1`` is FedAvg), ``momentum`` (FedAvgM), ``adam``, ``yogi``, ``adagrad`` (FedAdam,
+FedYogi, FedAdagrad); ``fedavgm``, ``fedadam``, ``fedyogi`` and ``fedadagrad`` are FedAvg with that
+optimiser fixed. The optimiser moves the parameters; BatchNorm running statistics follow the clients'
+mean. How tau maps to optax's eps and where optax differs from the paper: docs/design.md, "FedAvg's
+server optimisers". Communication: the whole model (float32) each way.
 
 Local: every client trains its own model on its own data and never communicates; its optimizer state
 persists across rounds.
@@ -48,9 +29,7 @@ from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import local_train, predict_fn, sgd
 from fedjax_sparse.errors import arg
 
-# The fields of every state class are declared in the sorted order of the dict keys the state had
-# before it was typed: checkpoints store the state's leaves in flatten order (sorted keys for a
-# dict, field order for a NamedTuple), so this keeps checkpoints of earlier versions loadable.
+# Field order is the checkpoints' leaf order (docs/design.md, "Algorithm states"): never reorder.
 
 
 class FedAvgServerState(NamedTuple):
@@ -59,9 +38,7 @@ class FedAvgServerState(NamedTuple):
     variables: dict   # the global model {"params": ..., "batch_stats": ...}, leaves shaped as the model's
 
 
-# The server state's class follows the server optimiser, not one class with None fields: orbax refuses to
-# restore a checkpoint into a template with a field the checkpoint lacks, even a None one (seen:
-# tests/algorithms/test_server_optimizers.py), and checkpoints of FedAvg and FedAvgM written before must still load.
+# One class per server optimiser, not None fields: orbax restores no checkpoint lacking a field.
 class FedAvgMServerState(NamedTuple):
     """Server state under ``server_optimizer=momentum`` (``fedavgm``)."""
     variables: dict   # the global model
@@ -260,8 +237,7 @@ def _adaptive_options(optimizer: str, server_lr: float) -> dict:
 fedavgm = _register_server_optimizer("fedavgm", "momentum", FedAvgMOptions,
                                      "FedAvg with server momentum (fedavg --option server_optimizer=momentum)",
                                      "Hsu et al. 2019")
-# Their default server lr, 0.01, is a starting point to tune, not a tuned value: on the Fashion-MNIST setting of
-# experiments/results/server_optimizers a short grid found 0.003 best for Adam, 0.1 for Yogi, 0.03 for Adagrad.
+# Default server lr 0.01: a starting point to tune (docs/design.md, "FedAvg's server optimisers").
 fedadam = _register_server_optimizer("fedadam", "adam", _adaptive_options("adam", 0.01),
                                      "FedAvg whose server applies Adam (fedavg --option server_optimizer=adam)",
                                      "Reddi et al., ICLR 2021")

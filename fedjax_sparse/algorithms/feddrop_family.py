@@ -1,36 +1,21 @@
 """FedDrop (trajectory-weighted SyncDrop on FedAvg) and UniDrop.
 
-FedDrop, one round (paper Alg. 1):
+FedDrop, one round (paper Alg. 1): client c trains from the global model with
+SyncDrop after every conv+ReLU, at its own keep probabilities ``p_c`` (row
+``ctx.client_id`` of the server's ``[N, num_channels]`` table) and with
+uniforms shared by the round's clients (``fedjax_sparse.mechanisms.syncdrop``);
+the server averages the models (data-weighted FedAvg), measures per channel n
+the trajectory similarity ``S_ij^n = l_i l_j max(p_i^n, p_j^n) dtheta_i^n .
+dtheta_j^n`` and re-optimises the sampled clients' keep probabilities by
+minimising eq. (8), ``sum_nij S_ij^n / max(q_i^n, q_j^n) - mu log g(q)``
+(``optimise_keep_probs``: projected gradient descent on x = 1/q, always finite
+and strictly within the budget g >= 0 of eq. 5). UniDrop: the same client at
+one constant keep probability meeting the budget (independent draws by default).
 
-* client c trains from the global model with SyncDrop after every conv+ReLU,
-  using its own keep probabilities ``p_c`` ([num_channels], indexed from the
-  server's ``[N, num_channels]`` table by ``ctx.client_id``) and uniforms
-  shared by all clients of the round (``fedjax_sparse.mechanisms.syncdrop``);
-* the server averages the returned models (data-weighted FedAvg), then
-  measures per channel n the trajectory similarity of the sampled clients
-  ``S_ij^n = l_i l_j max(p_i^n, p_j^n) dtheta_i^n . dtheta_j^n`` (dtheta: the
-  channel's conv kernel slice and bias, server minus client; l: data shares),
-  and re-optimises every sampled client's keep probabilities by minimising
-  eq. (8), ``sum_nij S_ij^n / max(q_i^n, q_j^n) - mu log g(q)``, where
-  ``g(q) = r - mean_c flops(q_c) / flops_dense`` (eq. 5).
-
-The optimiser (``optimise_keep_probs``) is a jitted ``lax.while_loop`` of
-projected gradient descent on x = 1/q in [1, 1/min_keep], as in the
-reference code: warm start from the current p (scaled into the interior if it
-sits on the budget), a NaN/infeasible step is reverted and the step halved,
-early stop when the best objective improved by <= ``tol`` (relative) over the
-last ``check_every`` iterations, and the best feasible iterate is returned; so
-the result is always finite and strictly within budget.
-
-UniDrop: the same client with a constant uniform keep probability that meets
-the budget (no server optimisation, nothing extra sent). By default its draws
-are independent per client (ordinary channel dropout); ``synchronized=True``
-uses the shared draws.
-
-Accounting: FLOPs = 3 x expected forward FLOPs (eq. 10) x examples; the FLOPs
-of the actually drawn masks go to the server metric ``sampled_flops`` (round
-total). Communication: the dense model both ways, plus the client's keep
-probabilities (32 bits each) down for FedDrop.
+Accounting: FLOPs = 3 x expected forward FLOPs (eq. 10) x examples (the drawn
+masks' FLOPs go to the server metric ``sampled_flops``); the dense model both
+ways, plus the keep probabilities (32 bits each) down for FedDrop. Details:
+docs/feddrop.md.
 """
 from __future__ import annotations
 
@@ -43,13 +28,14 @@ import optax
 from fedjax_sparse.errors import arg
 from fedjax_sparse.core import accounting
 from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics, tree_weighted_mean
+from fedjax_sparse.algorithms.fedavg_family import global_model_predict
 from fedjax_sparse.algorithms.registry import register_algorithm
-from fedjax_sparse.algorithms.supervised import predict_fn, sgd
+from fedjax_sparse.algorithms.supervised import sgd, sgd_step
 from fedjax_sparse.mechanisms.syncdrop import (INIT_SCHEMES, ChannelLayout, SparseFlopsModel, channel_scale_hooks,
                                               channel_uniforms, dropout_aware_init, dropout_scale, keep_mask,
                                               solve_scaling)
 from fedjax_sparse.models.base import Model, check_layer_kinds
-from fedjax_sparse.core.training import masked_cross_entropy, model_rng, run_local_epochs
+from fedjax_sparse.core.training import model_rng, run_local_epochs
 
 PSD_SHIFTS = ("always", "negative", "none")
 
@@ -121,9 +107,8 @@ def dropout_objective_and_grad(inv_keep: jax.Array, similarity: jax.Array):
     d/dx_i = 2 sum_j S_ij w_ij with w_ij = 1[x_i < x_j] + 1/2 1[x_i = x_j]
     (ties split evenly, as autodiff of ``minimum`` does), and since the
     objective is positively homogeneous of degree 1 its value is x . grad
-    (Euler). About 20x cheaper on CPU than autodiff of ``dropout_objective``,
-    which materialises several [total, K, K] temporaries; this loop runs up to
-    10,000 times per round.
+    (Euler); unlike autodiff of ``dropout_objective`` it materialises no extra
+    [total, K, K] temporaries (about 20x cheaper on CPU: docs/feddrop.md).
     """
     x = inv_keep.T  # [total, K]
     xi, xj = x[:, :, None], x[:, None, :]
@@ -231,21 +216,14 @@ def syncdrop_local_train(model: Model, optimizer: optax.GradientTransformation, 
     ``channel_uniforms(draw_key, s)``: pass the round's shared key for SyncDrop,
     a private key for independent dropout. Returns (variables, LocalStats,
     sampled forward FLOPs summed over the examples seen)."""
-    def loss_fn(params, stats, batch, hooks, rng):
-        logits, new_stats = model.apply({"params": params, "batch_stats": stats}, batch.x,
-                                        train=True, hooks=hooks, sample_mask=batch.mask, rng=rng)
-        return masked_cross_entropy(logits, batch.y, batch.mask), new_stats
-
     def step(carry, batch, step_index, num_steps, step_key):
         params, stats, opt_state, sampled = carry
         mask = keep_mask(channel_uniforms(draw_key, step_index, layout), keep_probs)
         hooks = channel_scale_hooks(layout, dropout_scale(mask, keep_probs, rescale))
-        (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, stats, batch, hooks,
-                                                                            model_rng(step_key))
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, stats, opt_state, loss = sgd_step(model, optimizer, params, stats, opt_state, batch,
+                                                  model_rng(step_key), hooks)
         sampled = sampled + flops.forward_of_mask(mask) * batch.mask.sum()
-        return (params, new_stats, opt_state, sampled), loss
+        return (params, stats, opt_state, sampled), loss
 
     params = variables["params"]
     carry = (params, variables.get("batch_stats", {}), optimizer.init(params), jnp.zeros((), jnp.float32))
@@ -256,8 +234,7 @@ def syncdrop_local_train(model: Model, optimizer: optax.GradientTransformation, 
 
 # ---------------------------------------------------------------- the algorithms
 class FedDropServerState(NamedTuple):
-    """Server state (also the broadcast) of FedDrop and UniDrop; clients keep nothing.
-    Fields in the sorted order of the old dict keys: checkpoints store leaves in flatten order."""
+    """Server state (also the broadcast) of FedDrop and UniDrop; clients keep nothing."""
     keep_probs: jax.Array   # [N, C] float32 keep probability of each client's C dropout channels
     variables: dict         # the global model {"params": ..., "batch_stats": ...}
 
@@ -365,13 +342,10 @@ def _dropout_fedavg(task: Task, name: str, *, budget, mu, synchronized, rescale,
                            keep_mean=q.mean(), keep_min=q.min(), keep_max=q.max(), keep_std=q.std())
         return FedDropServerState(keep_probs=keep_all, variables=new), metrics
 
-    def global_predict(server_state: FedDropServerState, x):
-        return predict_fn(model, server_state.variables)(x)
-
     hparams = {"initial_keep_prob": p0, "num_dropout_channels": layout.total,
                "dropout_layers": list(layout.names)}
     return Algorithm(name, init_fn, broadcast, client_update, server_update,
-                     personal_predict=None, global_predict=global_predict, hparams=hparams)
+                     personal_predict=None, global_predict=global_model_predict(model), hparams=hparams)
 
 
 @register_algorithm("feddrop", FEDDROP_OPTIONS, description="FedDrop: synchronised channel dropout with per-client "

@@ -1,35 +1,16 @@
 """FedPM (Isik et al., ICLR 2023): federated probabilistic masks over frozen
 random weights.
 
-* Weights: frozen, never trained or sent (server and clients share the seed).
-  Every kernel entry is +-c with a random sign and ``c = weight_scale /
-  sqrt(fan_in)`` (the reference code's "ME_init": c = e sqrt(1 / fan_in),
-  fan_in = kh kw in). Biases and BatchNorm parameters stay at the model's
-  initialisation, frozen and unmasked (the reference masks biases as well; its
-  models and LeNet-5-Caffe have none).
-* Clients: mask logits s = logit(p) from the broadcast probabilities, trained
-  with Adam (fresh each round; lr = ``--lr``: SpaFL's Table 7 uses 0.15 on
-  FMNIST, 0.1 on CIFAR) on ``w * m``, m ~ Bernoulli(sigmoid(s)) drawn anew
-  every step, with the straight-through gradient dm/dsigmoid(s) = 1 (the
-  reference's ``Bern``). After training a client draws ONE mask sample from
-  sigmoid(s) and uploads it: 1 bit per weight.
-* Server (Bayesian aggregation with the Beta(1,1) prior reset every round, as
-  the reference ``sample_mask_aggregation``): the reference smooths each
-  uploaded bit to eps / 1 - eps (eps = 0.01), adds them to alpha and 1 - them
-  to beta, and broadcasts the posterior MODE (alpha - 1) / (alpha + beta - 2),
-  i.e. ``p = mean_k(eps + (1 - 2 eps) m_k)`` (``estimator="mode"``, default);
-  ``estimator="mean"`` gives the posterior mean (sum m + 1) / (K + 2).
-  Initial p = sigmoid(N(0, 1)) (the reference's logits s ~ N(0, 1)).
-* Evaluation: the reference tests the global model with a mask SAMPLED from p
-  (``ths=None``, one sample); ours draws one mask per evaluation from a key
-  advanced every round (``eval_mask="sample"``, default), or thresholds p at
-  0.5 (``eval_mask="threshold"``).
-
-Accounting: uplink 1 bit per kernel entry (the paper arithmetic-codes the
-sample, SpaFL counts it raw), downlink 32 bits per kernel entry (p as float32,
-as SpaFL counts it); BatchNorm running statistics, if any, are averaged and
-sent at 32 bits both ways. FLOPs: dense training (a sampled mask skips no
-work); the expected mask density goes to the ``density`` metric.
+Every kernel entry is a frozen ``+-weight_scale / sqrt(fan_in)`` with a random
+sign (the shared seed's; never trained or sent). A client trains mask logits
+``s = logit(p)`` with Adam on ``w * m``, m ~ Bernoulli(sigmoid(s)) drawn every
+step with a straight-through gradient, then uploads one mask sample (1 bit per
+weight). The server's p is the Beta(1, 1) posterior mode of the eps-smoothed
+samples (``estimator="mean"``: the posterior mean); evaluation masks the
+global model with one sample of p (``eval_mask="threshold"``: ``p > 0.5``).
+Downlink 32 bits per kernel entry; BatchNorm running statistics, if any, are
+averaged and sent at 32 bits both ways; FLOPs are dense training's.
+The reference code's choices and the costs: docs/baselines.md, "FedPM".
 """
 from __future__ import annotations
 

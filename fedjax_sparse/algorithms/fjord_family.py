@@ -1,31 +1,14 @@
 """FjORD (Horváth et al., NeurIPS 2021): ordered dropout.
 
-Every local step samples a width p ~ U(p_min, p_max) (SpaFL's setting, appendix
-A.1.1: U(0.4, 0.6)) and trains the sub-model of the first ``ceil(p C)``
-channels of every layer but the last (HeteroFL's nested slices,
-``mechanisms.widths.WidthLayout``), so the p = 0.4 sub-model is a prefix of the p = 0.6
-one and channels beyond the step's width get exactly zero gradient (their
-activations are zeroed; see ``heterofl``). The same p holds for every layer of
-a step; clients and steps draw independently (the client's private key).
-
-Communication: the client downloads the p_max sub-model (it cannot know its
-draws in advance) and uploads the sub-model it actually touched, the prefix of
-its largest sampled width (an exact, data-dependent count); 32 bits per value.
-Aggregation: as FjORD's Alg. 1 and HeteroFL, every entry is averaged over the
-sampled clients whose uploaded sub-model holds it (uniform, or data-size
-weighted); entries no client held keep their value.
-Evaluation: the global model cut to ``eval_rate`` (default p_max, the widest
-trained sub-model).
-Realisation (``sliced=True``, default): the client trains the p_max sub-model
-cut out of the broadcast model (``WidthLayout.slice``, static shapes), with each
-step's narrower width applied by zeroing activations inside it; ``sliced=False``
-zeroes them in the full model (the same computation, tested, at dense cost).
-Left out: FjORD's optional self-distillation (KD) and its discrete width set /
-per-device tiers (SpaFL samples p continuously, all clients alike).
-
-FLOPs: exact, 6 x the MACs of each step's sub-model x the step's real examples
-(per layer ``sum_steps in_kept * out_kept * examples``, an int32 count: enough
-for LeNet/CNN-sized layers and local rounds, not for 10^9 channel-pair-examples).
+Every local step draws a width p ~ U(p_min, p_max) (the client's private key)
+and trains HeteroFL's nested width-p sub-model (``mechanisms.widths.WidthLayout``):
+channels beyond it get zero gradient. The client downloads the p_max sub-model
+and uploads the prefix of its widest draw; the server averages every entry over
+the clients that uploaded it. ``sliced=True`` trains the cut-out p_max sub-model,
+``sliced=False`` the full model (same numbers, dense cost). FLOPs are exact:
+per layer ``sum_steps in_kept * out_kept * examples`` (an int32 count) times
+6 x the MACs of one channel pair. Self-distillation and discrete width tiers
+are left out. Details: docs/baselines.md, "FjORD".
 """
 from __future__ import annotations
 
@@ -41,9 +24,9 @@ from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics
 from fedjax_sparse.algorithms.heterofl_family import WIDTH_UNWRAPPABLE, HeteroFLMessage, width_layout
 from fedjax_sparse.mechanisms.widths import WidthLayout, per_entry_mean
 from fedjax_sparse.algorithms.registry import register_algorithm
-from fedjax_sparse.algorithms.supervised import sgd
+from fedjax_sparse.algorithms.supervised import sgd, sgd_step
 from fedjax_sparse.models.base import Model
-from fedjax_sparse.core.training import masked_cross_entropy, model_rng, run_local_epochs
+from fedjax_sparse.core.training import model_rng, run_local_epochs
 
 
 def sample_width(key: jax.Array, p_min: float, p_max: float) -> jax.Array:
@@ -56,21 +39,13 @@ def ordered_dropout_train(model: Model, layout: WidthLayout, optimizer: optax.Gr
                           batch_size: int, preprocess):
     """Local SGD where step s trains the width-p_s sub-model (p_s drawn from the
     step's key). Returns (variables, LocalStats, widest counts [L], pair-examples [L])."""
-    def loss_fn(params, stats, batch, hooks, rng):
-        logits, new_stats = model.apply({"params": params, "batch_stats": stats}, batch.x,
-                                        train=True, hooks=hooks, sample_mask=batch.mask, rng=rng)
-        return masked_cross_entropy(logits, batch.y, batch.mask), new_stats
-
     def step(carry, batch, step_index, num_steps, step_key):
         params, stats, opt_state, widest, pair_examples = carry
         counts = layout.counts(sample_width(step_key, p_min, p_max))
-        (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, stats, batch,
-                                                                            layout.hooks(counts),
-                                                                            model_rng(step_key))
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, stats, opt_state, loss = sgd_step(model, optimizer, params, stats, opt_state, batch,
+                                                  model_rng(step_key), layout.hooks(counts))
         examples = batch.mask.sum().astype(jnp.int32)
-        carry = (params, new_stats, opt_state, jnp.maximum(widest, counts),
+        carry = (params, stats, opt_state, jnp.maximum(widest, counts),
                  pair_examples + layout.pair_counts(counts) * examples)
         return carry, loss
 

@@ -1,43 +1,16 @@
 """HeteroFL (Diao, Ding & Tarokh, ICLR 2021): width-scaled nested sub-models.
 
-A client of rate p trains the sub-model made of the first ``ceil(p C)`` output
-channels (filters / neurons) of every layer but the last (whose outputs, the
-classes, are all kept); each layer's input channels are the previous layer's
-kept channels, so sub-models of smaller rates are prefixes of larger ones
-(nested). The server averages every parameter entry over the sampled clients
-that hold it (uniform mean per entry, ``weighted=True``: data-size weighted);
-an entry no sampled client held keeps its value.
-
-Realisation (``sliced=True``, the default): the client cuts its sub-model out
-of the broadcast model (:meth:`WidthLayout.slice`: static shapes, the kept
-input rows and output columns of every kernel), trains that smaller network
-(about p^2 of the dense FLOPs) and writes it back (:meth:`WidthLayout.unslice`).
-With several rates the level is picked by ``lax.switch`` (one branch per
-level: a real branch under ``lax.map``; ``vmap`` evaluates every branch).
-``sliced=False`` trains the full model with the dropped output channels'
-activations zeroed (``Hooks.activation`` after the nonlinearity, before
-pooling), which is the same computation (tested): kept channels see zero
-inputs from dropped ones, and a dropped channel's kernel slice, bias and
-BatchNorm parameters get exactly zero gradient (its output is multiplied by
-0); it costs the dense FLOPs. BatchNorm running statistics of dropped channels
-move locally in that form but are not held, so the server never aggregates
-them. Flatten is NHWC, so dense input feature f belongs to channel ``f % C``
-of the layer feeding it. Residual models (the ResNet-18) are sliced the same
-way, their pre-activation BatchNorms with the layer whose channels the
-residual stream carries (:class:`WidthLayout`, docs/baselines.md).
-
-SpaFL's setting (appendix A.1.1): p = 0.5 for every client (``rates="0.5"``);
-``rates="1,0.5,0.25"`` gives client c level ``c % 3`` (equal shares, by id).
-Evaluation uses the global model cut to ``eval_rate`` (default: the largest
-rate; channels beyond it are never trained). Left out: HeteroFL's "Scaler"
-(activations / p in training) and static BatchNorm (sBN); masked cross-entropy
-over the client's own labels is not used either (plain cross-entropy).
-
-Accounting (exact): the sub-model's values (kernel entries of kept in x out
-channels, per-channel vectors: bias, BatchNorm scale/bias and running stats)
-at 32 bits, down and up; training FLOPs 6 x the sliced layers' MACs per
-example. The width mechanism (:class:`WidthLayout`, :func:`per_entry_mean`)
-is shared with FjORD (``algorithms/fjord_family.py``).
+A client of rate p trains the first ``ceil(p C)`` output channels of every
+layer but the last, fed by the previous layer's kept channels (nested
+prefixes); ``rates="1,0.5,0.25"`` gives client c level ``c % 3``. The server
+averages every entry over the sampled clients holding it (:func:`per_entry_mean`;
+an entry nobody held keeps its value). ``sliced=True`` trains the cut-out
+sub-model (:class:`WidthLayout`, the level picked by ``lax.switch``);
+``sliced=False`` zeroes the dropped channels' activations in the full model,
+the same computation at dense cost. Evaluation: the global model cut to
+``eval_rate``. Costs (exact): the sub-model's values at 32 bits each way,
+6 x its MACs per example. HeteroFL's "Scaler", static BatchNorm and masked
+cross-entropy are left out. Details: docs/baselines.md, "HeteroFL".
 """
 from __future__ import annotations
 

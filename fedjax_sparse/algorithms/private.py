@@ -1,69 +1,27 @@
 """Client-level differential privacy: DP-FedAvg (McMahan, Ramage, Talwar, Zhang, "Learning
 Differentially Private Recurrent Language Models", ICLR 2018) as a wrapper around any algorithm
-whose clients send float updates (FedAvg, FedProx, FedAvgM, SCAFFOLD, Caldas et al., SpaFL's
-thresholds, the FSL paper's FedAvg and TopK, UniDrop, FedDrop with ``optimize=False``).
+whose clients send float updates.
 
     alg = with_dp(make_algorithm("fedavg", task), clip_norm=1.0, noise_multiplier=1.0,
                   clients_per_round=task.clients_per_round)
 
 The server side of a round: every sampled client's update (the whole message flattened to one
 vector) is clipped to L2 norm ``clip_norm`` C; the K clipped updates are summed; Gaussian noise of
-standard deviation ``noise_multiplier * clip_norm`` (z C) is added to every coordinate of the sum;
-the sum is divided by the FIXED cohort size K (``clients_per_round``), not by the clients' total
-weight: DP-FedAvg's fixed-denominator estimator, whose sensitivity does not depend on the data
-(a data-size weighted mean would let one client's weight move every other client's contribution).
-The clients' weights (training-set sizes) are ignored.
-
-* Around an ``UpdateServer`` (flat float updates [K, P] that it averages and applies: the FSL
-  paper's FedAvg in ``algorithms.robust``, TopK) the updates are the messages themselves and the
-  private mean replaces the server's own mean: it is applied exactly.
-* Around any other server the update is ``message - reference`` (``update_reference``): the
-  broadcast payload when the messages have its structure (FedAvg's, FedProx's, FedAvgM's models),
-  SpaFL's global thresholds ``tau`` (the thresholds every sampled client started its local training
-  from, so the clipped quantity is the client's change of them, not the thresholds themselves),
-  the global model for Caldas et al. (its messages are whole models) and SCAFFOLD (whose
-  ``delta_control`` is a change already), and UniDrop's / FedDrop's (``FedDropServerState``), else
-  zero (the messages are updates already: the FSL paper's FedAvg inside ``with_attack``). The server
-  then receives K copies of ``reference + private mean`` (like ``compose.AggregatingServer``), so a
-  server that (weighted-)averages its messages applies the private aggregate up to float rounding.
-* Poisson client sampling (``ServerContext.mask``, the engine's ``--client-sampling poisson``):
-  padded slots are zeroed before the sum and the sum is divided by ``clients_per_round`` read as
-  the EXPECTED cohort size q N (McMahan et al.'s fixed-denominator estimator); the inner server
-  sees copies of the private mean with uniform weights and no mask, also in an empty round (the
-  released noise is applied: what is released must not depend on the realised cohort size).
-* Accounting leaves (``accounting_keys``): message entries that are the simulator's cost accounting,
-  not part of the update (UniDrop's and FedDrop's ``sampled_flops``, the FLOPs of the masks a client
-  drew times its examples, which the server only sums into its ``sampled_flops`` metric), are left
-  out of the clipped vector and reach the inner server unchanged, so that metric is the plain run's.
-
-* BatchNorm running statistics (message leaves under a ``batch_stats`` key, ``compose.StatisticsSplit``)
-  are not parameters: Gaussian noise on a running variance drives it negative (seen: after 2 rounds,
-  then NaN evaluations). They are left out of the clipped vector and of the noise, and the server gets
-  the real clients' plain uniform mean of them (``statistics_mean``; an empty Poisson round keeps the
-  broadcast ones), never negative. That mean is RELEASED WITHOUT NOISE: epsilon covers the parameters,
-  not the statistics (docs/privacy.md; ``summary.json`` says so in ``dp_statistics``, and the run warns
-  once). A model without BatchNorm (GroupNorm, LayerNorm) is covered whole.
+standard deviation ``noise_multiplier * clip_norm`` (z C) is added to every coordinate; the sum is
+divided by the FIXED cohort size K (``clients_per_round``; under Poisson sampling the expected
+cohort size), ignoring the clients' weights. Around an ``UpdateServer`` the private mean replaces
+the server's own; around any other server the update is ``message - update_reference(...)`` and the
+server receives K copies of ``reference + private mean``. Accounting leaves (``ACCOUNTING_KEYS``)
+and BatchNorm running statistics stay out of the mechanism (the statistics' plain mean is released
+without noise). What an update is, what is refused and why: docs/privacy.md.
 
 Exactness: ``noise_multiplier=0`` and ``clip_norm=inf`` give the plain algorithm's result, to float
 rounding, when the plain server takes the uniform mean (SpaFL, ``fedavg`` with ``weighted=False``,
-or equal client sizes): a data-size weighted FedAvg averages differently (its weights) from the DP
-estimator (1/K each), so the two differ whenever the sampled clients' sizes differ.
-
-What the guarantee covers: the sequence of server states (everything computed from the private
-aggregates is post-processing), with a trusted server that clips and noises; the accountant is
-``fedjax_sparse.driver.privacy`` (one ``GaussianDpEvent`` per round, the cohort sampled as the engine does).
-It does not hold when the server uses the individual messages (wrap ``with_dp`` outside
-``with_aggregator``: the robust aggregator then sees K identical rows) or when clients' states leave
-them in other ways. Non-float messages (FSL's rankings, FedPM's masks, SignSGD's signs, HeteroFL's
-and FjORD's widths) and empty ones are refused in one line: no DP mechanism for them is implemented.
-So is FedDrop with its default ``optimize=True``: its server re-optimises each sampled client's keep
-probabilities from that client's own returned model (trajectory similarity), a per-client use of the
-messages that the private mean does not cover (``--option optimize=false`` or ``unidrop`` is wrappable).
-
-The mechanism is pure functions here (``clip_rows``, ``noisy_sum``, ``DpMechanism``) and the
-wrapper ``with_dp``. Server metrics each round: ``dp_clipped_fraction`` (the fraction of the K
-updates whose norm exceeded C, before clipping) and ``dp_update_norm`` (their mean norm before
-clipping), float32.
+or equal client sizes). The guarantee covers the sequence of server states, with a trusted server
+(accountant: ``fedjax_sparse.driver.privacy``); it does not hold when the server uses the
+individual messages (``with_dp`` inside ``with_aggregator``). Server metrics each round:
+``dp_clipped_fraction`` (updates whose norm exceeded C) and ``dp_update_norm`` (their mean norm
+before clipping).
 """
 from __future__ import annotations
 
@@ -176,18 +134,10 @@ def same_structure(a, b) -> bool:
 
 def update_reference(payload, row):
     """What one client's message ``row`` is relative to, as a pytree shaped like ``row``, or None
-    when the message is an update already (the reference is then zero).
-
-    * the payload itself when the messages have its structure (FedAvg, FedProx, FedAvgM: the model);
-    * SpaFL (``SpaflServerState``): the global thresholds ``tau`` every sampled client started from
-      (not ``delta``, the last change, which has the same structure);
-    * Caldas et al. (``CaldasServerState``): the global model; SCAFFOLD (``ScaffoldServerState``):
-      the global model for ``variables`` and zero for ``delta_control`` (a change already);
-    * UniDrop and FedDrop (``FedDropServerState``): the global model ``variables`` for the messages'
-      ``variables``. ``row`` is then the message without its accounting leaves (``accounting_keys``:
-      ``sampled_flops``), which ``PrivateServer`` takes out before it asks. (FedDrop with
-      ``optimize=True`` is refused by ``dp_refusal``, which knows the options; a reference cannot.)
-    """
+    when the message is an update already (the reference is then zero): the payload when the messages
+    have its structure, SpaFL's global ``tau`` (not ``delta``, of the same structure), the global model
+    for Caldas et al., SCAFFOLD (zero for ``delta_control``) and FedDrop (``row`` without its accounting
+    leaves). docs/privacy.md lists what an update is."""
     if same_structure(payload, row):
         return payload
     if isinstance(payload, SpaflServerState):
@@ -201,14 +151,9 @@ def update_reference(payload, row):
     return None
 
 
-# Message entries that are the simulator's cost accounting, by the type of the broadcast payload: top-level
-# keys of the (dict) messages that are not part of the update and that the server uses for metrics only.
-# Passing them through unclipped and unnoised is sound because the guarantee is about the server states, and
-# these never reach one: UniDrop's and FedDrop's ``sampled_flops`` (FLOPs of the masks a client drew, times
-# its examples) is only summed into the server metric ``sampled_flops``, the simulation's bookkeeping of what
-# the round cost (like the clients' ``flops`` metrics), not something the algorithm releases or uses (a
-# deployment that published it would have to account for it separately). Clipped with the model it would
-# dominate the norm (a count, orders of magnitude above an update's norm), and it is no update.
+# Top-level message keys, by the broadcast payload's type, that are the simulation's cost bookkeeping (only
+# summed into a server metric, never into a server state, which is what the guarantee covers): they pass
+# through unclipped (clipped with the model, a count would dominate the norm). docs/privacy.md.
 ACCOUNTING_KEYS: dict[type, tuple[str, ...]] = {FedDropServerState: ("sampled_flops",)}
 
 
@@ -253,9 +198,8 @@ class PrivateServer:
         inner = self.server_update
         mask = getattr(ctx, "mask", None)
         if mask is not None:
-            # A Poisson cohort: the mechanism masks the padded rows; the inner server then sees only the
-            # private mean (every slot a copy of it, uniform weights), also in an empty round (the released
-            # noise is applied: what is released must not depend on the cohort's size).
+            # Poisson: the mechanism masks the padded rows; the inner server sees copies of the private mean,
+            # also in an empty round (what is released must not depend on the cohort's size).
             ctx = ctx._replace(mask=None, weights=jnp.ones_like(ctx.weights))
         if isinstance(inner, UpdateServer) and inner.aggregator is None:
             # The updates themselves; the private mean replaces the server's own (weighted or uniform) one.
@@ -269,8 +213,7 @@ class PrivateServer:
         if ref_tree is not None and not same_structure(ref_tree, row):
             raise TypeError(f"with_dp: the reference of {self.name}'s messages must have their structure "
                             f"{jax.tree_util.tree_structure(row)}, got {jax.tree_util.tree_structure(ref_tree)}")
-        # BatchNorm running statistics stay out of the mechanism (module docstring): the clipped, noised
-        # vector is the parameters' update alone, and the statistics are the real clients' plain mean.
+        # BatchNorm running statistics stay out of the mechanism (module docstring): their plain mean.
         split = StatisticsSplit.of(updates)
         others, statistics = split.split(updates)
         if statistics and "statistics" not in self.seen:
@@ -354,10 +297,8 @@ def with_dp(alg: Algorithm, *, clip_norm: float, noise_multiplier: float, client
     ``update_reference``. Wrap it outermost among the aggregator wrappers (``with_aggregator`` outside
     it would see the raw messages); an attack (the clients' behaviour) may wrap it.
 
-    Server metrics: ``dp_clipped_fraction`` and ``dp_update_norm``. Raises TypeError in one line for
-    algorithms whose clients send no float updates (FSL, FedPM, SignSGD, HeteroFL, FjORD, Local) and for
-    FedDrop with ``optimize=True``, as read from ``alg.hparams`` (``make_algorithm`` records the options).
-    Message entries in ``ACCOUNTING_KEYS`` pass through outside the mechanism (``accounting_keys``)."""
+    Raises TypeError in one line for a registered algorithm ``dp_refusal`` refuses (read from
+    ``alg.hparams``, where ``make_algorithm`` records the options)."""
     registered = _registered_options(alg)
     if registered is not None:
         refusal = dp_refusal(*registered)

@@ -1,23 +1,13 @@
 """Name -> algorithm builder, with typed options.
 
-Every algorithm registers once with its options: a frozen dataclass (one
-typed field per option, with its default), or a dict of defaults from which
-that dataclass is made. ``resolve_options`` turns user input (CLI strings
-from ``--option KEY=VALUE``, or JSON values from a config file) into an
-instance of it, coercing strings to the field's type and rejecting unknown
-keys and wrong types with a one-line error that names the flag. A builder is
-``make(task, **options) -> Algorithm``.
-
-An algorithm also declares whether the composition wrappers (``--aggregator``,
-``--attack``: :mod:`fedjax_sparse.algorithms.compose`) apply to it. They need
-client messages that are non-empty float pytrees the server averages; an
-algorithm whose clients send something else (integer rankings, signs, masks,
-nothing at all) registers ``unwrappable=`` with the reason, so ``config.validate``
-refuses the combination in one line before anything is built.
-
-What ``python -m fedjax_sparse list`` says about it is in its registration too: a one-line
-``description``, its ``paper``, and the client learning rate ``lr`` a run takes when none is given
-(:mod:`fedjax_sparse.driver.catalog` reads them from here), so a new algorithm is one file.
+Every algorithm registers once (:func:`register_algorithm`) with its options: a
+frozen dataclass, or a dict of defaults from which that dataclass is made.
+``resolve_options`` turns user input (CLI strings from ``--option KEY=VALUE``,
+or JSON values from a config file) into an instance of it, with a one-line
+error that names the flag. The registration also says whether the composition
+wrappers (``--aggregator``, ``--attack``) apply (``unwrappable=``) and what
+``python -m fedjax_sparse list`` shows (``description``, ``paper``, default
+``lr``), so a new algorithm is one file.
 """
 from __future__ import annotations
 
@@ -62,15 +52,11 @@ def register_algorithm(name: str, options: type | dict | None = None, *,
     """Registers ``builder(task, **options)`` under ``name``. ``options``: a frozen
     dataclass type, or a dict of defaults (a dataclass is made from it).
 
-    ``description`` (one line: what it is), ``paper`` (its reference) and ``lr`` (the client
-    learning rate a run takes when none is given; None: ``catalog.DEFAULT_LR``) are what ``list``
-    shows and ``--lr`` defaults to: nothing else needs editing for a new algorithm.
-
-    ``unwrappable``: leave it None when the clients send float pytrees that the server
-    averages (the robust aggregators and attacks of ``compose`` then apply); otherwise the
-    reason they cannot, starting "its clients send ..." (e.g. "its clients send rankings
-    (integers), not float updates"), or a function of the options instance returning that
-    reason or None (when only some options change what is sent)."""
+    ``description`` (one line), ``paper`` and ``lr`` (the client learning rate a run takes when none
+    is given; None: ``catalog.DEFAULT_LR``) are what ``list`` shows and ``--lr`` defaults to.
+    ``unwrappable``: None when the clients send float pytrees the server averages (the wrappers of
+    ``compose`` apply); else the reason they cannot ("its clients send rankings (integers), not float
+    updates"), or a function of the options instance returning it or None."""
     if options is None or isinstance(options, dict):
         options = options_class(name, dict(options or {}))
     if not dataclasses.is_dataclass(options):
@@ -98,43 +84,37 @@ def algorithm_names() -> list[str]:
 
 def algorithm_options(name: str) -> type:
     """The options dataclass of an algorithm."""
-    return _entry(name).options
+    return algorithm_entry(name).options
 
 
 def algorithm_defaults(name: str) -> dict:
-    return dict(_entry(name).defaults)
+    return dict(algorithm_entry(name).defaults)
 
 
 def algorithm_entry(name: str) -> AlgorithmEntry:
     """The registered builder and options of ``name``."""
-    return _entry(name)
-
-
-def wrapper_refusal(name: str, options: Any = None) -> str | None:
-    """Why ``--aggregator`` / ``--attack`` cannot wrap algorithm ``name`` with these options
-    ("its clients send ..."), or None when they can (see ``register_algorithm``)."""
-    entry = _entry(name)
-    return None if entry.unwrappable is None else entry.unwrappable(resolve_options(name, options))
-
-
-def _entry(name: str) -> AlgorithmEntry:
     if name not in _REGISTRY:
         raise ValueError(f"unknown algorithm {name!r}; valid algorithms: {', '.join(algorithm_names())}")
     return _REGISTRY[name]
 
 
+def wrapper_refusal(name: str, options: Any = None) -> str | None:
+    """Why ``--aggregator`` / ``--attack`` cannot wrap algorithm ``name`` with these options
+    ("its clients send ..."), or None when they can (see ``register_algorithm``)."""
+    entry = algorithm_entry(name)
+    return None if entry.unwrappable is None else entry.unwrappable(resolve_options(name, options))
+
+
 def _type_name(kind: type) -> str:
-    return {bool: "boolean (true/false)", int: "integer", float: "number", str: "string"}.get(kind, kind.__name__)
-
-
-def _article(kind: type) -> str:
-    return "an" if kind is int else "a"
+    """``kind`` with its article, for errors."""
+    return {bool: "a boolean (true/false)", int: "an integer", float: "a number", str: "a string"}.get(
+        kind, f"a {kind.__name__}")
 
 
 def coerce_option(name: str, key: str, value: Any, kind: type) -> Any:
     """``value`` (a CLI string or a JSON value) as a ``kind``; a one-line ValueError otherwise."""
     def bad():
-        return ValueError(f"--option {key}={value!r} of algorithm {name}: expected {_article(kind)} {_type_name(kind)}")
+        return ValueError(f"--option {key}={value!r} of algorithm {name}: expected {_type_name(kind)}")
     if isinstance(value, str) and kind is not str:
         text = value.strip().lower()
         try:
@@ -163,7 +143,7 @@ def coerce_option(name: str, key: str, value: Any, kind: type) -> Any:
 
 def resolve_options(name: str, options: Any = None):
     """User options (dict, or already an options instance) -> the algorithm's options dataclass instance."""
-    entry = _entry(name)
+    entry = algorithm_entry(name)
     if isinstance(options, entry.options):
         return options
     options = dict(options or {})
@@ -180,10 +160,10 @@ def resolve_options(name: str, options: Any = None):
 def algorithm_builder(name: str) -> Callable[..., Algorithm]:
     """The registered ``builder(task, **options)`` (no option checks: a sweep calls it with traced
     option values after checking the concrete ones with :func:`resolve_options`)."""
-    return _entry(name).builder
+    return algorithm_entry(name).builder
 
 
 def make_algorithm(name: str, task: Task, options: Any = None) -> Algorithm:
     resolved = dataclasses.asdict(resolve_options(name, options))
-    algorithm = _entry(name).builder(task, **resolved)
+    algorithm = algorithm_entry(name).builder(task, **resolved)
     return dataclasses.replace(algorithm, hparams={**resolved, **algorithm.hparams})

@@ -1,49 +1,16 @@
 """The FSL paper's (seed 003) weight-training baselines: FedAvg under robust aggregators and
 model-poisoning attacks (Table 2), SignSGD and TopK (Table 1).
 
-All of them train the global model locally as the authors' code does (SGD,
-momentum, weight decay, lr ``lr * lr_decay**round`` with a cosine over the
-local epochs: ``local_lr``, ``train_update``) and send their update ``delta =
-w_local - w_global`` flattened to one vector [P]. Downloads are the dense
-float32 model (the paper's accounting).
-
-* ``paper_fedavg``: that training plus FedAvg's server, an
-  ``algorithms.compose.UpdateServer`` (the mean of the updates, uniform or
-  ``weighted`` by data size, times ``server_lr``).
-* ``fedavg_robust`` (aliases ``trimmed_mean``, ``multi_krum``, whose default
-  attack is ``tailored``): ``paper_fedavg`` wrapped by
-  ``compose.with_aggregator`` (``aggregator`` = trimmed_mean | multi_krum;
-  ``mean`` is FedAvg's own mean, unwrapped) and ``compose.with_attack``
-  (``attack`` = none | min_max | tailored | scale), both given one
-  ``mechanisms.attacks.Threat``. Every option keeps its meaning:
-  ``trim_fraction`` -1 (default): Trimmed-mean and Multi-Krum know the number
-  of sampled malicious clients f (>= 0: ``floor(trim_fraction * K)``);
-  ``krum_select`` (-1: ``K - 2f - 2`` picks, as the authors' code);
-  ``deviation``, ``gamma_init``, ``search_steps`` (the attacks' search),
-  ``attack_scale`` (1e5, the scale attack).
-* ``signsgd`` is an algorithm of its own: its clients send sign(delta) (int8,
-  1 bit per weight) and its server takes their majority vote - neither float
-  updates nor a mean, so the float wrappers cannot hold it; its attack
-  (``reverse``: ``-sign`` of the known votes, ``mechanisms.attacks.
-  sign_reverse_attack``) draws the malicious clients through the same
-  ``Threat``.
-* ``topk`` is an algorithm of its own because of what its clients do: send the
-  K % largest-magnitude coordinates of delta (values plus a 1-bit-per-weight
-  bitmap, which reproduces the paper's Table 1 figures), optionally keeping
-  the unsent residual per client (error feedback, client state). Its server is
-  an ``UpdateServer`` (the uniform mean of the sparse updates), so
-  ``--aggregator`` / ``--attack`` wrap it as they wrap FedAvg.
-
-Malicious clients (``malicious_fraction`` > 0): ``Threat``'s fixed subset of
-client ids (the first ``floor(fraction * N)`` of a permutation seeded by
-``malicious_seed``, default the run seed). They train honestly; the attack
-replaces the sampled malicious clients' updates, computed from the honest
-updates of the round they know (``attacker_knowledge``: ``all`` sampled
-clients, or only the ``malicious`` ones) - they collude, as in the paper's
-threat model. The attacks (Shejwalkar & Houmansadr, NDSS 2021; App. B.5) are
-described in ``compose.with_attack`` and implemented in
-``fedjax_sparse.mechanisms.attacks``; the aggregators in
-``fedjax_sparse.mechanisms.robust_aggregation``.
+All of them train the global model locally as the authors' code does (SGD, momentum, weight
+decay, lr ``lr * lr_decay**round`` with a cosine over the local epochs: ``local_lr``,
+``train_update``) and send their update ``delta = w_local - w_global`` flattened to one vector
+[P]; downloads are the dense float32 model. ``paper_fedavg``'s server is an
+``algorithms.compose.UpdateServer``; ``fedavg_robust`` (aliases ``trimmed_mean``, ``multi_krum``)
+wraps it with ``compose.with_aggregator`` and ``compose.with_attack``, both given one
+``mechanisms.attacks.Threat`` (the malicious clients: a fixed seeded subset of ids). ``signsgd``
+(clients send signs, the server takes their majority vote; attack ``reverse``) and ``topk``
+(the largest-magnitude coordinates of delta, optional error feedback; an ``UpdateServer``) are
+algorithms of their own. Options and attacks: docs/fsl.md, "Baselines".
 """
 from __future__ import annotations
 
@@ -60,20 +27,15 @@ from fedjax_sparse.errors import arg
 from fedjax_sparse.core import accounting
 from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics, replicate
 from fedjax_sparse.algorithms.compose import ATTACKS, WRAPPER_AGGREGATORS, UpdateServer, with_aggregator, with_attack
-from fedjax_sparse.algorithms.fedavg_family import FedAvgServerState
+from fedjax_sparse.algorithms.fedavg_family import FedAvgServerState, global_model_predict
 from fedjax_sparse.algorithms.registry import register_algorithm
-from fedjax_sparse.algorithms.supervised import local_train, predict_fn
+from fedjax_sparse.algorithms.supervised import local_train
 from fedjax_sparse.mechanisms.attacks import DEVIATIONS, Threat, sign_reverse_attack
 from fedjax_sparse.mechanisms.robust_aggregation import sign_majority, topk_sparsify
 from fedjax_sparse.mechanisms.supermask import kept_count
 from fedjax_sparse.core.training import steps_per_epoch
 
 LR_SCHEDULES = ("cosine_epoch", "cosine_step", "constant")
-
-
-# Server state of every algorithm here: fedavg.FedAvgServerState(variables). TopK's client state is
-# TopkClientState. Fields are in the sorted order of the old dict keys (checkpoints store leaves in
-# flatten order); TopK's residual was the whole client state, so it flattens to the same leaf.
 
 
 class TopkClientState(NamedTuple):
@@ -169,10 +131,7 @@ def _make_base(task: Task, name: str, *, momentum, weight_decay, lr_decay, lr_sc
         new = dict(server_state.variables, params=unravel(flat + server_lr * update))
         return server_state._replace(variables=new)
 
-    def global_predict(server_state: FedAvgServerState, x):
-        return predict_fn(model, server_state.variables)(x)
-
-    return num_params, init, broadcast, train, apply_update, global_vector, global_predict
+    return num_params, init, broadcast, train, apply_update, global_vector, global_model_predict(model)
 
 
 # ---------------------------------------------------------------- FedAvg, and under robust aggregators

@@ -4,81 +4,20 @@ structures by sharing only one trainable threshold per neuron / conv filter.
 Per thresholded layer (a layer whose kernel the model routes through
 ``hooks.kernel``) row i is kept iff ``mean_j |w_ij| > tau_i`` (eq. 1,
 :func:`fedjax_sparse.mechanisms.threshold_masks.threshold_row_mask`,
-straight-through gradients).
+straight-through gradients). One round (Algorithm 1): the server broadcasts the
+global thresholds ``tau`` and their last change ``dtau``; each sampled client
+moves its personal weights by eq. (13), then trains weights and thresholds on
+``CE + alpha * c(t) * sum exp(-tau)`` (eq. 5, with the <= 1 % reset rule) and
+uploads its thresholds; the new ``tau`` is their uniform mean (eq. 7).
+Weights, BatchNorm statistics, own thresholds and (optionally) the optimiser
+state are personal client state; evaluation masks each client's own weights
+with its own thresholds (``personal_predict``; no global model).
 
-One round (Algorithm 1), defaults = the paper / its FMNIST code:
-
-1. the server broadcasts the global thresholds ``tau`` (and the last change
-   ``dtau`` of the global thresholds);
-2. each sampled client first moves its personal weights by eq. (13),
-   ``w_i -= sign(sum_j w_ij) * dtau_i / n_in`` (one sign per row), then trains
-   weights *and* thresholds jointly for E epochs with SGD (momentum) on
-   ``CE + alpha * c(t) * sum exp(-tau)`` (eq. 5); before every forward pass a
-   layer that kept <= 1% of its rows in the previous pass gets its
-   thresholds reset to 0;
-3. clients upload their thresholds; the new global ``tau`` is their uniform
-   mean (eq. 7), ``dtau`` = new - old.
-
-Weights, BatchNorm parameters/statistics (and ViT embeddings, LayerNorms...),
-the client's own thresholds, the kept fraction of the last forward and
-(optionally) the optimiser state are personal: client state with a leading
-[N] axis. All clients start from the same initial model.
-
-Evaluation (``personal_predict``): each client's own weights masked by its
-*own* thresholds (those it trained last; the reset rule applied), which is
-what the reference code evaluates after every round; ``eval_thresholds=
-"global"`` masks with the current global thresholds instead. There is no
-global model (``global_predict=None``).
-
-Options (``--option key=value``; defaults in :data:`SPAFL_OPTIONS`):
-
-* ``alpha`` regulariser coefficient; ``ramp``: multiply it by
-  ``c(t) = sigmoid(10 t - 5)`` (t = round; FMNIST/CIFAR-100 code).
-* ``momentum``; ``keep_optimizer_state`` (FMNIST code: each client's SGD
-  momentum persists across rounds; CIFAR code: fresh each round);
-  ``clip_norm`` (global gradient-norm clip, 0 = off); ``lr_decay``/``lr_min``:
-  round-t learning rate ``max(lr * lr_decay**t, lr_min)``.
-* ``ste``: "identity" (paper, FMNIST code) or "truncated" (CIFAR code).
-* ``clamp``: clip thresholded kernels to [-1, 1] and thresholds to [0, 1]
-  after every step (the paper says so; the code does not).
-* ``eq13`` on/off (off = the paper's Table 3 "w.o. (13)");
-  ``eq13_divisor``: "fan_in" (paper: n_in = c_in*kh*kw) or "kernel_area"
-  (code: kh*kw for convs, in_features for linears);
-  ``eq13_apply``: "sampled_before" (paper Alg. 1, FMNIST code: sampled
-  clients apply the last dtau before training) or "all_after" (CIFAR-10 code:
-  every client applies each dtau right after aggregation; simulated exactly
-  by keeping the dtau history on the server and replaying the missed ones,
-  in order, when a client trains or is evaluated).
-* ``train_weights=False``: weights frozen at their initial values, only
-  thresholds trained and shared (paper Table 1).
-* ``reset_threshold``: the <= 1% reset rule.
-* ``share_thresholds=False``: no communication at all, clients prune with
-  their own thresholds (the paper's "Local" baseline).
-* ``eval_thresholds``: "own" or "global" (see above).
-* ``dense_layers``: comma-separated names of layers SpaFL leaves dense (e.g.
-  ``"fc2"``; default "" = none): never masked, no thresholds (none trained,
-  sent or counted in the bits), dense FLOPs, counted as fully kept (1) in
-  ``density``; eq. (13) does not touch them. Pruning papers often keep the
-  classifier dense; it is the fix for a layer that starts fully pruned.
-
-A layer whose every row starts pruned (``mean|w_row| <= 0``, the initial
-threshold: an all-zero kernel, as a zero-initialised ViT-style classifier head)
-would never get a gradient (pruned rows pass none, and |w| has slope 0 at 0):
-the builder refuses such a model in one line naming the layers, unless they
-are listed in ``dense_layers``.
-
-Aliases: ``spafl_no_eq13``, ``spafl_thresholds_only``, ``spafl_local``.
-
-Cost accounting (exact integers): 32 bits per threshold up and down per
-sampled client (Appendix A.3); training FLOPs per step use the step's actual
-kept rows per layer (pruned rows cost nothing forward or backward;
-unthresholded layers are dense): sum over layers of kept rows x examples x
-the training FLOPs of one row, plus 1.5 x (thresholded weights) per eq. (13)
-application (Appendix A.4). The ``density`` metric is the mean over
-thresholded layers of the kept fraction of the client's model after training
-(the paper's density; a ``dense_layers`` layer counts as 1), averaged over the round's sampled clients;
-``density_all_clients`` (at evaluation) averages it over all clients, as the
-authors' code logs it.
+Options (defaults in :data:`SPAFL_OPTIONS`), aliases (``spafl_no_eq13``,
+``spafl_thresholds_only``, ``spafl_local``), the refusal of layers that start
+fully pruned (``dense_layers``) and the exact cost accounting (32 bits per
+threshold each way; FLOPs of the kept rows, plus 1.5 x thresholded weights per
+eq. (13)): docs/spafl.md.
 """
 from __future__ import annotations
 
@@ -113,10 +52,7 @@ Thresholds = Mapping[str, jax.Array]  # layer name -> [out]
 
 
 # ---------------------------------------------------------------------------- state
-# Fields are declared in the sorted order of the dict keys these states had before they were typed:
-# checkpoints store the state's leaves in flatten order (sorted keys for a dict, field order for a
-# NamedTuple), so checkpoints of earlier versions load unchanged. A field that exists only under
-# some option is None (no leaves) otherwise.
+# Field order is the checkpoints' leaf order (docs/design.md, "Algorithm states"): never reorder.
 class SpaflServerState(NamedTuple):
     """SpaFL's server state (also its broadcast). Every field is None with
     ``share_thresholds=False`` (no global thresholds: nothing is held)."""
@@ -329,18 +265,15 @@ def parse_dense_layers(text: str, model: Model, hooked: tuple[LayerInfo, ...]) -
 
 
 def dead_layers(setup: SpaflSetup, params: dict) -> list[str]:
-    """Thresholded layers of which every row is pruned by the initial thresholds (all 0): ``mean|w_row|
-    <= 0``, i.e. an all-zero kernel. Such a layer never gets a gradient (a pruned row passes none to
-    its weights, and |w| has slope 0 at w = 0), so it stays pruned for the whole run."""
+    """Thresholded layers of which every row is pruned by the initial thresholds (all 0): an all-zero
+    kernel, which never gets a gradient (docs/spafl.md)."""
     tau0 = init_thresholds(setup.layers)
     return [name for name, mask in row_masks(params, tau0, setup.ste).items() if not bool(jnp.any(mask > 0))]
 
 
 def check_no_dead_layers(setup: SpaflSetup, model: Model, name: str = "spafl") -> None:
-    """Refuses, in one line naming the layers and the fixes, a model with a layer that starts fully
-    pruned (:func:`dead_layers` of ``model.init``'s weights; its init is key-independent for all-zero
-    kernels). Skipped when the weights cannot be evaluated (the builder traced by a sweep, which checked
-    the same model and options concretely first)."""
+    """Refuses, in one line naming the layers and the fixes, a model with :func:`dead_layers` in
+    ``model.init``'s weights; skipped when they are traced (a sweep checked them concretely first)."""
     with jax.ensure_compile_time_eval():
         params = model.init(jax.random.PRNGKey(0))["params"]
         if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(params)):

@@ -23,6 +23,27 @@ def sgd(lr: float, momentum: float = 0.0, weight_decay: float = 0.0, clip_norm: 
     return optax.chain(*parts)
 
 
+def sgd_step(model: Model, optimizer: optax.GradientTransformation, params: dict, stats: dict, opt_state,
+             batch: Batch, rng: jax.Array, hooks: Hooks = NO_HOOKS,
+             extra_loss: Callable[[dict], jax.Array] | None = None,
+             grad_transform: Callable[[dict], dict] | None = None):
+    """One optimiser step on ``batch``'s masked cross-entropy (+ ``extra_loss(params)``) through
+    ``hooks``, ``rng`` the model's own randomness. Returns (params, batch_stats, opt_state, loss)."""
+    def loss_fn(params, stats, batch: Batch, rng):
+        logits, new_stats = model.apply({"params": params, "batch_stats": stats}, batch.x,
+                                        train=True, hooks=hooks, sample_mask=batch.mask, rng=rng)
+        loss = masked_cross_entropy(logits, batch.y, batch.mask)
+        if extra_loss is not None:
+            loss = loss + extra_loss(params)
+        return loss, new_stats
+
+    (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, stats, batch, rng)
+    if grad_transform is not None:
+        grads = grad_transform(grads)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), new_stats, opt_state, loss
+
+
 def local_train(model: Model, optimizer: optax.GradientTransformation, variables: dict,
                 opt_state, data: ClientData, key: jax.Array, *, epochs: int, batch_size: int,
                 preprocess: Callable, hooks: Hooks = NO_HOOKS,
@@ -33,23 +54,10 @@ def local_train(model: Model, optimizer: optax.GradientTransformation, variables
     ``grad_transform`` edits gradients before the optimiser (SCAFFOLD's
     control-variate correction). Returns (variables, opt_state, LocalStats).
     """
-    def loss_fn(params, stats, batch: Batch, rng):
-        logits, new_stats = model.apply({"params": params, "batch_stats": stats}, batch.x,
-                                        train=True, hooks=hooks, sample_mask=batch.mask, rng=rng)
-        loss = masked_cross_entropy(logits, batch.y, batch.mask)
-        if extra_loss is not None:
-            loss = loss + extra_loss(params)
-        return loss, new_stats
-
     def step(carry, batch, step_index, num_steps, step_key):
-        params, stats, opt_state = carry
-        (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, stats, batch,
-                                                                            model_rng(step_key))
-        if grad_transform is not None:
-            grads = grad_transform(grads)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return (params, new_stats, opt_state), loss
+        params, stats, opt_state, loss = sgd_step(model, optimizer, *carry, batch, model_rng(step_key), hooks,
+                                                  extra_loss, grad_transform)
+        return (params, stats, opt_state), loss
 
     carry = (variables["params"], variables.get("batch_stats", {}), opt_state)
     (params, stats, opt_state), stats_out = run_local_epochs(

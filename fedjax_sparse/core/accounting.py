@@ -1,22 +1,16 @@
 """Cost accounting: training FLOPs and communication bits.
 
-Conventions (issue #2; papers' appendices):
-* a multiply-accumulate is 2 FLOPs; forward FLOPs of a layer = 2 * MACs;
-* backward = 2 x forward, so one training example costs 3 x forward;
-* a layer whose kept fraction is d costs d x its dense FLOPs (pruned rows /
-  dropped channels cost nothing forward or backward);
-* communication counts 32-bit floats unless an algorithm says otherwise, summed
-  over all sampled clients of a round, uplink and downlink separately.
+Conventions (papers' appendices): a multiply-accumulate is 2 FLOPs; backward =
+2 x forward, so one training example costs 3 x forward; a layer whose kept
+fraction is d costs d x its dense FLOPs; communication counts 32-bit floats
+unless an algorithm says otherwise, summed over the sampled clients of a round.
 
-Exactness: bits and FLOPs are the papers' headline axes and routinely exceed
-2^24 per client (float32 loses units there), so they never travel as float32
-sums. A client reports a :class:`Cost`: a sum of terms ``unit * a * b`` whose
-``unit`` is a static Python number (e.g. training FLOPs of one example, or
-bits of one message) and whose factors ``a, b`` are small int32 counts traced
-on the device (examples seen, rows kept). The engine hands the per-client
-factors to the host, which multiplies and sums them as Python ints
-(:func:`cost_per_round`). Only expectations (FedDrop's FLOPs under keep
-probabilities) use float factors; they are then summed in float64.
+Exactness: bits and FLOPs routinely exceed 2^24 per client (float32 loses units
+there). A client reports a :class:`Cost`, a sum of terms ``unit * a * b`` with a
+static Python-number ``unit`` and small int32 counts ``a, b`` traced on the
+device; the host multiplies and sums them as Python ints (:func:`cost_per_round`).
+Only expectations (FedDrop's FLOPs under keep probabilities) use float factors,
+summed in float64. docs/design.md, "Cost accounting".
 """
 from __future__ import annotations
 

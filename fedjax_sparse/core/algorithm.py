@@ -12,19 +12,11 @@ rounds). One round of the engine is::
     server_state, server_metrics = server_update(server_state, messages, ServerContext)
 
 ``messages`` and the returned client states are stacked over the K sampled
-clients. ``client_update`` must return in ``metrics`` at least the keys of
-:data:`REQUIRED_CLIENT_METRICS` (``loss``, ``num_examples``; build them with
-:func:`client_metrics`). Cost accounting is an optional part
-(:data:`ACCOUNTING_METRICS`): FLOPs and bits, when reported, are exact
-:class:`fedjax_sparse.core.accounting.Cost` values the host sums over clients and
-rounds as Python ints; an algorithm that does not count them gets ``null``
-(unknown) in ``metrics.jsonl``, never a made-up 0. ``loss`` is averaged weighted
-by examples, everything else uniformly over the sampled clients.
-
-Evaluation: ``personal_predict(server_state, client_state, client_id, x)``
-gives the logits a client would use (personalised accuracy); when it is None,
-the global model stands in. ``global_predict(server_state, x)`` is the global
-model, or None when there is none (Local, SpaFL).
+clients. ``client_update``'s metrics hold at least :data:`REQUIRED_CLIENT_METRICS`
+(build them with :func:`client_metrics`); the costs (:data:`ACCOUNTING_METRICS`)
+are optional, exact :class:`fedjax_sparse.core.accounting.Cost` values, ``null``
+in ``metrics.jsonl`` when not counted. Details: docs/design.md, "An algorithm is
+data plus pure functions".
 """
 from __future__ import annotations
 
@@ -106,12 +98,9 @@ class Algorithm:
     # Optional: (server_state, client_state) -> [] kept fraction of the model the
     # client holds now (evaluated over all clients: ``density_all_clients``).
     personal_density: Callable[[Any, Any], jax.Array] | None = None
-    # Optional: (server_state, key, round, sampled_ids [K]) -> (ids [M], active []) of clients
-    # that also run ``client_update`` this round (from the broadcast, on their own data and state)
-    # without being aggregated or having their state written back; their messages reach
-    # ``server_update`` as ``ctx.extra_messages`` (zeros when ``active`` is false, and then
-    # nothing runs). Threat models use it: FSL's attackers train benign rankings of malicious
-    # clients that were not sampled.
+    # Optional: (server_state, key, round, sampled_ids [K]) -> (ids [M], active []) of clients that also
+    # run ``client_update`` this round, unaggregated, their messages in ``ctx.extra_messages`` (zeros
+    # when not ``active``); FSL's attackers use it (docs/design.md, "Extra client updates").
     extra_clients: Callable[[Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]] | None = None
     # Whether ``server_update`` honours ``ServerContext.mask`` (a cohort of varying size, padded;
     # possibly empty): the engine's Poisson client sampling refuses algorithms that do not declare it.

@@ -5,51 +5,32 @@ One round (pure, jittable)::
     sample K of N clients without replacement (a new cohort every
         ``resample_every`` rounds; the cohort's key is the key of its first round)
     gather their persistent state and data rows
-    map the algorithm's client_update over them      (vmap or lax.map)
+    map the algorithm's client_update over them      (vmap, lax.map, or packed)
     server_update on the stacked messages
     scatter the new client states back
 
 Rounds are composed with ``lax.scan`` in chunks (``run_rounds``); a thin
 Python driver (``fedjax_sparse.driver.runner``) evaluates, logs and checkpoints
-between chunks. ``round_fn`` is the same round jitted alone (the per-round
-path, for comparison and for debugging).
+between chunks. ``round_fn`` is the same round jitted alone.
 
-Client parallelism: ``"vmap"`` runs the sampled clients in lockstep (the
-longest client's step count; finished clients are frozen by a select; convolutions
-with per-client kernels run as batched matmuls, ``models.layers.conv2d``); ``"map"``
-runs them one after another inside the same jit, each with exactly its own step
-count, which wastes no work; ``"packed"`` sorts the cohort by training-set size and runs groups of
-``pack_width`` clients in lockstep, one group after another, so each group pads only to its own
-longest member (the width: the widest divisor of K whose executed / useful client-steps ratio stays
-at most ``PACKED_PADDING_TARGET`` = 1.2 over cohorts drawn from the clients' step counts,
-``choose_pack_width``; the builder sets it). ``"auto"``: map on a CPU, packed on one accelerator
-(the faster schedules measured: docs/design.md), vmap across several accelerators or processes.
-All give the same numbers (tested). With ``local_epochs`` and ``batch_size`` set, each round reports
-``client_steps`` (the local steps the sampled clients need) and ``client_steps_executed`` (what the schedule runs,
-padding included).
+Client schedules (``client_parallelism``; docs/design.md, "Client schedules"): ``"vmap"`` runs
+the sampled clients in lockstep (the longest client's step count), ``"map"`` one after another,
+each its own step count, ``"packed"`` groups of ``pack_width`` clients sorted by training-set size
+(``choose_pack_width``); ``"auto"``: map on a CPU, packed on one accelerator, vmap across several.
+All give the same numbers (tested). With ``local_epochs`` and ``batch_size`` set, each round
+reports ``client_steps`` and ``client_steps_executed`` (padding included).
 
-Poisson client sampling (``client_sampling="poisson"``, ``--client-sampling poisson``): every
-client joins a round independently with probability q = K / N (one uniform draw per client from
-the round's sampling key), so the cohort's size is Binomial(N, q) and may be 0. The round runs
-``cohort_capacity`` slots, the 1 - 1e-9 quantile of that binomial (``poisson_capacity``, at least
-K): the members in increasing id order, then padded slots (id N, training-set size 0, ``mask``
-False). Members beyond the capacity (probability <= 1e-9 a round) are left out, the highest ids
-first, counted in the ``cohort_overflow`` metric and warned about by the runner. Padded slots run
-no local step (their training-set size is 0: ``map`` runs zero iterations of their loop, ``vmap``'s
-lockstep loop keeps them frozen; the client's per-round work outside the loop, e.g. the loss of no
-batch, still runs, masked), report zero examples, bits, FLOPs and steps,
-are left out of the averaged metrics, write no client state back, and reach the server with
-weight 0 and ``ServerContext.mask`` False; only algorithms declaring ``Algorithm.varying_cohort``
-(their server honours the mask, and an empty round keeps the model) take it. Rows gain ``clients``
-(the round's real cohort size) and ``cohort_overflow``.
+Poisson client sampling (``client_sampling="poisson"``; docs/privacy.md, "Poisson client
+sampling"): every client joins with probability q = K / N; the round runs ``cohort_capacity``
+slots (``poisson_capacity``), the members in increasing id order, then padded slots (id N,
+training-set size 0, ``mask`` False) that train on nothing, count for nothing, write no state back
+and reach the server with weight 0; only algorithms declaring ``Algorithm.varying_cohort`` take
+it. Rows gain ``clients`` and ``cohort_overflow`` (members beyond the capacity, left out).
 
-Devices: with more than one device and ``vmap``, the sampled clients are
-sharded over a 1-D ``clients`` mesh (K must divide evenly; otherwise the round
-runs on one device). XLA partitions the vmapped client updates and inserts
-the cross-device reduction for the server aggregate. In a multi-process run
-(``fedjax_sparse.driver.distributed``) the mesh spans every process's devices, ``auto``
-means ``vmap``, the population's state is split along N (``population_sharding``),
-and metrics and the server state come back replicated, so every process reads them.
+Devices: with more than one device and ``vmap``, the sampled clients are sharded over a 1-D
+``clients`` mesh (K must divide evenly; otherwise the round runs on one device). In a multi-process
+run (``fedjax_sparse.driver.distributed``) the population's state is split along N
+(``population_sharding``) and metrics and the server state come back replicated.
 """
 from __future__ import annotations
 
@@ -96,9 +77,7 @@ def resolve_parallelism(mode: str) -> str:
     if mode not in CLIENT_PARALLELISM:
         raise ValueError(f"unknown client parallelism {mode!r}; valid: {CLIENT_PARALLELISM}")
     if mode == "auto":
-        # The recorded measurements (docs/design.md, "Execution modes"): map beats vmap on CPU, packed
-        # beats both on one accelerator. Several processes, or several accelerators, share the work only
-        # through vmap's sharded client axis.
+        # The faster schedules measured (docs/design.md, "Execution modes"); only vmap shares the cohort.
         if jax.default_backend() == "cpu":
             return "vmap" if jax.process_count() > 1 else "map"
         return "vmap" if jax.process_count() > 1 or jax.local_device_count() > 1 else "packed"
@@ -198,11 +177,8 @@ class Engine:
     clients_per_round: int
     client_parallelism: str = "auto"
     eval_batch_size: int = 500
-    # Algorithms without a personal model are evaluated with one pass of the global model over the
-    # union of the clients' test sets; per-client accuracies are then gathered from its per-example
-    # results (faster with many small clients: no per-client padding and loop overhead; measured in
-    # experiments/results/, see CHANGELOG).
-    # False: evaluate every client separately (the general path; same numbers, tested).
+    # Without a personal model: one pass of the global model over the union of the test sets, the
+    # per-client accuracies gathered from it; False: every client separately (same numbers, tested).
     eval_shared_global_pass: bool = True
     # Personalised evaluation (fedjax_sparse.core.evaluation): "auto" = "per_client".
     personal_eval: str = "auto"
@@ -212,15 +188,12 @@ class Engine:
     # steps), for the client-step metrics; None: not reported.
     local_epochs: int | None = None
     batch_size: int | None = None
-    # Keep each sampled cohort for this many consecutive rounds (FedDrop's fractional-participation
-    # setting re-samples every 2 rounds, so the keep probabilities the server optimised for a cohort
-    # are used by that cohort). 1 = a new cohort every round.
+    # Keep each sampled cohort for this many consecutive rounds (FedDrop's fractional participation
+    # re-samples every 2); 1 = a new cohort every round.
     resample_every: int = 1
     # Pinned cohorts (``--cohort-schedule``): row r = the client ids of round r; replaces sampling.
     cohort_schedule: tuple[tuple[int, ...], ...] | None = None
-    # "fixed": exactly K of N every round; "poisson": each client independently with probability
-    # ``client_rate`` (None: K / N), a cohort of varying size padded to ``cohort_capacity`` slots
-    # (``poisson_capacity``). Only algorithms that declare ``Algorithm.varying_cohort`` take it.
+    # CLIENT_SAMPLINGS; "poisson": each client with probability ``client_rate`` (None: K / N).
     client_sampling: str = "fixed"
     client_rate: float | None = None
     # ``"packed"``: clients per lockstep group (a divisor of the cohort's slots); the builder chooses it
@@ -247,8 +220,6 @@ class Engine:
             if not self.algorithm.varying_cohort:
                 raise ValueError(f"{self.algorithm.name} cannot take poisson client sampling: its server assumes a "
                                  "fixed cohort of K clients (it does not declare varying_cohort); use fixed sampling")
-            if not 0 < self.sampling_rate <= 1:
-                raise ValueError(f"the client sampling rate must be in (0, 1], got {self.sampling_rate}")
         if self.pack_width < 1 or self.cohort_capacity % self.pack_width:
             raise ValueError(f"pack_width {self.pack_width} must divide the cohort's {self.cohort_capacity} client "
                              "slots")
@@ -269,8 +240,7 @@ class Engine:
         """Client slots of a round: K (fixed), or ``poisson_capacity(N, q)`` (at least K: poisson)."""
         if not self.poisson:
             return self.clients_per_round
-        return max(poisson_capacity(self.num_clients, self.sampling_rate), min(self.clients_per_round,
-                                                                               self.num_clients), 1)
+        return max(poisson_capacity(self.num_clients, self.sampling_rate), self.clients_per_round)
 
     @property
     def mode(self) -> str:
@@ -432,10 +402,8 @@ class Engine:
 
     def _extra_updates(self, state: EngineState, data: FederatedData, payload, key_shared, server_ctx, one_client):
         """Runs ``client_update`` for the algorithm's extra clients of this round (only when it
-        says they are active) and returns ``server_ctx`` carrying their ids and messages.
-        Their new states are dropped and their costs are not counted (they are not the
-        federation's work). The key is derived apart from the round's four keys, so
-        algorithms without extras draw exactly what they drew before."""
+        says they are active) and returns ``server_ctx`` carrying their ids and messages; their
+        states and costs are dropped. Their key is apart from the round's four keys."""
         key_extra = jax.random.fold_in(jax.random.fold_in(state.key, state.round), 0x5EED)
         key_pick, key_train = jax.random.split(key_extra)
         extra_clients = self.algorithm.extra_clients
@@ -514,10 +482,9 @@ class Engine:
         return self._replica_scan_fn(states, data, int(num_rounds))
 
     def advance(self, state: EngineState, data: FederatedData, num_rounds: int, round_mode: str = "scan"):
-        """``num_rounds`` rounds by either path: ``"scan"`` (one jitted lax.scan)
-        or ``"per_round"`` (the per-round jit called from Python: the reference the scan is tested
-        against, and a way to step rounds in a notebook; not a run mode, no recorded win). Returns
-        (state, host metrics with one entry per round, see :func:`metrics_to_host`)."""
+        """``num_rounds`` rounds by ``"scan"`` (one jitted lax.scan) or ``"per_round"`` (the
+        per-round jit from Python: the scan's reference, not a run mode). Returns (state, host
+        metrics with one entry per round, see :func:`metrics_to_host`)."""
         if round_mode == "scan":
             return self.run_rounds(state, data, num_rounds)
         if round_mode != "per_round":

@@ -4,21 +4,13 @@ global model) and global accuracy (the global model on the union of the
 clients' test sets).
 
 Two ways to compute the personalised numbers, giving the same counts (tested):
-
-* ``shared global pass`` (algorithms without a personal model): one pass of
-  the global model over the union of the test sets; per-client hits and losses
-  are gathered from the per-example results. The pass is a host loop over
-  batches of ``global_eval_batch_size`` (512) examples, each one jitted call
-  outside any scan, so convolutions are XLA's native ones (the global accuracy
-  of algorithms with personal models uses the same pass).
-* ``per_client`` (``personal_eval="auto"``): one jitted call per client, its whole test set in one
-  batch padded to a multiple of ``per_client_granularity`` examples (a handful of compiled shapes),
-  with XLA's native convolutions: outside any scan, where XLA:CPU runs them fastest
-  (``models.layers.outside_loops``). The calls are dispatched asynchronously and fetched once.
-
-The other ways it was once computed, a ``lax.map`` over clients and a ``vmap`` over chunks of
-clients, are references in ``experiments/bench/bench_eval.py``, which times them next to
-``per_client`` (tests check they agree; docs/design.md, "Execution modes").
+``shared global pass`` (algorithms without a personal model: one pass of the
+global model over the union of the test sets, per-client hits and losses
+gathered from the per-example results) and ``per_client`` (one jitted call per
+client on its whole test set, padded to a multiple of
+``per_client_granularity``). Both trace their batches outside any loop
+(``models.layers.outside_loops``), where convolutions are XLA's native ones.
+Details and the measurements: docs/design.md, "Evaluation".
 """
 from __future__ import annotations
 

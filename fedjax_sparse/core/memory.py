@@ -1,46 +1,15 @@
-"""Memory known before compiling (issue 32, item 4): a run's peak memory on one device and on the
-host, estimated from shapes alone, and a one-line refusal naming the flag that makes it fit.
+"""Memory known before compiling: a run's peak memory on one device and on the host, estimated from
+shapes alone, and a one-line refusal naming the flag that makes it fit.
 
 Nothing is compiled or run: shapes come from ``jax.eval_shape`` and programs from
-``jax.make_jaxpr`` (its cost and how close it comes: docs/design.md, "Constants and the measurements
-behind them"). What is counted, in bytes:
-
-* ``server_state_bytes``, ``client_state_bytes``: the leaves of ``jax.eval_shape(engine.init)``;
-  the client state is all N rows (``per_client_row_bytes`` each). On the device: every row (split
-  over the devices when a multi-process run shards the population), or with ``--client-state
-  host`` only the rows of one device program: R x K, padded (R = the longest chunk,
-  ``min(host_chunk_rounds, eval_every, rounds)``; ``fedjax_sparse.driver.population``).
-* ``data_bytes``: the :class:`FederatedData` arrays (image pool, labels, index rows, counts), all
-  on the device.
-* ``activation_bytes``: the working memory of a round. One client's ``client_update`` is traced
-  for one client and ``step_bytes`` is the largest total of the values it creates that are live
-  at the same time, in program order (:func:`peak_live_bytes`): its working copy of the model,
-  gradients and optimizer state, one local step's forward and backward intermediates at
-  ``batch_size``, its new state and its message. XLA fuses element-wise chains and reuses
-  buffers but may also keep values longer, so this is an estimate, not a bound. Times the clients
-  trained in lockstep (``lockstep_clients``: K for ``vmap``, K / devices when the cohort is split
-  over devices, 1 for ``map``; ``--client-parallelism measure`` times
-  ``vmap`` too, so it counts K), plus ``cohort_bytes``: the cohort's stacked rows, K x (row
-  gathered + row written back + message), plus one new server state. Not counted: the extra
-  clients an algorithm trains inside a round (FSL's attackers).
-* ``evaluation_bytes``: the largest evaluation program, the same way (the personal models'
-  path the engine takes, :mod:`fedjax_sparse.core.evaluation`, and the global model's pass over the
-  union of the test sets), each at its batch: inputs, forward intermediates, and the personal
-  rows it gathers.
-* ``device_total_bytes`` = server + client state on the device + data + the larger of training
-  and evaluation (evaluation runs between round chunks, never beside them).
-* ``host_total_bytes``: what the run will still allocate on the host: with ``--client-state
-  host`` the copy-on-write rows of every client that can be trained, ``min(N, rounds x K)``
-  (bfloat16 storage halves their float leaves; the buffers' capacity doubling is simulated), the
-  slot table and the chunks' staging copies; 0 otherwise (the data already loaded is not counted).
-* ``device_capacity_bytes``: ``FEDJAX_SPARSE_MEMORY_LIMIT_BYTES`` when set; else the
-  accelerator's ``bytes_limit``; on CPU, where the device is this process's RAM, MemAvailable
-  plus the data already loaded (it is counted in the estimate). ``host_capacity_bytes``:
-  MemAvailable. On CPU device and host share one memory: their sum is what must fit.
-
-``check_fits`` raises :class:`RunError` in one line naming the largest part and the flag that
-makes the run fit, recomputed from the same per-client numbers (:meth:`MemoryEstimate.with_settings`).
-Earlier, ``check_weights_fit`` lets ``from_flax`` refuse, from the shapes, a model it could not even build.
+``jax.make_jaxpr``. The estimate (:class:`MemoryEstimate`) counts the server and client state, the
+data, a round's working memory (one client's traced ``client_update`` at its live peak,
+:func:`peak_live_bytes`, times the clients trained in lockstep, plus the cohort's rows) and the
+largest evaluation program; what each part counts and against which capacity: docs/design.md,
+"The memory estimate: what is counted". ``check_fits`` raises :class:`RunError` in one line naming
+the largest part and the flag that makes the run fit, recomputed from the same per-client numbers
+(:meth:`MemoryEstimate.with_settings`). Earlier, ``check_weights_fit`` lets ``from_flax`` refuse,
+from the shapes, a model it could not even build.
 """
 from __future__ import annotations
 

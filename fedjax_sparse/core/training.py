@@ -7,11 +7,9 @@ shuffle cut into ``ceil(count / batch_size)`` batches, the last one partial
 more steps. Padding never enters a loss or metric: every batch carries a 0/1
 ``mask`` and losses are means over real samples.
 
-The loop is a ``fori_loop`` with a data-dependent trip count. Under
-``lax.map`` over clients each client runs exactly its own number of steps
-(no wasted work: the CPU path); under ``vmap`` JAX runs the longest client's
-count and freezes finished clients with a select (the GPU path). Both give
-identical results.
+The loop is a ``fori_loop`` with a data-dependent trip count: under ``lax.map``
+each client runs exactly its own steps; under ``vmap`` the longest client's, the
+finished ones frozen by a select (identical results).
 """
 from __future__ import annotations
 
