@@ -24,7 +24,7 @@ import numpy as np
 
 from fedjax_sparse.driver.checkpoint import has_checkpoint, locked_out_dir
 from fedjax_sparse.driver.config import RunConfig
-from fedjax_sparse.errors import RunError, RunStopped, arg, in_callers_words
+from fedjax_sparse.errors import RunError, arg, in_callers_words
 from fedjax_sparse.data.federated import FederatedData, pad_index_rows
 from fedjax_sparse.core.engine import Engine, metrics_to_host
 from fedjax_sparse.driver.progress import Progress
@@ -155,11 +155,7 @@ def run_replicas(config: RunConfig, seeds: Sequence[int], *, parallelism: str = 
         if runs:
             hooks = [on_eval_for_seed(r.config.seed) if on_eval_for_seed else None for r in runs]
             group = RunGroup(runs, mode if shared else "separate", progress, hooks, signals=signals, out=out)
-            try:
-                for run, state in zip(runs, group.run()):
-                    results[run.config.seed] = RunResult(run.finish(), state, rows=run.rows, config=run.config)
-            finally:
-                group.close()
+            results.update({run.config.seed: result for run, result in zip(runs, group.run_to_end())})
         ordered = [results[s] for s in seeds]
         if out is not None:
             finals = [r.summary.get("final_accuracy") for r in ordered]
@@ -314,17 +310,21 @@ class RunGroup:
             self.bar.update(lead.round, float(np.mean(accuracies)) if accuracies else None)
         return [r.state for r in runs]
 
+    def run_to_end(self, keep_states: bool = True) -> list:
+        """Runs every member to its end (:meth:`run`), finishes each and closes the group: the members'
+        ``RunResult`` (``state`` None unless ``keep_states``), None for one that diverged (``diverged``)."""
+        try:
+            states = self.run()
+            return [None if i in self.diverged else RunResult(run.finish(), state if keep_states else None,
+                                                                rows=run.rows, config=run.config)
+                    for i, (run, state) in enumerate(zip(self.runs, states))]
+        finally:
+            self.close()
+
     def _stop_if_asked(self) -> None:
-        signals = self.signals
-        if signals is None or signals.received is None:
-            return
-        signals.say_unsaid()
-        active = [run for i, run in enumerate(self.runs) if i not in self.diverged]
-        if all(run.round >= run.config.rounds for run in active):
-            return   # a signal after the last round stops nothing: the runs finish
-        for run in active:
-            run.checkpoint_for_stop()
-        raise RunStopped(signals.received, min(run.round for run in active), self.out, several=True)
+        if self.signals is not None:
+            self.signals.stop_runs([run for i, run in enumerate(self.runs) if i not in self.diverged], self.out,
+                                   several=True)
 
     def close(self) -> None:
         self.bar.close()

@@ -259,6 +259,18 @@ class StopSignals:
             print(self.unsaid, file=sys.stderr, flush=True)
             self.unsaid = None
 
+    def stop_runs(self, runs: list["OpenRun"], out: Path | None, several: bool = False) -> None:
+        """A received stop: each run checkpoints (``checkpoint_for_stop``), then :class:`RunStopped` at the earliest
+        round. Nothing without a signal, or when every run is past its last round (they finish)."""
+        if self.received is None:
+            return
+        self.say_unsaid()
+        if all(run.round >= run.config.rounds for run in runs):
+            return
+        for run in runs:
+            run.checkpoint_for_stop()
+        raise RunStopped(self.received, min(run.round for run in runs), out, several=several)
+
     def __exit__(self, *exc) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
@@ -343,14 +355,10 @@ def _run_to_end(opened: "OpenRun", signals: StopSignals, out: Path | None, progr
                 clock.measured(n, t_rounds)
             first_chunk = False
         bar.close()
-        signals.say_unsaid()
-        if signals.received is not None and opened.round < opened.config.rounds:
-            # Decided after the loop, never from a flag read before a chunk's bookkeeping: the signal may
-            # land at any moment of it (evaluation, logging, a checkpoint's write), and the stop checkpoints
-            # the rounds booked by now unless a checkpoint of them was already written.
-            opened.checkpoint_for_stop()
-            raise RunStopped(signals.received, opened.round, out)
-        # A signal after the last round stops nothing: the run finishes (its summary is all that is left).
+        # Decided after the loop, never from a flag read before a chunk's bookkeeping: the signal may
+        # land at any moment of it (evaluation, logging, a checkpoint's write), and the stop checkpoints
+        # the rounds booked by now unless a checkpoint of them was already written.
+        signals.stop_runs([opened], out)
         return RunResult(opened.finish(), state, opened.population, opened.rows, opened.config)
     finally:
         bar.close()

@@ -338,16 +338,11 @@ def sweep(config: RunConfig, axes: dict[str, list] | None = None, seeds: Sequenc
             runner_group = RunGroup(runs, group_mode, progress, [None] * len(runs), program, keep_going=True,
                                     label=lambda r: f" ({r.out.parent.name}/{r.out.name})" if r.out else "",
                                     signals=signals, out=out)
-            try:
-                states = runner_group.run()
-                for j, ((index, run), state) in enumerate(zip(group, states)):
-                    if j in runner_group.diverged:
-                        diverged[_name(members[index])] = runner_group.diverged[j]
-                    else:
-                        results[index] = RunResult(run.finish(), state if keep_states else None, rows=run.rows,
-                                                   config=run.config)
-            finally:
-                runner_group.close()
+            for j, ((index, _), result) in enumerate(zip(group, runner_group.run_to_end(keep_states))):
+                if result is None:
+                    diverged[_name(members[index])] = runner_group.diverged[j]
+                else:
+                    results[index] = result
 
         # The first unfinished member decides which keys trace; then the members are opened one program
         # (group) at a time, so only one group's states are alive at once (docs/sweeps.md).
