@@ -13,17 +13,23 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import jax
 
 import fedjax_sparse as fjs
+from fedjax_sparse import papers
 from fedjax_sparse.tools import timing
 
-sys.path.insert(0, str(Path(__file__).parent))
-from step_cost import SETTINGS  # noqa: E402
+# The settings of experiments/bench/step_cost.py.
+SETTINGS = {
+    "fedavg_fmnist_10": papers.ROUND_BENCHMARKS["fedavg_fmnist"],
+    "spafl_fmnist_10": papers.ROUND_BENCHMARKS["spafl_fmnist"],
+    "fsl_mnist_25": dict(papers.FSL_MNIST_BASE, algorithm="fsl", lr=papers.FSL_SUPERMASK_LR, clients_per_round=25),
+    "feddrop_fmnist_100": dict(papers.FEDDROP_FMNIST_BASE, **papers.FEDDROP_PARTICIPATION["full"],
+                               algorithm="feddrop", local_epochs=1, options={"budget": 0.5}),
+}
 
 OPTION = "xla_cpu_experimental_ynn_fusion_type"
 VARIANTS = {"default": None, "dots_only": {OPTION: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}}
