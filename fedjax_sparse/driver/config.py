@@ -147,14 +147,14 @@ def model_name(config: RunConfig) -> str:
 # ``option.NAME=V`` sets RunConfig.options[NAME] (``model_option.``, ``dataset_option.`` likewise); the
 # fields' own plural names (``options.NAME``) are read too.
 OPTION_PREFIXES = {"option": "options", "model_option": "model_options", "dataset_option": "dataset_options"}
+OPTION_FIELDS = {field: prefix for prefix, field in OPTION_PREFIXES.items()}   # "options" -> "option"
 LIST_SEPARATORS = {"xla_flags": ";"}   # bench --compare: XLA flags hold ',' (and '=')
 
 
 def override_key(key: str) -> str:
     """``options.alpha`` -> ``option.alpha``; any other key as it is (stripped)."""
     prefix, dot, name = key.strip().partition(".")
-    plural = {field: prefix for prefix, field in OPTION_PREFIXES.items()}
-    return f"{plural.get(prefix, prefix)}{dot}{name}"
+    return f"{OPTION_FIELDS.get(prefix, prefix)}{dot}{name}"
 
 
 def parse_overrides(specs: Sequence[str], flag: str, lists: bool = False) -> dict[str, Any]:

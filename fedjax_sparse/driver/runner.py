@@ -18,7 +18,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,7 @@ from fedjax_sparse.driver import population as host_population
 from fedjax_sparse.driver.checkpoint import (Checkpointer, clear_outputs, latest_checkpoint, locked_out_dir,
                                              prepare_out_dir, recover_metrics, restore_checkpoint,
                                              write_metrics)
-from fedjax_sparse.driver.config import (EXECUTION_FIELDS, OPTION_PREFIXES, RunConfig, resolved_dp_accountant,
+from fedjax_sparse.driver.config import (EXECUTION_FIELDS, OPTION_FIELDS, RunConfig, resolved_dp_accountant,
                                          same_setting, typed_value, with_default_lr, with_overrides)
 from fedjax_sparse.errors import RunError, RunInterrupted, RunStopped, arg, in_callers_words
 from fedjax_sparse.data.federated import FederatedData
@@ -93,6 +93,20 @@ class RunResult:
     __str__ = __repr__
 
 
+def differing_settings(config: RunConfig, saved: RunConfig, names: Iterable[str],
+                       skip: Collection[str] = ()) -> Iterator[tuple[str, str | None, Any, Any]]:
+    """``(field, option key or None, value, recorded value)`` for each setting of the fields ``names`` in
+    which ``config`` differs from the recorded ``saved``: an option dict's keys that ``config`` holds (but
+    ``skip``'s ``prefix.KEY``s), typed as ``saved``'s (a flag's "true" is a recorded True); any other field's value."""
+    for name in names:
+        mine, recorded = getattr(config, name), getattr(saved, name)
+        if isinstance(mine, dict) and isinstance(recorded, dict):
+            yield from ((name, k, v, recorded.get(k)) for k, v in mine.items() if f"{OPTION_FIELDS[name]}.{k}" not in
+                        skip and not same_setting(saved, f"{OPTION_FIELDS[name]}.{k}", v, recorded.get(k)))
+        elif mine != recorded:
+            yield name, None, mine, recorded
+
+
 # Fields a resumed run may change besides ``execution`` (all of which may): they decide how long it
 # runs and where it reads its data (checksummed), not what it computes. Every other field is the experiment.
 RESUMABLE_CHANGES = ("rounds", "eval_every", "out", "data_dir", "download")
@@ -105,22 +119,16 @@ def resumed_config(config: RunConfig, saved: RunConfig, given: set[str] | None) 
     difference is refused in one line listing them. Returns (config, accepted changes)."""
     fields = [f.name for f in dataclasses.fields(RunConfig) if f.name != "execution"]
     asked = fields if given is None else [f for f in fields if f in given]
-    prefix = {field: key for key, field in OPTION_PREFIXES.items()}
-
-    def differences(name: str) -> list[str]:
-        mine, recorded = getattr(config, name), getattr(saved, name)
-        if isinstance(mine, dict) and isinstance(recorded, dict):
-            # --option / --model-option / --dataset-option: only the keys given, typed as the recorded run's
-            # (a resumed run's flags are text: "true" is the recorded True).
-            return [f"{arg(prefix[name], f'{k}={v}')} (recorded: {recorded.get(k)!r})" for k, v in mine.items()
-                    if not same_setting(saved, f"{prefix[name]}.{k}", v, recorded.get(k))]
-        if name == "dp_accountant":   # "auto" is what it resolves to (runs before it existed recorded "rdp")
-            same = resolved_dp_accountant(mine, config.client_sampling) == \
-                resolved_dp_accountant(recorded, saved.client_sampling)
-        else:
-            same = mine == recorded
-        return [] if same else [f"{arg(name, mine, quote=True)} (recorded: {recorded!r})"]
-    refused = {f: shown for f in asked if f not in RESUMABLE_CHANGES and (shown := differences(f))}
+    refused: dict[str, list[str]] = {}
+    experiment = [f for f in asked if f not in RESUMABLE_CHANGES]
+    for name, key, mine, recorded in differing_settings(config, saved, experiment):
+        if name == "dp_accountant" and resolved_dp_accountant(mine, config.client_sampling) == \
+                resolved_dp_accountant(recorded, saved.client_sampling):
+            continue   # "auto" is what it resolves to (runs before it existed recorded "rdp")
+        # --option / --model-option / --dataset-option: only the keys given (a resumed run's flags are text).
+        refused.setdefault(name, []).append(
+            f"{arg(name, mine, quote=True) if key is None else arg(OPTION_FIELDS[name], f'{key}={mine}')} "
+            f"(recorded: {recorded!r})")
     if refused:
         hint = "" if not {"lr", "options"} & set(refused) else (
             f"; the learning rate and algorithm options may change from the checkpoint on with "

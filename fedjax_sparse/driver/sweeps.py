@@ -30,15 +30,16 @@ import numpy as np
 
 from fedjax_sparse.algorithms.registry import algorithm_builder, algorithm_names, resolve_options
 from fedjax_sparse.driver.checkpoint import has_checkpoint, locked_out_dir, read_metrics
-from fedjax_sparse.driver.config import (EXECUTION_FIELDS, OPTION_PREFIXES, RunConfig, parse_overrides, same_setting,
-                                         typed_axes, with_overrides)
+from fedjax_sparse.driver.config import (EXECUTION_FIELDS, OPTION_PREFIXES, RunConfig, parse_overrides, typed_axes,
+                                         with_overrides)
 from fedjax_sparse.data.arrays import PartitionedData
 from fedjax_sparse.core.engine import Engine
 from fedjax_sparse.errors import RunError, arg, in_callers_words, in_python
 from fedjax_sparse.driver.experiment import Experiment, build, check, with_components, wrap_algorithm
 from fedjax_sparse.driver.settings import flag_of
 from fedjax_sparse.driver.replicas import RunGroup, resolve_replica_parallelism, seed_list, unshareable_reason
-from fedjax_sparse.driver.runner import RESUMABLE_CHANGES, RunResult, StopSignals, open_run, resumed_config
+from fedjax_sparse.driver.runner import (RESUMABLE_CHANGES, RunResult, StopSignals, differing_settings, open_run,
+                                         resumed_config)
 
 # Keys whose values a program may take as traced arrays (if the algorithm's builder allows: tried).
 TRACEABLE_FIELDS = ("lr",)
@@ -447,22 +448,11 @@ def resume_plan(config: RunConfig, axes: dict[str, list] | None, seeds: list[int
     swept = set(old_axes) | set(axes or {})
     # The configuration: the recorded one; what the user set must agree with it (swept keys and the seed aside).
     fields = [f.name for f in dataclasses.fields(RunConfig) if f.name not in ("execution", "seed", *swept)]
-    asked = [f for f in fields if given is None or f in given]
-
-    def shown(name: str, value) -> str:
-        return f"{name}={value!r}" if in_python() else f"{flag_of(name)} {value!r}"
-    for name in asked:
-        if name in RESUMABLE_CHANGES:
-            continue
-        mine, theirs = getattr(config, name), getattr(recorded, name)
-        if isinstance(mine, dict) and isinstance(theirs, dict):
-            prefix = {field: prefix for prefix, field in OPTION_PREFIXES.items()}[name]
-            for key, value in mine.items():
-                if f"{prefix}.{key}" not in swept and not same_setting(recorded, f"{prefix}.{key}", value,
-                                                                       theirs.get(key)):
-                    problems.append(f"{shown(name, {key: value})} (recorded: {theirs.get(key)!r})")
-        elif mine != theirs:
-            problems.append(f"{shown(name, mine)} (recorded: {theirs!r})")
+    asked = [f for f in fields if (given is None or f in given) and f not in RESUMABLE_CHANGES]
+    for name, key, mine, theirs in differing_settings(config, recorded, asked, skip=swept):
+        value = mine if key is None else {key: mine}
+        shown = f"{name}={value!r}" if in_python() else f"{flag_of(name)} {value!r}"
+        problems.append(f"{shown} (recorded: {theirs!r})")
     if problems:
         raise RunError(f"{out} holds a sweep that {arg('resume')} can only continue or extend (more values of its "
                        f"swept keys, more seeds), but this would change it: {'; '.join(problems)}; run it in a new "
