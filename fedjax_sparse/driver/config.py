@@ -261,36 +261,35 @@ def with_default_lr(config: RunConfig, algorithm: Any = None) -> RunConfig:
     return dataclasses.replace(config, lr=default_lr(config.algorithm if algorithm is None else algorithm))
 
 
+def _count(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _seconds(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
 def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()):
     """Raises RunError naming the problem and the fix; returns the algorithm's typed options (None
     when the algorithm is an object). ``objects``: the fields among ``algorithm``, ``model`` and
     ``dataset`` that a library user gave as objects (their names are labels, not registry keys)."""
     ex = config.execution
-    positive = dict(num_clients=config.num_clients, clients_per_round=config.clients_per_round,
-                    resample_every=config.resample_every,
-                    rounds=config.rounds, local_epochs=config.local_epochs,
-                    batch_size=config.batch_size, eval_every=config.eval_every,
-                    eval_batch_size=ex.eval_batch_size if ex.eval_batch_size is not None else 1,
-                    host_chunk_rounds=ex.host_chunk_rounds)
-    for name, value in positive.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise RunError(f"{arg(name)} must be a positive integer, got {value!r}")
-    if not isinstance(ex.checkpoint_every, int) or isinstance(ex.checkpoint_every, bool) \
-            or ex.checkpoint_every < 0:
-        raise RunError(f"{arg('checkpoint_every')} must be a non-negative integer (0: only at evaluations and by the "
-                       f"clock), got {ex.checkpoint_every!r}")
-    for name in ("checkpoint_seconds", "max_chunk_seconds"):
-        value = getattr(config.execution, name)
-        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-                and value >= 0):
-            raise RunError(f"{arg(name)} must be a non-negative number of seconds (0: off), got {value!r}")
-    for name in ("seed", "min_client_samples"):
-        value = getattr(config, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise RunError(f"{arg(name)} must be a non-negative integer, got {value!r}")
-    if config.lr is not None and not (isinstance(config.lr, (int, float)) and math.isfinite(config.lr)
-                                      and config.lr > 0):
-        raise RunError(f"{arg('lr')} must be a positive number, got {config.lr!r}")
+    positive, non_negative = (lambda v: _count(v, 1)), (lambda v: _count(v, 0))
+    # (fields, where they are, the check, what the message says they must be), checked in this order
+    ranges = ((("num_clients", "clients_per_round", "resample_every", "rounds", "local_epochs", "batch_size",
+                "eval_every"), config, positive, "a positive integer"),
+              (("eval_batch_size",), ex, lambda v: v is None or positive(v), "a positive integer"),
+              (("host_chunk_rounds",), ex, positive, "a positive integer"),
+              (("checkpoint_every",), ex, non_negative,
+               "a non-negative integer (0: only at evaluations and by the clock)"),
+              (("checkpoint_seconds", "max_chunk_seconds"), ex, _seconds, "a non-negative number of seconds (0: off)"),
+              (("seed", "min_client_samples"), config, non_negative, "a non-negative integer"),
+              (("lr",), config, lambda v: v is None or isinstance(v, (int, float)) and math.isfinite(v) and v > 0,
+               "a positive number"))
+    for names, where, ok, what in ranges:
+        for name in names:
+            if not ok(value := getattr(where, name)):
+                raise RunError(f"{arg(name)} must be {what}, got {value!r}")
     if config.clients_per_round > config.num_clients:
         raise RunError(f"{arg('clients_per_round')} ({config.clients_per_round}) is larger than {arg('num_clients')} "
                        f"({config.num_clients}); sample at most as many clients as there are")
