@@ -17,9 +17,9 @@ import jax.numpy as jnp
 
 from fedjax_sparse.errors import arg
 from fedjax_sparse.core import accounting
-from fedjax_sparse.algorithms.fedavg_family import FedAvgServerState, dense_client_update, global_model_predict
-from fedjax_sparse.core.algorithm import (Algorithm, Task, client_metrics, cohort_mean, replicate,
-                                           tree_weighted_mean)
+from fedjax_sparse.algorithms.fedavg_family import (FedAvgServerState, client_mean, dense_client_update,
+                                                    global_model_predict, model_server)
+from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics, replicate, tree_weighted_mean
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import local_train, sgd, zeros_like_tree
 from fedjax_sparse.models.base import Hooks, Model, check_layer_kinds
@@ -62,11 +62,7 @@ def fedprox(task: Task, *, mu, weighted) -> Algorithm:
     model = task.model
     optimizer = sgd(task.lr)
 
-    def init(key):
-        return FedAvgServerState(model.init(key)), ()
-
-    def broadcast(server_state: FedAvgServerState, round_index):
-        return server_state.variables
+    init, broadcast = model_server(model)
 
     def proximal_term(variables):
         anchor = jax.lax.stop_gradient(variables["params"])
@@ -74,12 +70,8 @@ def fedprox(task: Task, *, mu, weighted) -> Algorithm:
 
     client_update = dense_client_update(task, optimizer, extra_loss_for=proximal_term)
 
-    def server_update(server_state, messages, ctx):
-        weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
-        if getattr(ctx, "mask", None) is not None:   # a Poisson cohort: its real clients' mean; an empty round
-            # keeps the model
-            return FedAvgServerState(cohort_mean(messages, weights, ctx.mask, server_state.variables)), {}
-        return FedAvgServerState(tree_weighted_mean(messages, weights)), {}
+    def server_update(server_state, messages, ctx):   # an empty Poisson round keeps the model
+        return FedAvgServerState(client_mean(messages, ctx, weighted, server_state.variables)), {}
 
     return Algorithm("fedprox", init, broadcast, client_update, server_update,
                      global_predict=global_model_predict(model), varying_cohort=True)

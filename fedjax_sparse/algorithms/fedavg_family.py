@@ -17,7 +17,7 @@ persists across rounds.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,7 @@ from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics, cohort
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import local_train, predict_fn, sgd
 from fedjax_sparse.errors import arg
+from fedjax_sparse.models.base import Model
 
 # Field order is the checkpoints' leaf order (docs/design.md, "Algorithm states"): never reorder.
 
@@ -36,6 +37,20 @@ class FedAvgServerState(NamedTuple):
     """Server state of FedAvg (``server_optimizer=sgd``) and of the other algorithms whose server holds
     only the global model (FedProx, ``fedavg_robust``/``trimmed_mean``/``multi_krum``, SignSGD, TopK)."""
     variables: dict   # the global model {"params": ..., "batch_stats": ...}, leaves shaped as the model's
+
+
+def model_server(model: Model, state: Callable[[dict], Any] = FedAvgServerState) -> tuple[Callable, Callable]:
+    """(``init``, ``broadcast``) of a server holding the global model alone, as ``state(variables)``:
+    no client state; the clients receive the model."""
+    return (lambda key: (state(model.init(key)), ())), (lambda server, round_index: server.variables)
+
+
+def client_mean(messages, ctx, weighted: bool, empty):
+    """The clients' data-size weighted (``weighted``) or uniform mean of ``messages`` (leaves [K, ...]); of
+    a Poisson cohort (``ctx.mask``) over its real clients, ``empty`` when none is (an empty round's)."""
+    weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
+    mask = getattr(ctx, "mask", None)
+    return tree_weighted_mean(messages, weights) if mask is None else cohort_mean(messages, weights, mask, empty)
 
 
 # One class per server optimiser, not None fields: orbax restores no checkpoint lacking a field.
@@ -182,16 +197,12 @@ def build_fedavg(task: Task, *, name: str = "fedavg", momentum, weight_decay, se
             return FedAvgMServerState(variables, jax.tree_util.tree_map(jnp.zeros_like, variables["params"])), ()
         return FedOptServerState(variables, optimizer.init(variables["params"])), ()
 
-    def broadcast(server_state, round_index):
-        return server_state.variables
+    broadcast = model_server(model)[1]
 
     def server_update(server_state, messages, ctx):
-        weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
-        old = server_state.variables
-        # A Poisson cohort (ctx.mask): the mean over its real clients; an empty round's mean is the model
-        # itself (a zero pseudo-gradient: sgd keeps the model, a momentum or moment alone moves it).
-        mask = getattr(ctx, "mask", None)
-        mean = tree_weighted_mean(messages, weights) if mask is None else cohort_mean(messages, weights, mask, old)
+        # An empty Poisson round's mean is the model itself (a zero pseudo-gradient: sgd keeps the model, a
+        # momentum or moment alone moves it).
+        mean = client_mean(messages, ctx, weighted, server_state.variables)
         new = server_step(optimizer, kind, server_state, mean, server_lr)
         return new, ({"velocity_norm": optax.tree.norm(new.velocity)} if kind == "momentum" else {})
 

@@ -21,8 +21,8 @@ import optax
 
 from fedjax_sparse.core import accounting
 from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics
-from fedjax_sparse.algorithms.heterofl_family import WIDTH_UNWRAPPABLE, HeteroFLMessage, width_layout
-from fedjax_sparse.mechanisms.widths import WidthLayout, per_entry_mean
+from fedjax_sparse.algorithms.heterofl_family import WIDTH_UNWRAPPABLE, HeteroFLMessage, width_layout, width_server
+from fedjax_sparse.mechanisms.widths import WidthLayout
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import sgd, sgd_step
 from fedjax_sparse.models.base import Model
@@ -84,12 +84,8 @@ def fjord(task: Task, *, p_min: float, p_max: float, eval_rate: float, momentum:
     download_bits = accounting.FLOAT_BITS * layout.num_values(download)
     eval_counts = layout.static_counts(eval_rate or p_max)
     optimizer = sgd(task.lr, momentum)
-
-    def init(key):
-        return FjORDServerState(model.init(key)), ()
-
-    def broadcast(server: FjORDServerState, round_index):
-        return server.variables
+    init, broadcast, entry_mean, global_predict = width_server(model, layout, FjORDServerState, weighted,
+                                                               eval_counts, sliced)
 
     def client_update(variables, client_state, data, ctx):
         trained = layout.slice(variables, download) if sliced else variables
@@ -106,13 +102,8 @@ def fjord(task: Task, *, p_min: float, p_max: float, eval_rate: float, momentum:
         return client_state, HeteroFLMessage(widest, new_vars), metrics
 
     def server_update(server: FjORDServerState, messages: HeteroFLMessage, ctx):
-        held = jax.vmap(lambda c: layout.held(server.variables, c))(messages.counts)
-        weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
-        new = per_entry_mean(server.variables, messages.variables, held, weights)
-        return FjORDServerState(new), {"mean_upload_fraction": jax.vmap(layout.fraction)(messages.counts).mean()}
-
-    def global_predict(server: FjORDServerState, x):
-        return layout.predict(model, server.variables, eval_counts, sliced)(x)
+        upload = jax.vmap(layout.fraction)(messages.counts).mean()
+        return entry_mean(server, messages, ctx), {"mean_upload_fraction": upload}
 
     return Algorithm("fjord", init, broadcast, client_update, server_update, global_predict=global_predict,
                      hparams=dict(p_min=p_min, p_max=p_max, eval_rate=eval_rate or p_max, sliced=sliced))

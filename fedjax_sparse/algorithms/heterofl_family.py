@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from fedjax_sparse.errors import arg
 from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics
 from fedjax_sparse.algorithms.registry import register_algorithm
+from fedjax_sparse.algorithms.fedavg_family import model_server
 from fedjax_sparse.algorithms.supervised import local_train, sgd
 from fedjax_sparse.mechanisms.widths import WidthLayout, per_entry_mean
 from fedjax_sparse.models.base import NO_HOOKS, Model, check_layer_kinds
@@ -75,6 +76,21 @@ WIDTH_UNWRAPPABLE = ("its clients send sub-models of different widths with their
                      "server averages entry by entry over the clients holding each entry")
 
 
+def width_server(model: Model, layout: WidthLayout, state, weighted: bool, eval_counts, sliced: bool):
+    """(``init``, ``broadcast``, ``entry_mean``, ``global_predict``) of a width-scaled server (HeteroFL's,
+    FjORD's) holding the full-width model as ``state(variables)``: ``entry_mean(server, messages, ctx)`` is
+    the new state, every entry the (data-size ``weighted`` or uniform) mean over the sampled clients holding
+    it (:func:`per_entry_mean`); ``global_predict``: the global model cut to ``eval_counts``."""
+    def entry_mean(server, messages: HeteroFLMessage, ctx):
+        held = jax.vmap(lambda c: layout.held(server.variables, c))(messages.counts)
+        weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
+        return state(per_entry_mean(server.variables, messages.variables, held, weights))
+
+    def global_predict(server, x):
+        return layout.predict(model, server.variables, eval_counts, sliced)(x)
+    return *model_server(model, state), entry_mean, global_predict
+
+
 @register_algorithm("heterofl", HeteroFLOptions, unwrappable=WIDTH_UNWRAPPABLE,
                     description="HeteroFL: clients train width-scaled sub-models", paper="Diao et al., ICLR 2021")
 def heterofl(task: Task, *, rates: str, eval_rate: float, momentum: float, weighted: bool,
@@ -85,12 +101,8 @@ def heterofl(task: Task, *, rates: str, eval_rate: float, momentum: float, weigh
     table = jnp.asarray([layout.static_counts(r) for r in levels], jnp.int32)   # [levels, L]
     eval_counts = layout.static_counts(eval_rate or max(levels))
     optimizer = sgd(task.lr, momentum)
-
-    def init(key):
-        return HeteroFLServerState(model.init(key)), ()
-
-    def broadcast(server: HeteroFLServerState, round_index):
-        return server.variables
+    init, broadcast, entry_mean, global_predict = width_server(model, layout, HeteroFLServerState, weighted,
+                                                               eval_counts, sliced)
 
     def train(variables, data, key, hooks):
         return local_train(model, optimizer, variables, optimizer.init(variables["params"]), data, key,
@@ -123,12 +135,7 @@ def heterofl(task: Task, *, rates: str, eval_rate: float, momentum: float, weigh
         return client_state, HeteroFLMessage(counts, new_vars), metrics
 
     def server_update(server: HeteroFLServerState, messages: HeteroFLMessage, ctx):
-        held = jax.vmap(lambda c: layout.held(server.variables, c))(messages.counts)
-        weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
-        return HeteroFLServerState(per_entry_mean(server.variables, messages.variables, held, weights)), {}
-
-    def global_predict(server: HeteroFLServerState, x):
-        return layout.predict(model, server.variables, eval_counts, sliced)(x)
+        return entry_mean(server, messages, ctx), {}
 
     return Algorithm("heterofl", init, broadcast, client_update, server_update, global_predict=global_predict,
                      hparams=dict(rates=levels, eval_rate=eval_rate or max(levels), sliced=sliced))

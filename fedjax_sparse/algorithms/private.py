@@ -5,23 +5,9 @@ whose clients send float updates.
     alg = with_dp(make_algorithm("fedavg", task), clip_norm=1.0, noise_multiplier=1.0,
                   clients_per_round=task.clients_per_round)
 
-The server side of a round: every sampled client's update (the whole message flattened to one
-vector) is clipped to L2 norm ``clip_norm`` C; the K clipped updates are summed; Gaussian noise of
-standard deviation ``noise_multiplier * clip_norm`` (z C) is added to every coordinate; the sum is
-divided by the FIXED cohort size K (``clients_per_round``; under Poisson sampling the expected
-cohort size), ignoring the clients' weights. Around an ``UpdateServer`` the private mean replaces
-the server's own; around any other server the update is ``message - update_reference(...)`` and the
-server receives K copies of ``reference + private mean``. Accounting leaves (``ACCOUNTING_KEYS``)
-and BatchNorm running statistics stay out of the mechanism (the statistics' plain mean is released
-without noise). What an update is, what is refused and why: docs/privacy.md.
-
-Exactness: ``noise_multiplier=0`` and ``clip_norm=inf`` give the plain algorithm's result, to float
-rounding, when the plain server takes the uniform mean (SpaFL, ``fedavg`` with ``weighted=False``,
-or equal client sizes). The guarantee covers the sequence of server states, with a trusted server
-(accountant: ``fedjax_sparse.driver.privacy``); it does not hold when the server uses the
-individual messages (``with_dp`` inside ``with_aggregator``). Server metrics each round:
-``dp_clipped_fraction`` (updates whose norm exceeded C) and ``dp_update_norm`` (their mean norm
-before clipping).
+Clip each update to C, sum, add N(0, (z C)^2) per coordinate, divide by the fixed K. What an update
+is, what is refused, exactness, what the guarantee covers, the server metrics: docs/privacy.md,
+"How the wrapper works".
 """
 from __future__ import annotations
 
@@ -55,8 +41,7 @@ DROPOUT_REFUSAL = ("with optimize=true its server re-optimises each sampled clie
 # ---------------------------------------------------------------------------- the mechanism
 def clip_rows(flat: jax.Array, clip_norm: float) -> tuple[jax.Array, jax.Array]:
     """[K, P] updates -> (each row scaled to L2 norm at most ``clip_norm`` [K, P], their norms before
-    clipping [K]). A longer row is scaled by ``clip_norm / norm``; a row within the bound by exactly 1
-    (returned bit for bit), so ``clip_norm=inf`` is the identity (inf / norm, even a zero norm, is >= 1)."""
+    clipping [K]); a row within the bound is returned bit for bit (``inf``: the identity)."""
     flat = flat.astype(jnp.float32)
     norms = jnp.sqrt(jnp.sum(jnp.square(flat), axis=1))
     scale = jnp.minimum(1.0, clip_norm / jnp.maximum(norms, jnp.finfo(jnp.float32).tiny))
@@ -64,8 +49,7 @@ def clip_rows(flat: jax.Array, clip_norm: float) -> tuple[jax.Array, jax.Array]:
 
 
 def noisy_sum(clipped: jax.Array, stddev: float, key: jax.Array) -> jax.Array:
-    """[K, P] clipped updates -> their sum [P] plus N(0, stddev^2) noise, one draw per coordinate.
-    ``stddev == 0`` (a Python number) adds nothing, so the sum is exact."""
+    """[K, P] clipped updates -> their sum [P] plus N(0, stddev^2) per coordinate (exact for ``stddev == 0``)."""
     total = jnp.sum(clipped, axis=0)
     if stddev == 0:
         return total
@@ -74,9 +58,8 @@ def noisy_sum(clipped: jax.Array, stddev: float, key: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class DpMechanism:
-    """The Gaussian mechanism of DP-FedAvg on K flattened client updates [K, P]: clip every row to
-    ``clip_norm`` C, sum, add N(0, (z C)^2) per coordinate (z = ``noise_multiplier``), divide by the
-    fixed ``clients_per_round`` K. The noise of the returned mean has standard deviation z C / K."""
+    """DP-FedAvg's Gaussian mechanism on K flattened updates [K, P]: clip to ``clip_norm`` C, sum, add
+    N(0, (z C)^2) (z = ``noise_multiplier``), divide by ``clients_per_round`` K. docs/privacy.md."""
     clip_norm: float
     noise_multiplier: float
     clients_per_round: int
@@ -98,10 +81,8 @@ class DpMechanism:
         return self.noise_multiplier * self.clip_norm if self.noise_multiplier else 0.0
 
     def __call__(self, updates: jax.Array, key: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, dict]:
-        """[K, P] updates -> (private mean [P] float32, server metrics). ``mask`` [capacity] (a Poisson
-        cohort's real slots, ``updates`` then [capacity, P]): padded rows are zeroed before the sum, and
-        the sum is still divided by ``clients_per_round``, the EXPECTED cohort size q N (McMahan et al.'s
-        fixed-denominator estimator; an empty round releases noise / (q N)); metrics over the real rows."""
+        """[K, P] updates -> (private mean [P] float32, server metrics). ``mask`` [capacity]: a Poisson
+        cohort's real slots (padded rows are zeroed; the sum is still divided by K, the expected size)."""
         k = updates.shape[0]
         if mask is None and k != self.clients_per_round:
             # The accountant and the 1/K denominator assume exactly K sampled clients per round.
@@ -133,11 +114,8 @@ def same_structure(a, b) -> bool:
 
 
 def update_reference(payload, row):
-    """What one client's message ``row`` is relative to, as a pytree shaped like ``row``, or None
-    when the message is an update already (the reference is then zero): the payload when the messages
-    have its structure, SpaFL's global ``tau`` (not ``delta``, of the same structure), the global model
-    for Caldas et al., SCAFFOLD (zero for ``delta_control``) and FedDrop (``row`` without its accounting
-    leaves). docs/privacy.md lists what an update is."""
+    """What one client's message ``row`` is relative to, a pytree shaped like ``row``, or None (zero:
+    the message is an update already). docs/privacy.md lists what an update is."""
     if same_structure(payload, row):
         return payload
     if isinstance(payload, SpaflServerState):
@@ -151,9 +129,8 @@ def update_reference(payload, row):
     return None
 
 
-# Top-level message keys, by the broadcast payload's type, that are the simulation's cost bookkeeping (only
-# summed into a server metric, never into a server state, which is what the guarantee covers): they pass
-# through unclipped (clipped with the model, a count would dominate the norm). docs/privacy.md.
+# Top-level message keys, by the broadcast payload's type, of cost bookkeeping that passes through unclipped
+# (clipped with the model, a count would dominate the norm; it reaches no server state). docs/privacy.md.
 ACCOUNTING_KEYS: dict[type, tuple[str, ...]] = {FedDropServerState: ("sampled_flops",)}
 
 
@@ -179,10 +156,9 @@ def _check_float_messages(name: str, messages) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class PrivateServer:
-    """``server_update`` of an algorithm behind DP-FedAvg's ``mechanism`` (see the module docstring).
-    ``broadcast``: the algorithm's, for the reference of the messages; ``reference(payload, row)``:
-    what a message is relative to (``update_reference``), None for zero; ``name``: for errors;
-    ``accounting(payload, messages)``: the message keys that pass through (``accounting_keys``)."""
+    """``server_update`` of an algorithm behind DP-FedAvg's ``mechanism`` (docs/privacy.md, "How the
+    wrapper works"). ``broadcast``: the algorithm's; ``reference``: ``update_reference``'s signature;
+    ``name``: for errors; ``accounting``: ``accounting_keys``'s signature."""
     server_update: Callable[[Any, Any, ServerContext], tuple[Any, dict]]
     mechanism: DpMechanism
     broadcast: Callable[[Any, jax.Array], Any]
@@ -213,7 +189,7 @@ class PrivateServer:
         if ref_tree is not None and not same_structure(ref_tree, row):
             raise TypeError(f"with_dp: the reference of {self.name}'s messages must have their structure "
                             f"{jax.tree_util.tree_structure(row)}, got {jax.tree_util.tree_structure(ref_tree)}")
-        # BatchNorm running statistics stay out of the mechanism (module docstring): their plain mean.
+        # BatchNorm running statistics stay out of the mechanism (docs/privacy.md): their plain mean.
         split = StatisticsSplit.of(updates)
         others, statistics = split.split(updates)
         if statistics and "statistics" not in self.seen:
@@ -288,17 +264,13 @@ def _registered_options(alg: Algorithm) -> tuple[str, dict] | None:
 
 def with_dp(alg: Algorithm, *, clip_norm: float, noise_multiplier: float, clients_per_round: int,
             reference: Callable[[Any], Any] | None = None) -> Algorithm:
-    """``alg`` whose server sees DP-FedAvg's private mean of its clients' updates (module docstring).
+    """``alg`` whose server sees DP-FedAvg's private mean of its clients' updates (docs/privacy.md).
 
-    ``clip_norm`` C (``inf``: no clipping), ``noise_multiplier`` z (noise of standard deviation z C on
-    the sum of the clipped updates, z C / K on their mean), ``clients_per_round`` K: the fixed
-    denominator, the engine's cohort size. The clients' weights are ignored (uniform 1/K).
+    ``clip_norm`` C (``inf``: no clipping), ``noise_multiplier`` z (noise z C on the sum),
+    ``clients_per_round`` K: the fixed denominator, the engine's cohort size (clients' weights ignored).
     ``reference(payload)``: what a message is relative to, shaped like one client's message; None:
-    ``update_reference``. Wrap it outermost among the aggregator wrappers (``with_aggregator`` outside
-    it would see the raw messages); an attack (the clients' behaviour) may wrap it.
-
-    Raises TypeError in one line for a registered algorithm ``dp_refusal`` refuses (read from
-    ``alg.hparams``, where ``make_algorithm`` records the options)."""
+    ``update_reference``. Wrap it outermost among the aggregator wrappers; an attack may wrap it.
+    Raises TypeError in one line for a registered algorithm ``dp_refusal`` refuses (``alg.hparams``)."""
     registered = _registered_options(alg)
     if registered is not None:
         refusal = dp_refusal(*registered)

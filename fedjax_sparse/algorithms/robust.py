@@ -27,7 +27,7 @@ from fedjax_sparse.errors import arg
 from fedjax_sparse.core import accounting
 from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics, replicate
 from fedjax_sparse.algorithms.compose import ATTACKS, WRAPPER_AGGREGATORS, UpdateServer, with_aggregator, with_attack
-from fedjax_sparse.algorithms.fedavg_family import FedAvgServerState, global_model_predict
+from fedjax_sparse.algorithms.fedavg_family import FedAvgServerState, global_model_predict, model_server
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import local_train
 from fedjax_sparse.mechanisms.attacks import DEVIATIONS, Threat, sign_reverse_attack
@@ -113,11 +113,7 @@ def _make_base(task: Task, name: str, *, momentum, weight_decay, lr_decay, lr_sc
     num_params = _num_params_without_batch_norm(task, name)
     model = task.model
 
-    def init(key):
-        return FedAvgServerState(model.init(key)), ()
-
-    def broadcast(server_state: FedAvgServerState, round_index):
-        return server_state.variables
+    init, broadcast = model_server(model)
 
     def train(variables, data, ctx):
         return train_update(task, variables, data, ctx, momentum=momentum, weight_decay=weight_decay,
