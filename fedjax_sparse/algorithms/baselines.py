@@ -19,7 +19,7 @@ from fedjax_sparse.errors import arg
 from fedjax_sparse.core import accounting
 from fedjax_sparse.algorithms.fedavg_family import (FedAvgServerState, client_mean, dense_client_update,
                                                     global_model_predict, model_server)
-from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics, replicate, tree_weighted_mean
+from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics, mean_weights, replicate, tree_weighted_mean
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import local_train, sgd, zeros_like_tree
 from fedjax_sparse.models.base import Hooks, Model, check_layer_kinds
@@ -146,7 +146,7 @@ def scaffold(task: Task, *, variant, server_lr, weighted) -> Algorithm:
         return ScaffoldClientState(control=c_new), {"variables": new_vars, "delta_control": delta_c}, metrics
 
     def server_update(server_state: ScaffoldServerState, messages, ctx):
-        weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
+        weights = mean_weights(ctx, weighted)
         old = server_state.variables
         mean = tree_weighted_mean(messages["variables"], weights)
         new = jax.tree_util.tree_map(lambda o, m: o + server_lr * (m - o), old, mean)
@@ -267,7 +267,7 @@ def caldas(task: Task, *, keep, drop_dense, per_client, rescale, weighted) -> Al
         return client_state, new_vars, metrics
 
     def server_update(server_state: CaldasServerState, messages, ctx):
-        weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
+        weights = mean_weights(ctx, weighted)
         old = server_state.variables
         masks = jax.vmap(lambda cid: masks_for(server_state.mask_key, ctx.round, cid))(ctx.client_ids)
         inclusion = jax.vmap(lambda m: _inclusion_like(old["params"], weight_inclusion(model, m),

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_sparse.core import accounting
-from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics, cohort_mean, replicate, tree_weighted_mean
+from fedjax_sparse.core.algorithm import (Algorithm, Task, client_metrics, cohort_mean, mean_weights, replicate,
+                                          tree_weighted_mean)
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import local_train, predict_fn, sgd
 from fedjax_sparse.errors import arg
@@ -48,7 +49,7 @@ def model_server(model: Model, state: Callable[[dict], Any] = FedAvgServerState)
 def client_mean(messages, ctx, weighted: bool, empty):
     """The clients' data-size weighted (``weighted``) or uniform mean of ``messages`` (leaves [K, ...]); of
     a Poisson cohort (``ctx.mask``) over its real clients, ``empty`` when none is (an empty round's)."""
-    weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
+    weights = mean_weights(ctx, weighted)
     mask = getattr(ctx, "mask", None)
     return tree_weighted_mean(messages, weights) if mask is None else cohort_mean(messages, weights, mask, empty)
 

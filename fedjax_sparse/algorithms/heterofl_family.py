@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_sparse.errors import arg
-from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics
+from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics, mean_weights
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.fedavg_family import model_server
 from fedjax_sparse.algorithms.supervised import local_train, sgd
@@ -83,7 +83,7 @@ def width_server(model: Model, layout: WidthLayout, state, weighted: bool, eval_
     it (:func:`per_entry_mean`); ``global_predict``: the global model cut to ``eval_counts``."""
     def entry_mean(server, messages: HeteroFLMessage, ctx):
         held = jax.vmap(lambda c: layout.held(server.variables, c))(messages.counts)
-        weights = ctx.weights if weighted else jnp.ones_like(ctx.weights)
+        weights = mean_weights(ctx, weighted)
         return state(per_entry_mean(server.variables, messages.variables, held, weights))
 
     def global_predict(server, x):

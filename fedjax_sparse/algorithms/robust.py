@@ -25,7 +25,7 @@ from jax.flatten_util import ravel_pytree
 
 from fedjax_sparse.errors import arg
 from fedjax_sparse.core import accounting
-from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics, replicate
+from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics, mean_weights, replicate
 from fedjax_sparse.algorithms.compose import ATTACKS, WRAPPER_AGGREGATORS, UpdateServer, with_aggregator, with_attack
 from fedjax_sparse.algorithms.fedavg_family import FedAvgServerState, global_model_predict, model_server
 from fedjax_sparse.algorithms.registry import register_algorithm
@@ -148,7 +148,7 @@ def paper_fedavg(task: Task, *, server_lr: float = 1.0, weighted: bool = False, 
         return client_state, delta, metrics
 
     def mean(updates, ctx):
-        w = ctx.weights if weighted else jnp.ones_like(ctx.weights)
+        w = mean_weights(ctx, weighted)
         return (w / w.sum()) @ updates
 
     server = UpdateServer(mean=mean, apply=lambda state, aggregate: apply_update(state, aggregate, server_lr),

@@ -128,6 +128,11 @@ def replicate(tree, n: int):
     return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n,) + jnp.shape(x)), tree)
 
 
+def mean_weights(ctx: ServerContext, weighted: bool) -> jax.Array:
+    """[K] weights of the clients' mean: their training-set sizes (``weighted``) or all 1 (uniform)."""
+    return ctx.weights if weighted else jnp.ones_like(ctx.weights)
+
+
 def cohort_mean(stacked, weights: jax.Array, mask: jax.Array, empty):
     """Weighted mean over the real slots (``mask`` [K]) of a varying cohort: padded slots weigh 0;
     ``empty`` (a pytree like one row, e.g. the current model) when no slot is real or the real
