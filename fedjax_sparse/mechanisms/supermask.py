@@ -279,9 +279,11 @@ def _histogram(size: int):
     return histogram
 
 
-# Up to this many keys, 32 compare-and-count passes beat building two 65536-bin histograms (whose
-# fixed cost dominates on small layers); on large layers the radix select wins (docs/design.md,
-# "Constants and the measurements behind them").
+# On the CPU, up to this many keys, 32 compare-and-count passes beat building two 65536-bin histograms
+# (whose fixed cost dominates on small layers); on large layers the radix select wins (docs/design.md,
+# "Constants and the measurements behind them"). Off the CPU a large layer bisects: a GPU's scatter-add
+# serialises the histograms' atomics on a few bins (one H200: 25 x 1.18 M keys, 1.5 ms by bisection
+# against 24.9 ms by radix; perf/fsl_topk_gpu.json).
 BISECT_MAX_KEYS = 1 << 16
 
 
@@ -303,15 +305,29 @@ def _radix_select(keys: jax.Array, kept: int) -> tuple[jax.Array, jax.Array]:
     return threshold, above + suffix_low[bin_low] - hist_low[bin_low]
 
 
+def _bisect_select(keys: jax.Array, kept: int) -> tuple[jax.Array, jax.Array]:
+    """``_radix_select``'s (threshold, count above it) by bisection and one counting pass."""
+    threshold = kth_largest_key(keys, kept, "bisect")
+    return threshold, (keys > threshold).sum()
+
+
+def _large_layer_select(keys: jax.Array, kept: int) -> tuple[jax.Array, jax.Array]:
+    """(threshold, count above it) of a layer over ``BISECT_MAX_KEYS`` keys: radix on the CPU, bisection
+    elsewhere (chosen where the program is lowered)."""
+    return jax.lax.platform_dependent(keys, cpu=functools.partial(_radix_select, kept=kept),
+                                      default=functools.partial(_bisect_select, kept=kept))
+
+
 def kth_largest_key(keys: jax.Array, kept: int, method: str = "auto") -> jax.Array:
     """The largest uint32 ``t`` with ``count(keys >= t) >= kept``, i.e. the ``kept``-th largest key.
     ``radix``: ``_radix_select``. ``bisect``: the answer's 32 bits set from the top, each kept when enough
-    keys reach it. ``sort``: the ``kept``-th of the sorted keys from the top. ``auto``: up to
-    ``BISECT_MAX_KEYS`` keys, bisect on the CPU and sort elsewhere (a GPU runs a bisection's 32 iterations
-    one after another; chosen where the program is lowered), else radix. All give the same key."""
+    keys reach it. ``sort``: the ``kept``-th of the sorted keys from the top. ``auto`` (chosen where the
+    program is lowered): up to ``BISECT_MAX_KEYS`` keys, bisect on the CPU and sort elsewhere (one kernel
+    for a small layer, where bisection is 32 dependent iterations; not measured against it on a GPU);
+    above, radix on the CPU and bisect elsewhere (``BISECT_MAX_KEYS``). All give the same key."""
     if method == "auto":
         if keys.shape[-1] > BISECT_MAX_KEYS:
-            return kth_largest_key(keys, kept, "radix")
+            return _large_layer_select(keys, kept)[0]
         return jax.lax.platform_dependent(keys, cpu=functools.partial(kth_largest_key, kept=kept, method="bisect"),
                                           default=functools.partial(kth_largest_key, kept=kept, method="sort"))
     if method == "sort":
@@ -338,7 +354,7 @@ def topk_mask(values: jax.Array, fraction: float, nonnegative: bool = False) -> 
     kept = kept_count(n, fraction)
     keys = jax.lax.bitcast_convert_type(flat, jnp.uint32) if nonnegative else order_keys(flat)
     if n > BISECT_MAX_KEYS:
-        threshold, above_count = _radix_select(keys, kept)
+        threshold, above_count = _large_layer_select(keys, kept)
     else:
         threshold = kth_largest_key(keys, kept)
         above_count = (keys > threshold).sum()

@@ -232,7 +232,8 @@ def step_cost(engine, state, data, rounds: int = 50) -> dict:
     from fedjax_sparse.core.engine import executed_client_steps
     lockstep = {"vmap": engine.cohort_capacity, "packed": engine.pack_width}.get(engine.mode, 1)
     cost = programs.local_step_cost(lambda s, d: engine.round_step(s, d), state, data)
-    per_client = {platform: {key: value / lockstep for key, value in costs.items() if key != "compiled"}
+    per_client = {platform: None if costs is None else
+                  {key: value / lockstep for key, value in costs.items() if key != "compiled"}
                   for platform, costs in cost.items()}
     padding = None
     if engine.local_epochs is not None and engine.batch_size is not None and not engine.poisson:

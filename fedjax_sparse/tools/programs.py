@@ -232,8 +232,10 @@ def stablehlo_loop_op_counts(text: str, scope: str = LOCAL_STEP_SCOPE) -> list[d
 
 
 # ---------------------------------------------------------------- what one local step costs
-def _costs(analysis) -> dict:
+def _costs(analysis) -> dict | None:
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+    if analysis is None:   # e.g. a program lowered on a GPU host for another platform: XLA gives no analysis
+        return None
     return {"flops": float(analysis.get("flops", 0.0)), "bytes_accessed": float(analysis.get("bytes accessed", 0.0)),
             "transcendentals": float(analysis.get("transcendentals", 0.0))}
 
@@ -248,8 +250,9 @@ def local_step_cost(round_fn: Callable, *args, platforms: tuple[str, ...] = ("cp
     Per platform: ``"cpu"`` (this machine, compiled: after fusion) and ``"cuda"`` (lowered for CUDA
     here, the program a GPU would run with its own choices such as ``conv_impl="auto"``; XLA's analysis
     of the unoptimised program, before fusion, so its bytes bound from above what the fused kernels
-    move). Returns {platform: {flops, bytes_accessed, transcendentals}} per step."""
-    out = {}
+    move). Returns {platform: {flops, bytes_accessed, transcendentals}} per step; None for a platform
+    whose analysis XLA does not give here (on a GPU host, the program lowered for the CPU)."""
+    out: dict[str, dict | None] = {}
     backend = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())
     for platform in platforms:
         costs = []
@@ -261,6 +264,8 @@ def local_step_cost(round_fn: Callable, *args, platforms: tuple[str, ...] = ("cp
                 else:
                     costs.append(_costs(jitted.trace(*args).lower(lowering_platforms=(platform,)).cost_analysis()))
         whole, rest = costs
-        out[platform] = {key: whole[key] - rest[key] for key in whole}
-        out[platform]["compiled"] = platform == backend
+        if whole is None or rest is None:
+            out[platform] = None
+            continue
+        out[platform] = {**{key: whole[key] - rest[key] for key in whole}, "compiled": platform == backend}
     return out

@@ -200,6 +200,27 @@ def test_small_layers_select_by_sort_off_the_cpu():
     assert int(select(keys)) == 4900
 
 
+def test_large_layers_bisect_off_the_cpu_and_radix_select_on_it():
+    """A layer over BISECT_MAX_KEYS: the program lowered for CUDA bisects (a loop, no scatter: a GPU's
+    scatter-add serialises the radix histograms' atomics, perf/fsl_topk_gpu.json), the CPU's builds the
+    two histograms (scatters, no loop); both selections give the same threshold and count above it,
+    ties included."""
+    from fedjax_sparse.tools import programs
+    n = sm_impl.BISECT_MAX_KEYS + 5000
+    mask = jax.jit(lambda v: sm_impl.topk_mask(v, 0.5, nonnegative=True))
+    values = jnp.abs(jax.random.normal(jax.random.PRNGKey(0), (n,))).round(2)   # many ties
+    cuda = programs.stablehlo_op_counts(programs.lowered_text(mask, values, platform="cuda"))
+    cpu = programs.stablehlo_op_counts(programs.lowered_text(mask, values, platform="cpu"))
+    assert cuda["while"] == 1 and cuda["scatter"] == 0
+    assert cpu["while"] == 0 and cpu["scatter"] == 2
+    keys = jax.lax.bitcast_convert_type(values, jnp.uint32)
+    for kept in (1, n // 2, n):
+        radix = [int(x) for x in sm_impl._radix_select(keys, kept)]
+        assert [int(x) for x in sm_impl._bisect_select(keys, kept)] == radix
+        assert radix[1] < kept <= radix[1] + int((keys == radix[0]).sum())
+    assert int(mask(values).sum()) == sm_impl.kept_count(n, 0.5)
+
+
 @pytest.mark.parametrize("byteorder", ["little", "big"])
 def test_numpy_argsort_packs_key_and_index_into_a_stable_order(monkeypatch, byteorder):
     """Both packings (uint32 halves on little-endian hosts, shifts elsewhere) give numpy's stable
