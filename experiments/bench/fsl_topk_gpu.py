@@ -2,7 +2,7 @@
 the chosen high bin counted in one extra bin), with those keys dropped instead, a sort, and a 32-pass
 bisection; a vmapped top-k alone and whole FSL MNIST rounds (25 clients, ``packed``) side by side.
 
-    python experiments/bench/fsl_topk_gpu.py --data-dir .device/data --out fsl_topk_gpu.json
+    PYTHONPATH=. python3 experiments/bench/fsl_topk_gpu.py --data-dir .device/data --out $OUT/fsl_topk_gpu.json
 
 Why: on one H200 (2026-11-28) an FSL round of 25 clients took 0.567 s, against 0.167 s on one H100
 before the radix select sent every out-of-bin key to one histogram bin (commit 0ca065d): a GPU's
@@ -24,13 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import fedjax_sparse as fjs  # noqa: E402
-from fedjax_sparse import papers  # noqa: E402
-from fedjax_sparse.mechanisms import supermask  # noqa: E402
-from fedjax_sparse.tools import bench  # noqa: E402
+import fedjax_sparse as fjs
+from fedjax_sparse import papers
+from fedjax_sparse.mechanisms import supermask
+from fedjax_sparse.tools import bench
 
 _DROP_DNUMS = supermask._COUNT_DNUMS
 _PACKAGE_CHOICE = supermask._large_layer_select
