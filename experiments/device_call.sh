@@ -8,7 +8,7 @@
 #      fsl_cohort record predates that change (perf/README.md, gpu_targets_h200.json).        ~100 s
 #   2. Personalised evaluation of 100 SpaFL FMNIST clients, per_client against the batched reference
 #      (vmap over chunks, batched im2col since issue 48): whether an accelerator's personal_eval
-#      should be batched (the H200's per_client: 81 ms against a 20 ms target).                ~60 s
+#      should be batched (the H200's per_client: 81 ms against a 20 ms target).               ~90 s
 #   3. FSL MNIST at the paper's 2000 rounds, alone on the GPU (0.076 s a round on an H200); its run
 #      folder comes back packed, so a later call can resume it.                                ~250 s
 # What is left after a 580 s call: SFSL 50 % at 2000 rounds (the same command with --methods sfsl50),
@@ -21,10 +21,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/nvi
 {
   timeout -s KILL 170 python3 experiments/gpu_targets.py --parts fsl_cohort --data-dir .device/data \
       --out "$OUT/gpu_targets.json" --budget-seconds 160
-  timeout -s KILL 110 python3 experiments/bench/bench_eval.py --data-dir .device/data --repeats 5 \
-      --chunk-examples 2048 8192 32768 --granularity 32 --out "$OUT/eval_personal.json" > /dev/null
+  timeout -s KILL 120 python3 experiments/bench/bench_eval.py --data-dir .device/data --repeats 5 \
+      --chunk-examples 2048 8192 --granularity 32 --out "$OUT/eval_personal.json" > /dev/null
   R=.device/runs
-  timeout -s TERM 270 python3 experiments/reproduce/fsl_mnist.py --tables table1 --methods fsl --rounds 2000 \
+  timeout -s TERM 260 python3 experiments/reproduce/fsl_mnist.py --tables table1 --methods fsl --rounds 2000 \
       --eval-every 100 --data-dir .device/data --out $R
   tar czf "$OUT/fsl_run.tgz" -C $R .
 } 2>&1 | tee "$OUT/log.txt"
