@@ -1,32 +1,10 @@
-"""Dataset loading: original on-disk formats -> one in-memory `Dataset`.
+"""Dataset loading: original on-disk formats -> one in-memory `Dataset`, whose docstring gives the
+conventions every loader keeps (so model and partition code never needs to know where data came from).
 
-Every loader returns numpy arrays with the same conventions, so that model and
-partition code never needs to know where the data came from:
-
-* images: ``uint8`` of shape ``[n, H, W, C]`` (channels last, ``C == 1`` for
-  grayscale), raw pixel values 0..255 (normalisation is the model pipeline's job);
-* features (``synthetic`` only): ``float32`` of shape ``[n, d]``;
-* labels: ``int32`` of shape ``[n]`` with values in ``0 .. num_classes - 1``.
-
-Supported names (see `DATASETS`) and what they read:
-
-==================  ==========================================================
-``mnist``           IDX files ``train-images-idx3-ubyte.gz`` ... (gz or not)
-``fashion_mnist``   same file names as MNIST
-``emnist_letters``  ``emnist-letters-{train,test}-{images-idx3,labels-idx1}-ubyte.gz``
-``cifar10``         ``cifar-10-batches-py/`` pickles or ``cifar-10-python.tar.gz``
-``cifar100``        ``cifar-100-python/`` pickles or ``cifar-100-python.tar.gz``
-``cifar10_sample``  ``cifar10_{train_first4000,test_first1000}_lossless.npz``
-``svhn``            ``train_32x32.mat``, ``test_32x32.mat`` (needs scipy)
-``digits``          scikit-learn's embedded 8x8 digits (no files)
-``synthetic``       FedProx Synthetic(alpha, beta), generated (no files)
-``npz:PATH``        your own ``.npz`` file (see `fedjax_sparse.data.arrays`)
-==================  ==========================================================
-
-Files of the original releases are verified against their published MD5
-checksums (see `KNOWN_MD5`); pass ``verify_checksums=False`` to accept files
-that were legitimately re-packed. Every problem a user can fix is raised as a
-`DataError` whose one-line message names the file and the fix.
+The names are `DATASETS`; what each reads: docs/running.md, "Data" (your own ``.npz``:
+`fedjax_sparse.data.arrays`). Files of the original releases (names: `KNOWN_MD5`) are verified against
+their published MD5 checksums; ``verify_checksums=False`` accepts files that were legitimately re-packed. Every
+problem a user can fix is raised as a `DataError` whose one-line message names the file and the fix.
 """
 
 from __future__ import annotations
@@ -192,6 +170,9 @@ KNOWN_MD5: dict[str, dict[str, str]] = {
     },
 }
 
+# Whose published file a checksum is: (dataset, file name).
+_MD5_OWNER = {md5: (dataset, file) for dataset, files in KNOWN_MD5.items() for file, md5 in files.items()}
+
 _TFDS_HINT = "install the tfds extra: pip install -e '.[tfds]'"
 
 
@@ -214,7 +195,7 @@ def _check_md5(dataset: str, path: Path, raw: bytes, verify: bool, display: str 
         return
     got = hashlib.md5(raw).hexdigest()
     if got != expected:
-        owner = _owner_of(got)
+        owner = _MD5_OWNER.get(got)
         if owner is not None and owner != (dataset, path.name):
             # Another dataset's original file (--data-dir at the wrong folder, or the wrong --dataset).
             other, other_file = owner
@@ -228,15 +209,6 @@ def _check_md5(dataset: str, path: Path, raw: bytes, verify: bool, display: str 
             f"{arg('dataset_option', 'verify_checksums=false')}"
             + in_cli(', in a --config file "dataset_options": {"verify_checksums": false}') + ")"
         )
-
-
-def _owner_of(md5: str) -> tuple[str, str] | None:
-    """The dataset and file name whose published checksum is ``md5`` (see ``KNOWN_MD5``), or None."""
-    for dataset, files in KNOWN_MD5.items():
-        for name, digest in files.items():
-            if digest == md5:
-                return dataset, name
-    return None
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -545,21 +517,21 @@ def _load_cifar(name: str, data_dir, verify_checksums: bool) -> Dataset:
     if blobs is None:
         raise DataError(f"{name}: no CIFAR files in '{root}' (expected {expected}); {_fix_hint(explicit)}")
 
-    parts: dict[str, list] = {"train": [], "test": []}
-    for split, files in (("train", train_files), ("test", test_files)):
-        for f in files:
-            raw, display = blobs[f]
-            _check_md5(name, Path(f), raw, verify_checksums, display)
-            x, y = _unpickle_cifar(raw, display, label_key)
-            parts[split].append((x, _labels_int32(name, display, y, num_classes)))
-    return Dataset(
-        name=name,
-        train_x=np.concatenate([x for x, _ in parts["train"]]),
-        train_y=np.concatenate([y for _, y in parts["train"]]),
-        test_x=np.concatenate([x for x, _ in parts["test"]]),
-        test_y=np.concatenate([y for _, y in parts["test"]]),
-        num_classes=num_classes,
-    )
+    def read(f: str) -> tuple[np.ndarray, np.ndarray]:
+        raw, display = blobs[f]
+        _check_md5(name, Path(f), raw, verify_checksums, display)
+        x, y = _unpickle_cifar(raw, display, label_key)
+        return x, _labels_int32(name, display, y, num_classes)
+
+    return _from_files(name, num_classes, train_files, test_files, read)
+
+
+def _from_files(name: str, num_classes: int, train_files: tuple[str, ...], test_files: tuple[str, ...],
+                read: Callable[[str], tuple[np.ndarray, np.ndarray]]) -> Dataset:
+    """The Dataset whose splits are their files' ``read(file) -> (x, int32 labels)``, concatenated in order."""
+    (x_tr, y_tr), (x_te, y_te) = ([np.concatenate(a) for a in zip(*map(read, files))]
+                                  for files in (train_files, test_files))
+    return Dataset(name, x_tr, y_tr, x_te, y_te, num_classes=num_classes)
 
 
 def _read_tar_members(archive: Path, required: tuple[str, ...]) -> dict[str, tuple[bytes, str]]:
@@ -588,8 +560,8 @@ _CIFAR10_SAMPLE_FILES = ("cifar10_train_first4000_lossless.npz", "cifar10_test_f
 
 def _load_cifar10_sample(name: str, data_dir, verify_checksums: bool) -> Dataset:
     found = _find_files(name, data_dir, ("cifar10_sample",), _CIFAR10_SAMPLE_FILES, lambda r: (r,))
-    arrays = []
-    for f in _CIFAR10_SAMPLE_FILES:
+
+    def read(f: str) -> tuple[np.ndarray, np.ndarray]:
         path = found[f]
         raw = _read_bytes(path)
         try:
@@ -601,9 +573,9 @@ def _load_cifar10_sample(name: str, data_dir, verify_checksums: bool) -> Dataset
             raise DataError(f"{path}: expected x uint8 [n,32,32,3] and n labels, got {x.dtype} {x.shape}; "
                             "re-copy the file")
         _check_md5(name, path, raw, verify_checksums)
-        arrays.append((x, _labels_int32(name, str(path), y, 10)))
-    (x_tr, y_tr), (x_te, y_te) = arrays
-    return Dataset(name, x_tr, y_tr, x_te, y_te, num_classes=10)
+        return x, _labels_int32(name, str(path), y, 10)
+
+    return _from_files(name, 10, _CIFAR10_SAMPLE_FILES[:1], _CIFAR10_SAMPLE_FILES[1:], read)
 
 
 def _load_svhn(name: str, data_dir, verify_checksums: bool) -> Dataset:
@@ -613,8 +585,8 @@ def _load_svhn(name: str, data_dir, verify_checksums: bool) -> Dataset:
         import scipy.io  # only SVHN needs scipy, so it is not a core dependency
     except ImportError as e:
         raise DataError("svhn: reading .mat files needs scipy: pip install scipy") from e
-    out = []
-    for f in files:
+
+    def read(f: str) -> tuple[np.ndarray, np.ndarray]:
         path = found[f]
         raw = _read_bytes(path)
         try:
@@ -629,9 +601,9 @@ def _load_svhn(name: str, data_dir, verify_checksums: bool) -> Dataset:
         y = np.asarray(y).reshape(-1).astype(np.int64)
         y[y == 10] = 0  # SVHN labels digit 0 as 10
         images = np.ascontiguousarray(x.transpose(3, 0, 1, 2)).astype(np.uint8, copy=False)
-        out.append((images, _labels_int32(name, str(path), y, 10)))
-    (x_tr, y_tr), (x_te, y_te) = out
-    return Dataset(name, x_tr, y_tr, x_te, y_te, num_classes=10)
+        return images, _labels_int32(name, str(path), y, 10)
+
+    return _from_files(name, 10, files[:1], files[1:], read)
 
 
 # --------------------------------------------------------------------------- generated / embedded
@@ -684,8 +656,7 @@ def _load_synthetic(alpha: float, beta: float, num_clients: int, seed: int, iid:
         raise DataError(f"synthetic: train_fraction must be in (0, 1), got {train_fraction}")
     rng = np.random.default_rng(seed)
     sizes = rng.lognormal(4, 2, num_clients).astype(np.int64) + 50
-    mean_w = rng.normal(0, alpha, num_clients)
-    mean_b = mean_w
+    mean_w = rng.normal(0, alpha, num_clients)   # also the mean of b (u_k)
     big_b = rng.normal(0, beta, num_clients)
     std_x = np.power(np.arange(1, dimension + 1, dtype=np.float64), -1.2) ** 0.5
     if iid:
@@ -694,34 +665,23 @@ def _load_synthetic(alpha: float, beta: float, num_clients: int, seed: int, iid:
         b_global = rng.normal(0, 1, num_classes)
     else:
         mean_x = rng.normal(big_b[:, None], 1, (num_clients, dimension))
-    parts: dict[str, tuple[list, list, list]] = {"train": ([], [], []), "test": ([], [], [])}
+    train: list[tuple] = []
+    test: list[tuple] = []
     for k in range(num_clients):
         if iid:
             w, b = w_global, b_global
         else:
             w = rng.normal(mean_w[k], 1, (dimension, num_classes))
-            b = rng.normal(mean_b[k], 1, num_classes)
+            b = rng.normal(mean_w[k], 1, num_classes)
         # Diagonal covariance: scaling standard normals equals multivariate_normal, far cheaper.
         x = mean_x[k] + rng.standard_normal((sizes[k], dimension)) * std_x
         y = np.argmax(x @ w + b, axis=1)  # softmax is monotone, argmax of logits suffices
         perm = rng.permutation(sizes[k])
         n_train = int(train_fraction * sizes[k])
-        for split, idx in (("train", perm[:n_train]), ("test", perm[n_train:])):
-            xs, ys, cs = parts[split]
-            xs.append(x[idx].astype(np.float32))
-            ys.append(y[idx].astype(np.int32))
-            cs.append(np.full(len(idx), k, np.int32))
-    cat = {s: tuple(np.concatenate(a) for a in parts[s]) for s in parts}
-    return Dataset(
-        name="synthetic",
-        train_x=cat["train"][0],
-        train_y=cat["train"][1],
-        test_x=cat["test"][0],
-        test_y=cat["test"][1],
-        num_classes=num_classes,
-        train_client_ids=cat["train"][2],
-        test_client_ids=cat["test"][2],
-    )
+        for split, idx in ((train, perm[:n_train]), (test, perm[n_train:])):
+            split.append((x[idx].astype(np.float32), y[idx].astype(np.int32), np.full(len(idx), k, np.int32)))
+    (x_tr, y_tr, ids_tr), (x_te, y_te, ids_te) = ([np.concatenate(a) for a in zip(*split)] for split in (train, test))
+    return Dataset("synthetic", x_tr, y_tr, x_te, y_te, num_classes, train_client_ids=ids_tr, test_client_ids=ids_te)
 
 
 # --------------------------------------------------------------------------- TFDS
