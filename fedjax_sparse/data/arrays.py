@@ -1,16 +1,7 @@
 """Your own data: numpy arrays or an ``.npz`` file -> a validated, partitioned dataset.
 
-Two entry points build a `PartitionedData` (a `Dataset` plus its `Partition`):
-
-* `from_arrays` takes train/test arrays and either per-example **client ids**
-  (a natural partition: each example belongs to the client its id names) or a
-  partition **spec** (``"dirichlet:0.3"``, ``"iid"``, ``"shards:2"``, see
-  `fedjax_sparse.data.partitions`) with ``num_clients``;
-* `partition` splits an already loaded `Dataset` (built-in or `load_npz`).
-
-`PartitionedData.to_federated` gives the `FederatedData` the engine trains on,
-`PartitionedData.digest` a sha256 of the content (to record which data a run
-used) and `PartitionedData.describe` a JSON-ready summary.
+`from_arrays` (your arrays, with per-example client ids or a partition spec) and `partition` (a loaded
+`Dataset`) build a `PartitionedData` (a `Dataset` plus its `Partition`; see their docstrings below).
 
 Conventions (checked; every problem is a one-line `DataError` naming the fix):
 
@@ -28,14 +19,8 @@ Conventions (checked; every problem is a one-line `DataError` naming the fix):
   ``PartitionedData.client_names == (7, 42, 1000)``. Every client needs at
   least one training example; a client may have no test examples.
 
-``.npz`` files (`load_npz`, or ``--dataset npz:PATH`` on the command line)
-hold the keys ``x_train``, ``y_train``, ``x_test``, ``y_test`` and optionally
-``client_ids_train`` and ``client_ids_test`` (both or neither); other keys are
-ignored. They are read with ``allow_pickle=False``, so object arrays are
-refused. Client ids in a file are stored in the returned `Dataset` as
-``int32`` codes ``0 .. N-1`` in the same sorted order as above.
-
-The loader never guesses a partition: client ids in a file are used only with
+``.npz`` files: `load_npz`, or ``--dataset npz:PATH`` on the command line. The loader never guesses a
+partition: client ids in a file are used only with
 ``--partition natural --num-clients N`` (N = number of distinct ids). Without
 it a run uses ``--partition`` (default ``dirichlet:0.5``) and ignores the ids.
 
@@ -268,10 +253,11 @@ def _check_ids(value, key: str, where: str, n: int, y_key: str) -> np.ndarray:
     return ids
 
 
-def _list(values, limit: int = _MAX_LISTED) -> str:
+def _list(values, show=lambda v: repr(v) if isinstance(v, (str, bytes)) else str(v)) -> str:
+    """The first `_MAX_LISTED` values, each ``show(value)``, and how many more."""
     values = list(values)
-    shown = ", ".join(repr(v) if isinstance(v, (str, bytes)) else str(v) for v in values[:limit])
-    return shown + (f" (and {len(values) - limit} more)" if len(values) > limit else "")
+    shown = ", ".join(map(show, values[:_MAX_LISTED]))
+    return shown + (f" (and {len(values) - _MAX_LISTED} more)" if len(values) > _MAX_LISTED else "")
 
 
 def _build(
@@ -373,16 +359,6 @@ def _check_min_samples(min_client_samples, where: str) -> int:
     return int(min_client_samples)
 
 
-def _check_partition(dataset: Dataset, part: Partition, names: tuple) -> None:
-    empty = [k for k, idx in enumerate(part.train_indices) if len(idx) == 0]
-    if empty:
-        who = [names[k] for k in empty] if names else empty
-        raise DataError(
-            f"{dataset.name}: client(s) {_list(who)} have no training examples; use fewer clients "
-            f"(at most {len(dataset.train_y)}) or a partition that gives every client data"
-        )
-
-
 # --------------------------------------------------------------------------- public API
 
 
@@ -446,9 +422,7 @@ def from_arrays(
         counts = np.bincount(dataset.train_client_ids, minlength=len(names))
         small = np.flatnonzero(counts < min_client_samples)
         if len(small):
-            listed = ", ".join(f"{names[k]!r} ({counts[k]})" for k in small[:_MAX_LISTED])
-            if len(small) > _MAX_LISTED:
-                listed += f" (and {len(small) - _MAX_LISTED} more)"
+            listed = _list(small, lambda k: f"{names[k]!r} ({counts[k]})")
             raise DataError(
                 f"{name}: client(s) {listed} have fewer than min_client_samples={min_client_samples} training "
                 "examples; drop or merge those clients, or lower min_client_samples"
@@ -461,14 +435,21 @@ def from_arrays(
                 "num_clients=; or pass train_client_ids and test_client_ids for a natural partition"
             )
         spec, k = partition, num_clients
-    part = _partition(dataset, spec, k, seed, min_client_samples)
-    _check_partition(dataset, part, names)
-    return PartitionedData(dataset, part, names)
+    return PartitionedData(dataset, _partition(dataset, spec, k, seed, min_client_samples), names)
 
 
 def _partition(dataset: Dataset, spec: str, num_clients: int, seed: int, min_client_samples: int) -> Partition:
-    return _in_data_words(dataset.name, partition_dataset, dataset, spec, num_clients, seed,
+    """`partition_dataset` in the data's words, refusing a client without training examples (possible
+    only with min_client_samples=0, and never with client ids: each names a client with a train example)."""
+    part = _in_data_words(dataset.name, partition_dataset, dataset, spec, num_clients, seed,
                           min_train_samples=min_client_samples)
+    empty = [k for k, idx in enumerate(part.train_indices) if len(idx) == 0]
+    if empty:
+        raise DataError(
+            f"{dataset.name}: client(s) {_list(empty)} have no training examples; use fewer clients "
+            f"(at most {len(dataset.train_y)}) or a partition that gives every client data"
+        )
+    return part
 
 
 def _in_data_words(name: str, function, *args, **kwargs):
@@ -490,9 +471,7 @@ def partition(dataset: Dataset, spec: str, num_clients: int, seed: int = 0, *,
     would get fewer than ``max(1, min_client_samples)`` training examples.
     """
     min_client_samples = _check_min_samples(min_client_samples, dataset.name)
-    part = _partition(dataset, spec, num_clients, seed, min_client_samples)
-    _check_partition(dataset, part, ())
-    return PartitionedData(dataset, part)
+    return PartitionedData(dataset, _partition(dataset, spec, num_clients, seed, min_client_samples))
 
 
 @in_callers_words(arguments={"download": ("download=True",) * 2, "data_dir": ("data_dir=VALUE", "data_dir"),
@@ -516,8 +495,9 @@ def load_npz(path: str | os.PathLike) -> Dataset:
 
     Keys: ``x_train``, ``y_train``, ``x_test``, ``y_test``; optionally
     ``client_ids_train`` and ``client_ids_test`` (both or neither), stored as
-    ``train_client_ids``/``test_client_ids`` codes ``0 .. N-1`` (sorted id
-    order) for ``partition="natural"``. Write one with
+    ``train_client_ids``/``test_client_ids`` ``int32`` codes ``0 .. N-1`` (sorted id
+    order, as in `from_arrays`) for ``partition="natural"``; other keys are ignored. Read with
+    ``allow_pickle=False``, so object arrays are refused. Write one with
     ``np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)``.
 
     Raises:
