@@ -179,13 +179,6 @@ _TFDS_HINT = "install the tfds extra: pip install -e '.[tfds]'"
 # --------------------------------------------------------------------------- helpers
 
 
-def _fix_hint(data_dir_given: bool) -> str:
-    where = f"pass {arg('data_dir')} pointing at a folder with these files"
-    if not data_dir_given:
-        where += f" (or set {DEFAULT_DATA_DIR_ENV})"
-    return f"{where}, or use {arg('download')} ({_TFDS_HINT})"
-
-
 def _check_md5(dataset: str, path: Path, raw: bytes, verify: bool, display: str | None = None) -> None:
     """Raise DataError if `path`'s name has a published checksum and `raw` does not match it."""
     if not verify:
@@ -218,25 +211,25 @@ def _read_bytes(path: Path) -> bytes:
         raise DataError(f"{path}: cannot read file ({e.strerror or e}); check the path and permissions") from e
 
 
-def _resolve_root(name: str, data_dir: str | os.PathLike | None) -> tuple[Path, bool]:
-    """The directory to search, and whether the user gave it explicitly."""
-    if data_dir is not None:
-        return Path(data_dir).expanduser(), True
+def _data_root(name: str, data_dir: str | os.PathLike | None, subdirs: tuple[str, ...],
+               expected: str) -> tuple[Path, list[Path], str]:
+    """The folder to search (`data_dir`, else ``$FEDJAX_SPARSE_DATA_DIR``, else ``./data``), the folders
+    searched in it (itself and its conventional `subdirs`, e.g. ``data/mnist``), and the fix to name
+    when the files (`expected`, in words) are not there; a DataError if the folder does not exist."""
     env = os.environ.get(DEFAULT_DATA_DIR_ENV)
-    if env:
-        return Path(env).expanduser(), False
-    if name == "cifar10_sample":
+    if data_dir is None and not env and name == "cifar10_sample":
         files = ", ".join(_CIFAR10_SAMPLE_FILES)
         raise DataError(
             f"cifar10_sample has no default location: pass {arg('data_dir')} pointing at the folder holding {files}"
         )
-    return Path(_DEFAULT_DATA_DIR), False
-
-
-def _candidate_dirs(root: Path, subdirs: tuple[str, ...]) -> list[Path]:
-    # Accept both a folder holding the files and a common parent holding
-    # conventionally named subfolders (e.g. --data-dir data/ with data/mnist/...).
-    return [root] + [root / s for s in subdirs]
+    root = Path(data_dir if data_dir is not None else env or _DEFAULT_DATA_DIR).expanduser()
+    fix = f"pass {arg('data_dir')} pointing at a folder with these files"
+    if data_dir is None:
+        fix += f" (or set {DEFAULT_DATA_DIR_ENV})"
+    fix += f", or use {arg('download')} ({_TFDS_HINT})"
+    if not root.is_dir():
+        raise DataError(f"{name}: data directory '{root}' not found ({expected}); {fix}")
+    return root, [root] + [root / s for s in subdirs], fix
 
 
 def _find_files(
@@ -244,39 +237,26 @@ def _find_files(
     data_dir: str | os.PathLike | None,
     subdirs: tuple[str, ...],
     required: tuple[str, ...],
-    variants: Callable[[str], tuple[str, ...]],
+    variants: Callable[[str], tuple[str, ...]] = lambda r: (r,),
 ) -> dict[str, Path]:
-    """Locate every `required` file (any accepted variant of its name) in one candidate dir.
+    """Locate every `required` file (any accepted variant of its name) in one of the searched folders.
 
     Returns: required name -> existing path. Raises DataError naming the
-    directory, the expected files and the fix otherwise.
+    folder that holds the most of them, the expected files and the fix otherwise.
     """
-    root, explicit = _resolve_root(name, data_dir)
     expected = ", ".join(required)
-    if not root.is_dir():
-        raise DataError(
-            f"{name}: data directory '{root}' not found (expected files: {expected}); {_fix_hint(explicit)}"
-        )
-    best: tuple[int, Path, dict[str, Path]] | None = None
-    for d in _candidate_dirs(root, subdirs):
-        if not d.is_dir():
-            continue
-        found = {}
-        for req in required:
-            for v in variants(req):
-                if (d / v).is_file():
-                    found[req] = d / v
-                    break
+    root, dirs, fix = _data_root(name, data_dir, subdirs, f"expected files: {expected}")
+    best: tuple[Path, dict[str, Path]] = (root, {})
+    for d in dirs:
+        found = {r: path for r in required
+                 if (path := next((d / v for v in variants(r) if (d / v).is_file()), None)) is not None}
         if len(found) == len(required):
             return found
-        if best is None or len(found) > best[0]:
-            best = (len(found), d, found)
-    assert best is not None  # root itself is a directory
-    _, d, found = best
+        if len(found) > len(best[1]):
+            best = (d, found)
+    d, found = best
     missing = ", ".join(r for r in required if r not in found)
-    raise DataError(
-        f"{name}: missing file(s) {missing} in '{d}' (expected files: {expected}); {_fix_hint(explicit)}"
-    )
+    raise DataError(f"{name}: missing file(s) {missing} in '{d}' (expected files: {expected}); {fix}")
 
 
 def dataset_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -496,26 +476,19 @@ _CIFAR_SPECS = {
 
 def _load_cifar(name: str, data_dir, verify_checksums: bool) -> Dataset:
     folder, archive, train_files, test_files, label_key, num_classes, subdirs = _CIFAR_SPECS[name]
-    root, explicit = _resolve_root(name, data_dir)
     required = train_files + test_files
     expected = f"{folder}/{{{','.join(required)}}} or {archive}"
-    if not root.is_dir():
-        raise DataError(f"{name}: data directory '{root}' not found (expected {expected}); {_fix_hint(explicit)}")
-
+    root, bases, fix = _data_root(name, data_dir, subdirs, f"expected {expected}")
     # Extracted batches win over an archive: they are what users usually keep.
-    blobs: dict[str, tuple[bytes, str]] | None = None
-    dirs = [d for base in _candidate_dirs(root, subdirs) for d in (base, base / folder)]
-    for d in dirs:
-        if all((d / f).is_file() for f in required):
-            blobs = {f: (_read_bytes(d / f), str(d / f)) for f in required}
-            break
-    if blobs is None:
-        for base in _candidate_dirs(root, subdirs):
-            if (base / archive).is_file():
-                blobs = _read_tar_members(base / archive, required)
-                break
-    if blobs is None:
-        raise DataError(f"{name}: no CIFAR files in '{root}' (expected {expected}); {_fix_hint(explicit)}")
+    extracted = next((d for base in bases for d in (base, base / folder) if all((d / f).is_file() for f in required)),
+                     None)
+    if extracted is not None:
+        blobs = {f: (_read_bytes(extracted / f), str(extracted / f)) for f in required}
+    else:
+        tar = next((base / archive for base in bases if (base / archive).is_file()), None)
+        if tar is None:
+            raise DataError(f"{name}: no CIFAR files in '{root}' (expected {expected}); {fix}")
+        blobs = _read_tar_members(tar, required)
 
     def read(f: str) -> tuple[np.ndarray, np.ndarray]:
         raw, display = blobs[f]
@@ -559,7 +532,7 @@ _CIFAR10_SAMPLE_FILES = ("cifar10_train_first4000_lossless.npz", "cifar10_test_f
 
 
 def _load_cifar10_sample(name: str, data_dir, verify_checksums: bool) -> Dataset:
-    found = _find_files(name, data_dir, ("cifar10_sample",), _CIFAR10_SAMPLE_FILES, lambda r: (r,))
+    found = _find_files(name, data_dir, ("cifar10_sample",), _CIFAR10_SAMPLE_FILES)
 
     def read(f: str) -> tuple[np.ndarray, np.ndarray]:
         path = found[f]
@@ -580,7 +553,7 @@ def _load_cifar10_sample(name: str, data_dir, verify_checksums: bool) -> Dataset
 
 def _load_svhn(name: str, data_dir, verify_checksums: bool) -> Dataset:
     files = ("train_32x32.mat", "test_32x32.mat")
-    found = _find_files(name, data_dir, ("svhn", "SVHN", "svhn_cropped"), files, lambda r: (r,))
+    found = _find_files(name, data_dir, ("svhn", "SVHN", "svhn_cropped"), files)
     try:
         import scipy.io  # only SVHN needs scipy, so it is not a core dependency
     except ImportError as e:
