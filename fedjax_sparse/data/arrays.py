@@ -38,6 +38,7 @@ import dataclasses
 import functools
 import hashlib
 import os
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ import numpy as np
 
 from fedjax_sparse.data.datasets import NPZ_PREFIX, Dataset, dataset_options, load_dataset
 
-from fedjax_sparse.errors import DataError, arg, in_callers_words
+from fedjax_sparse.errors import DataError, DataWarning, arg, in_callers_words
 from fedjax_sparse.data.federated import FederatedData, build_federated_data
 from fedjax_sparse.data.partitions import Partition, min_mean_max, partition_dataset
 
@@ -301,9 +302,6 @@ def _build(
             )
     untrained = np.setdiff1d(np.unique(y_te), np.unique(y_tr))
     if len(untrained):
-        import warnings
-
-        from fedjax_sparse.errors import DataWarning
         warnings.warn(DataWarning(
             f"{where}: class(es) {_list(untrained.tolist())} appear in y_test ({int(np.isin(y_te, untrained).sum())} "
             f"examples) but in no training example: the model cannot learn them and every such test example "
@@ -329,15 +327,14 @@ def _build(
                 "use the same id type (integers or strings) for both splits"
             )
         uniq, codes = np.unique(ids_tr, return_inverse=True)
-        pos = np.searchsorted(uniq, ids_te)
-        known = (pos < len(uniq)) & (uniq[np.minimum(pos, len(uniq) - 1)] == ids_te)
+        known = np.isin(ids_te, uniq)
         if not known.all():
             orphans = np.unique(ids_te[~known]).tolist()
             raise DataError(
                 f"{where}: {test_key} names client(s) {_list(orphans)} with no training examples; every client "
                 f"needs at least one training example: drop those test examples or give them training data"
             )
-        codes_tr, codes_te = codes.reshape(-1).astype(np.int32), pos.astype(np.int32)
+        codes_tr, codes_te = codes.reshape(-1).astype(np.int32), np.searchsorted(uniq, ids_te).astype(np.int32)
         names = tuple(uniq.tolist())
     dataset = Dataset(
         name=name,

@@ -159,11 +159,6 @@ def _split_by_proportions(idx: np.ndarray, q: np.ndarray) -> list[np.ndarray]:
     return np.split(idx, (np.cumsum(q) * len(idx)).astype(int)[:-1])
 
 
-def _counts_by_proportions(n: int, q: np.ndarray) -> np.ndarray:
-    cuts = np.concatenate([[0], (np.cumsum(q) * n).astype(int)[:-1], [n]])
-    return np.diff(cuts)
-
-
 # Each scheme: (rng, dataset, num_clients, min_train_samples, max_redraws, **its parse_partition_spec params)
 # -> (train indices, test indices) per client.
 def _iid(rng, dataset, num_clients, *_):
@@ -182,7 +177,8 @@ def _by_class_dirichlet(rng, dataset, num_clients, min_train_samples, max_redraw
         q = rng.dirichlet(np.full(num_clients, alpha), size=len(sizes))
         if not np.all(np.isfinite(q)):  # defensive: extreme alphas can underflow
             continue
-        totals = sum(_counts_by_proportions(int(n), q[c]) for c, n in enumerate(sizes))
+        # Every client's pooled count: the sizes of the pieces _split_by_proportions will cut.
+        totals = sum(np.diff((np.cumsum(q[c]) * n).astype(int)[:-1], prepend=0, append=n) for c, n in enumerate(sizes))
         if np.min(train_count(totals)) >= min_train_samples:
             break
     else:
