@@ -188,9 +188,9 @@ def _check_md5(dataset: str, path: Path, raw: bytes, verify: bool, display: str 
         return
     got = hashlib.md5(raw).hexdigest()
     if got != expected:
-        owner = _MD5_OWNER.get(got)
-        if owner is not None and owner != (dataset, path.name):
-            # Another dataset's original file (--data-dir at the wrong folder, or the wrong --dataset).
+        owner = _MD5_OWNER.get(got)   # never (dataset, path.name): that checksum is `expected`
+        if owner is not None:
+            # Another original file (--data-dir at the wrong folder, or the wrong --dataset).
             other, other_file = owner
             raise DataError(
                 f"{display or path}: these are {other}'s {other_file}: use {arg('dataset', other)}, "
@@ -596,12 +596,10 @@ def _load_digits(test_fraction: float, split_seed: int) -> Dataset:
     images = (bunch.images.astype(np.int64) * 255 // 16).astype(np.uint8)[..., None]
     labels = bunch.target.astype(np.int32)
     rng = np.random.default_rng(split_seed)
-    test_idx = []
+    is_test = np.zeros(len(labels), bool)
     for c in range(10):
         idx = rng.permutation(np.flatnonzero(labels == c))
-        test_idx.append(idx[: int(round(test_fraction * len(idx)))])
-    is_test = np.zeros(len(labels), bool)
-    is_test[np.concatenate(test_idx)] = True
+        is_test[idx[: int(round(test_fraction * len(idx)))]] = True
     return Dataset(
         "digits", images[~is_test], labels[~is_test], images[is_test], labels[is_test], num_classes=10
     )
