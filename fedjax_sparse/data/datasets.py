@@ -292,15 +292,6 @@ def _labels_int32(name: str, where: str, y: np.ndarray, num_classes: int, offset
 _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
 
-def _decompress_gzip(raw: bytes, display: str) -> bytes:
-    try:
-        return gzip.decompress(raw)
-    except (OSError, EOFError, zlib.error) as e:
-        # OSError covers BadGzipFile; EOFError is a truncated stream.
-        kind = "truncated gzip stream" if isinstance(e, EOFError) else f"not a valid gzip file ({e})"
-        raise DataError(f"{display}: {kind}; re-download the original file") from e
-
-
 def parse_idx(raw: bytes, display: str = "<bytes>") -> np.ndarray:
     """Parse (already decompressed) IDX bytes into an array in native byte order.
 
@@ -343,7 +334,12 @@ def read_idx(path: str | os.PathLike, *, dataset: str | None = None, verify_chec
     raw = _read_bytes(path)
     data = raw
     if path.name.endswith(".gz") or raw[:2] == b"\x1f\x8b":
-        data = _decompress_gzip(raw, str(path))
+        try:
+            data = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:
+            # OSError covers BadGzipFile; EOFError is a truncated stream.
+            kind = "truncated gzip stream" if isinstance(e, EOFError) else f"not a valid gzip file ({e})"
+            raise DataError(f"{path}: {kind}; re-download the original file") from e
     arr = parse_idx(data, str(path))
     if dataset is not None:
         _check_md5(dataset, path, raw, verify_checksums)

@@ -66,7 +66,7 @@ PARTITION_SCHEMES: dict[str, str] = {
     "natural": "natural  -- the dataset's own client ids (e.g. synthetic)",
 }
 
-_VALID_FORMS = "iid, dirichlet:ALPHA, dirichlet_split:ALPHA[:TRAIN_FRACTION], shards:S, natural"
+_VALID_FORMS = ", ".join(text.split("  --")[0] for text in PARTITION_SCHEMES.values())
 
 
 @dataclasses.dataclass(frozen=True)
