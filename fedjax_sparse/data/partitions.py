@@ -193,7 +193,7 @@ def _by_class_dirichlet(rng, dataset, num_clients, min_train_samples, max_redraw
             "large for this alpha and number of clients: lower it, raise alpha, or use fewer clients"
         )
     out = [[[] for _ in range(num_clients)] for _ in splits]
-    for label in range(len(sizes)):
+    for label in range(dataset.num_classes):
         for labels, parts in zip(splits, out):
             idx = rng.permutation(np.flatnonzero(labels == label))
             for k, part in enumerate(_split_by_proportions(idx, q[label])):
