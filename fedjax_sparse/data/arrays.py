@@ -20,9 +20,8 @@ Conventions (checked; every problem is a one-line `DataError` naming the fix):
   least one training example; a client may have no test examples.
 
 ``.npz`` files: `load_npz`, or ``--dataset npz:PATH`` on the command line. The loader never guesses a
-partition: client ids in a file are used only with
-``--partition natural --num-clients N`` (N = number of distinct ids). Without
-it a run uses ``--partition`` (default ``dirichlet:0.5``) and ignores the ids.
+partition: client ids in a file are used only with ``--partition natural --num-clients N`` (N = number
+of distinct ids). Without it a run uses ``--partition`` (default ``dirichlet:0.5``) and ignores the ids.
 
 Example::
 
