@@ -1,16 +1,7 @@
 """Your own data: numpy arrays or an ``.npz`` file -> a validated, partitioned dataset.
 
-Two entry points build a `PartitionedData` (a `Dataset` plus its `Partition`):
-
-* `from_arrays` takes train/test arrays and either per-example **client ids**
-  (a natural partition: each example belongs to the client its id names) or a
-  partition **spec** (``"dirichlet:0.3"``, ``"iid"``, ``"shards:2"``, see
-  `fedjax_sparse.data.partitions`) with ``num_clients``;
-* `partition` splits an already loaded `Dataset` (built-in or `load_npz`).
-
-`PartitionedData.to_federated` gives the `FederatedData` the engine trains on,
-`PartitionedData.digest` a sha256 of the content (to record which data a run
-used) and `PartitionedData.describe` a JSON-ready summary.
+`from_arrays` (your arrays, with per-example client ids or a partition spec) and `partition` (a loaded
+`Dataset`) build a `PartitionedData` (a `Dataset` plus its `Partition`; see their docstrings below).
 
 Conventions (checked; every problem is a one-line `DataError` naming the fix):
 
@@ -28,16 +19,9 @@ Conventions (checked; every problem is a one-line `DataError` naming the fix):
   ``PartitionedData.client_names == (7, 42, 1000)``. Every client needs at
   least one training example; a client may have no test examples.
 
-``.npz`` files (`load_npz`, or ``--dataset npz:PATH`` on the command line)
-hold the keys ``x_train``, ``y_train``, ``x_test``, ``y_test`` and optionally
-``client_ids_train`` and ``client_ids_test`` (both or neither); other keys are
-ignored. They are read with ``allow_pickle=False``, so object arrays are
-refused. Client ids in a file are stored in the returned `Dataset` as
-``int32`` codes ``0 .. N-1`` in the same sorted order as above.
-
-The loader never guesses a partition: client ids in a file are used only with
-``--partition natural --num-clients N`` (N = number of distinct ids). Without
-it a run uses ``--partition`` (default ``dirichlet:0.5``) and ignores the ids.
+``.npz`` files: `load_npz`, or ``--dataset npz:PATH`` on the command line. The loader never guesses a
+partition: client ids in a file are used only with ``--partition natural --num-clients N`` (N = number
+of distinct ids). Without it a run uses ``--partition`` (default ``dirichlet:0.5``) and ignores the ids.
 
 Example::
 
@@ -53,6 +37,7 @@ import dataclasses
 import functools
 import hashlib
 import os
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -61,7 +46,7 @@ import numpy as np
 
 from fedjax_sparse.data.datasets import NPZ_PREFIX, Dataset, dataset_options, load_dataset
 
-from fedjax_sparse.errors import DataError, arg, in_callers_words
+from fedjax_sparse.errors import DataError, DataWarning, arg, in_callers_words
 from fedjax_sparse.data.federated import FederatedData, build_federated_data
 from fedjax_sparse.data.partitions import Partition, min_mean_max, partition_dataset
 
@@ -268,10 +253,11 @@ def _check_ids(value, key: str, where: str, n: int, y_key: str) -> np.ndarray:
     return ids
 
 
-def _list(values, limit: int = _MAX_LISTED) -> str:
+def _list(values, show=lambda v: repr(v) if isinstance(v, (str, bytes)) else str(v)) -> str:
+    """The first `_MAX_LISTED` values, each ``show(value)``, and how many more."""
     values = list(values)
-    shown = ", ".join(repr(v) if isinstance(v, (str, bytes)) else str(v) for v in values[:limit])
-    return shown + (f" (and {len(values) - limit} more)" if len(values) > limit else "")
+    shown = ", ".join(map(show, values[:_MAX_LISTED]))
+    return shown + (f" (and {len(values) - _MAX_LISTED} more)" if len(values) > _MAX_LISTED else "")
 
 
 def _build(
@@ -315,9 +301,6 @@ def _build(
             )
     untrained = np.setdiff1d(np.unique(y_te), np.unique(y_tr))
     if len(untrained):
-        import warnings
-
-        from fedjax_sparse.errors import DataWarning
         warnings.warn(DataWarning(
             f"{where}: class(es) {_list(untrained.tolist())} appear in y_test ({int(np.isin(y_te, untrained).sum())} "
             f"examples) but in no training example: the model cannot learn them and every such test example "
@@ -343,15 +326,14 @@ def _build(
                 "use the same id type (integers or strings) for both splits"
             )
         uniq, codes = np.unique(ids_tr, return_inverse=True)
-        pos = np.searchsorted(uniq, ids_te)
-        known = (pos < len(uniq)) & (uniq[np.minimum(pos, len(uniq) - 1)] == ids_te)
+        known = np.isin(ids_te, uniq)
         if not known.all():
             orphans = np.unique(ids_te[~known]).tolist()
             raise DataError(
                 f"{where}: {test_key} names client(s) {_list(orphans)} with no training examples; every client "
                 f"needs at least one training example: drop those test examples or give them training data"
             )
-        codes_tr, codes_te = codes.reshape(-1).astype(np.int32), pos.astype(np.int32)
+        codes_tr, codes_te = codes.reshape(-1).astype(np.int32), np.searchsorted(uniq, ids_te).astype(np.int32)
         names = tuple(uniq.tolist())
     dataset = Dataset(
         name=name,
@@ -371,16 +353,6 @@ def _check_min_samples(min_client_samples, where: str) -> int:
             or min_client_samples < 0:
         raise DataError(f"{where}: min_client_samples must be an integer >= 0, got {min_client_samples!r}")
     return int(min_client_samples)
-
-
-def _check_partition(dataset: Dataset, part: Partition, names: tuple) -> None:
-    empty = [k for k, idx in enumerate(part.train_indices) if len(idx) == 0]
-    if empty:
-        who = [names[k] for k in empty] if names else empty
-        raise DataError(
-            f"{dataset.name}: client(s) {_list(who)} have no training examples; use fewer clients "
-            f"(at most {len(dataset.train_y)}) or a partition that gives every client data"
-        )
 
 
 # --------------------------------------------------------------------------- public API
@@ -446,9 +418,7 @@ def from_arrays(
         counts = np.bincount(dataset.train_client_ids, minlength=len(names))
         small = np.flatnonzero(counts < min_client_samples)
         if len(small):
-            listed = ", ".join(f"{names[k]!r} ({counts[k]})" for k in small[:_MAX_LISTED])
-            if len(small) > _MAX_LISTED:
-                listed += f" (and {len(small) - _MAX_LISTED} more)"
+            listed = _list(small, lambda k: f"{names[k]!r} ({counts[k]})")
             raise DataError(
                 f"{name}: client(s) {listed} have fewer than min_client_samples={min_client_samples} training "
                 "examples; drop or merge those clients, or lower min_client_samples"
@@ -461,14 +431,21 @@ def from_arrays(
                 "num_clients=; or pass train_client_ids and test_client_ids for a natural partition"
             )
         spec, k = partition, num_clients
-    part = _partition(dataset, spec, k, seed, min_client_samples)
-    _check_partition(dataset, part, names)
-    return PartitionedData(dataset, part, names)
+    return PartitionedData(dataset, _partition(dataset, spec, k, seed, min_client_samples), names)
 
 
 def _partition(dataset: Dataset, spec: str, num_clients: int, seed: int, min_client_samples: int) -> Partition:
-    return _in_data_words(dataset.name, partition_dataset, dataset, spec, num_clients, seed,
+    """`partition_dataset` in the data's words, refusing a client without training examples (possible
+    only with min_client_samples=0, and never with client ids: each names a client with a train example)."""
+    part = _in_data_words(dataset.name, partition_dataset, dataset, spec, num_clients, seed,
                           min_train_samples=min_client_samples)
+    empty = [k for k, idx in enumerate(part.train_indices) if len(idx) == 0]
+    if empty:
+        raise DataError(
+            f"{dataset.name}: client(s) {_list(empty)} have no training examples; use fewer clients "
+            f"(at most {len(dataset.train_y)}) or a partition that gives every client data"
+        )
+    return part
 
 
 def _in_data_words(name: str, function, *args, **kwargs):
@@ -490,9 +467,7 @@ def partition(dataset: Dataset, spec: str, num_clients: int, seed: int = 0, *,
     would get fewer than ``max(1, min_client_samples)`` training examples.
     """
     min_client_samples = _check_min_samples(min_client_samples, dataset.name)
-    part = _partition(dataset, spec, num_clients, seed, min_client_samples)
-    _check_partition(dataset, part, ())
-    return PartitionedData(dataset, part)
+    return PartitionedData(dataset, _partition(dataset, spec, num_clients, seed, min_client_samples))
 
 
 @in_callers_words(arguments={"download": ("download=True",) * 2, "data_dir": ("data_dir=VALUE", "data_dir"),
@@ -516,8 +491,9 @@ def load_npz(path: str | os.PathLike) -> Dataset:
 
     Keys: ``x_train``, ``y_train``, ``x_test``, ``y_test``; optionally
     ``client_ids_train`` and ``client_ids_test`` (both or neither), stored as
-    ``train_client_ids``/``test_client_ids`` codes ``0 .. N-1`` (sorted id
-    order) for ``partition="natural"``. Write one with
+    ``train_client_ids``/``test_client_ids`` ``int32`` codes ``0 .. N-1`` (sorted id
+    order, as in `from_arrays`) for ``partition="natural"``; other keys are ignored. Read with
+    ``allow_pickle=False``, so object arrays are refused. Write one with
     ``np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)``.
 
     Raises:

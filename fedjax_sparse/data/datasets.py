@@ -1,32 +1,10 @@
-"""Dataset loading: original on-disk formats -> one in-memory `Dataset`.
+"""Dataset loading: original on-disk formats -> one in-memory `Dataset`, whose docstring gives the
+conventions every loader keeps (so model and partition code never needs to know where data came from).
 
-Every loader returns numpy arrays with the same conventions, so that model and
-partition code never needs to know where the data came from:
-
-* images: ``uint8`` of shape ``[n, H, W, C]`` (channels last, ``C == 1`` for
-  grayscale), raw pixel values 0..255 (normalisation is the model pipeline's job);
-* features (``synthetic`` only): ``float32`` of shape ``[n, d]``;
-* labels: ``int32`` of shape ``[n]`` with values in ``0 .. num_classes - 1``.
-
-Supported names (see `DATASETS`) and what they read:
-
-==================  ==========================================================
-``mnist``           IDX files ``train-images-idx3-ubyte.gz`` ... (gz or not)
-``fashion_mnist``   same file names as MNIST
-``emnist_letters``  ``emnist-letters-{train,test}-{images-idx3,labels-idx1}-ubyte.gz``
-``cifar10``         ``cifar-10-batches-py/`` pickles or ``cifar-10-python.tar.gz``
-``cifar100``        ``cifar-100-python/`` pickles or ``cifar-100-python.tar.gz``
-``cifar10_sample``  ``cifar10_{train_first4000,test_first1000}_lossless.npz``
-``svhn``            ``train_32x32.mat``, ``test_32x32.mat`` (needs scipy)
-``digits``          scikit-learn's embedded 8x8 digits (no files)
-``synthetic``       FedProx Synthetic(alpha, beta), generated (no files)
-``npz:PATH``        your own ``.npz`` file (see `fedjax_sparse.data.arrays`)
-==================  ==========================================================
-
-Files of the original releases are verified against their published MD5
-checksums (see `KNOWN_MD5`); pass ``verify_checksums=False`` to accept files
-that were legitimately re-packed. Every problem a user can fix is raised as a
-`DataError` whose one-line message names the file and the fix.
+The names are `DATASETS`; what each reads: docs/running.md, "Data" (your own ``.npz``:
+`fedjax_sparse.data.arrays`). Files of the original releases (names: `KNOWN_MD5`) are verified against
+their published MD5 checksums; ``verify_checksums=False`` accepts files that were legitimately re-packed. Every
+problem a user can fix is raised as a `DataError` whose one-line message names the file and the fix.
 """
 
 from __future__ import annotations
@@ -192,17 +170,13 @@ KNOWN_MD5: dict[str, dict[str, str]] = {
     },
 }
 
+# Whose published file a checksum is: (dataset, file name).
+_MD5_OWNER = {md5: (dataset, file) for dataset, files in KNOWN_MD5.items() for file, md5 in files.items()}
+
 _TFDS_HINT = "install the tfds extra: pip install -e '.[tfds]'"
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _fix_hint(data_dir_given: bool) -> str:
-    where = f"pass {arg('data_dir')} pointing at a folder with these files"
-    if not data_dir_given:
-        where += f" (or set {DEFAULT_DATA_DIR_ENV})"
-    return f"{where}, or use {arg('download')} ({_TFDS_HINT})"
 
 
 def _check_md5(dataset: str, path: Path, raw: bytes, verify: bool, display: str | None = None) -> None:
@@ -214,9 +188,9 @@ def _check_md5(dataset: str, path: Path, raw: bytes, verify: bool, display: str 
         return
     got = hashlib.md5(raw).hexdigest()
     if got != expected:
-        owner = _owner_of(got)
-        if owner is not None and owner != (dataset, path.name):
-            # Another dataset's original file (--data-dir at the wrong folder, or the wrong --dataset).
+        owner = _MD5_OWNER.get(got)   # never (dataset, path.name): that checksum is `expected`
+        if owner is not None:
+            # Another original file (--data-dir at the wrong folder, or the wrong --dataset).
             other, other_file = owner
             raise DataError(
                 f"{display or path}: these are {other}'s {other_file}: use {arg('dataset', other)}, "
@@ -230,15 +204,6 @@ def _check_md5(dataset: str, path: Path, raw: bytes, verify: bool, display: str 
         )
 
 
-def _owner_of(md5: str) -> tuple[str, str] | None:
-    """The dataset and file name whose published checksum is ``md5`` (see ``KNOWN_MD5``), or None."""
-    for dataset, files in KNOWN_MD5.items():
-        for name, digest in files.items():
-            if digest == md5:
-                return dataset, name
-    return None
-
-
 def _read_bytes(path: Path) -> bytes:
     try:
         return path.read_bytes()
@@ -246,25 +211,25 @@ def _read_bytes(path: Path) -> bytes:
         raise DataError(f"{path}: cannot read file ({e.strerror or e}); check the path and permissions") from e
 
 
-def _resolve_root(name: str, data_dir: str | os.PathLike | None) -> tuple[Path, bool]:
-    """The directory to search, and whether the user gave it explicitly."""
-    if data_dir is not None:
-        return Path(data_dir).expanduser(), True
+def _data_root(name: str, data_dir: str | os.PathLike | None, subdirs: tuple[str, ...],
+               expected: str) -> tuple[Path, list[Path], str]:
+    """The folder to search (`data_dir`, else ``$FEDJAX_SPARSE_DATA_DIR``, else ``./data``), the folders
+    searched in it (itself and its conventional `subdirs`, e.g. ``data/mnist``), and the fix to name
+    when the files (`expected`, in words) are not there; a DataError if the folder does not exist."""
     env = os.environ.get(DEFAULT_DATA_DIR_ENV)
-    if env:
-        return Path(env).expanduser(), False
-    if name == "cifar10_sample":
+    if data_dir is None and not env and name == "cifar10_sample":
         files = ", ".join(_CIFAR10_SAMPLE_FILES)
         raise DataError(
             f"cifar10_sample has no default location: pass {arg('data_dir')} pointing at the folder holding {files}"
         )
-    return Path(_DEFAULT_DATA_DIR), False
-
-
-def _candidate_dirs(root: Path, subdirs: tuple[str, ...]) -> list[Path]:
-    # Accept both a folder holding the files and a common parent holding
-    # conventionally named subfolders (e.g. --data-dir data/ with data/mnist/...).
-    return [root] + [root / s for s in subdirs]
+    root = Path(data_dir if data_dir is not None else env or _DEFAULT_DATA_DIR).expanduser()
+    fix = f"pass {arg('data_dir')} pointing at a folder with these files"
+    if data_dir is None:
+        fix += f" (or set {DEFAULT_DATA_DIR_ENV})"
+    fix += f", or use {arg('download')} ({_TFDS_HINT})"
+    if not root.is_dir():
+        raise DataError(f"{name}: data directory '{root}' not found ({expected}); {fix}")
+    return root, [root] + [root / s for s in subdirs], fix
 
 
 def _find_files(
@@ -272,39 +237,26 @@ def _find_files(
     data_dir: str | os.PathLike | None,
     subdirs: tuple[str, ...],
     required: tuple[str, ...],
-    variants: Callable[[str], tuple[str, ...]],
+    variants: Callable[[str], tuple[str, ...]] = lambda r: (r,),
 ) -> dict[str, Path]:
-    """Locate every `required` file (any accepted variant of its name) in one candidate dir.
+    """Locate every `required` file (any accepted variant of its name) in one of the searched folders.
 
     Returns: required name -> existing path. Raises DataError naming the
-    directory, the expected files and the fix otherwise.
+    folder that holds the most of them, the expected files and the fix otherwise.
     """
-    root, explicit = _resolve_root(name, data_dir)
     expected = ", ".join(required)
-    if not root.is_dir():
-        raise DataError(
-            f"{name}: data directory '{root}' not found (expected files: {expected}); {_fix_hint(explicit)}"
-        )
-    best: tuple[int, Path, dict[str, Path]] | None = None
-    for d in _candidate_dirs(root, subdirs):
-        if not d.is_dir():
-            continue
-        found = {}
-        for req in required:
-            for v in variants(req):
-                if (d / v).is_file():
-                    found[req] = d / v
-                    break
+    root, dirs, fix = _data_root(name, data_dir, subdirs, f"expected files: {expected}")
+    best: tuple[Path, dict[str, Path]] = (root, {})
+    for d in dirs:
+        found = {r: path for r in required
+                 if (path := next((d / v for v in variants(r) if (d / v).is_file()), None)) is not None}
         if len(found) == len(required):
             return found
-        if best is None or len(found) > best[0]:
-            best = (len(found), d, found)
-    assert best is not None  # root itself is a directory
-    _, d, found = best
+        if len(found) > len(best[1]):
+            best = (d, found)
+    d, found = best
     missing = ", ".join(r for r in required if r not in found)
-    raise DataError(
-        f"{name}: missing file(s) {missing} in '{d}' (expected files: {expected}); {_fix_hint(explicit)}"
-    )
+    raise DataError(f"{name}: missing file(s) {missing} in '{d}' (expected files: {expected}); {fix}")
 
 
 def dataset_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -338,15 +290,6 @@ def _labels_int32(name: str, where: str, y: np.ndarray, num_classes: int, offset
 
 # IDX type byte -> big-endian numpy dtype (http://yann.lecun.com/exdb/mnist/, "THE IDX FILE FORMAT").
 _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
-
-
-def _decompress_gzip(raw: bytes, display: str) -> bytes:
-    try:
-        return gzip.decompress(raw)
-    except (OSError, EOFError, zlib.error) as e:
-        # OSError covers BadGzipFile; EOFError is a truncated stream.
-        kind = "truncated gzip stream" if isinstance(e, EOFError) else f"not a valid gzip file ({e})"
-        raise DataError(f"{display}: {kind}; re-download the original file") from e
 
 
 def parse_idx(raw: bytes, display: str = "<bytes>") -> np.ndarray:
@@ -391,7 +334,12 @@ def read_idx(path: str | os.PathLike, *, dataset: str | None = None, verify_chec
     raw = _read_bytes(path)
     data = raw
     if path.name.endswith(".gz") or raw[:2] == b"\x1f\x8b":
-        data = _decompress_gzip(raw, str(path))
+        try:
+            data = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:
+            # OSError covers BadGzipFile; EOFError is a truncated stream.
+            kind = "truncated gzip stream" if isinstance(e, EOFError) else f"not a valid gzip file ({e})"
+            raise DataError(f"{path}: {kind}; re-download the original file") from e
     arr = parse_idx(data, str(path))
     if dataset is not None:
         _check_md5(dataset, path, raw, verify_checksums)
@@ -524,42 +472,35 @@ _CIFAR_SPECS = {
 
 def _load_cifar(name: str, data_dir, verify_checksums: bool) -> Dataset:
     folder, archive, train_files, test_files, label_key, num_classes, subdirs = _CIFAR_SPECS[name]
-    root, explicit = _resolve_root(name, data_dir)
     required = train_files + test_files
     expected = f"{folder}/{{{','.join(required)}}} or {archive}"
-    if not root.is_dir():
-        raise DataError(f"{name}: data directory '{root}' not found (expected {expected}); {_fix_hint(explicit)}")
-
+    root, bases, fix = _data_root(name, data_dir, subdirs, f"expected {expected}")
     # Extracted batches win over an archive: they are what users usually keep.
-    blobs: dict[str, tuple[bytes, str]] | None = None
-    dirs = [d for base in _candidate_dirs(root, subdirs) for d in (base, base / folder)]
-    for d in dirs:
-        if all((d / f).is_file() for f in required):
-            blobs = {f: (_read_bytes(d / f), str(d / f)) for f in required}
-            break
-    if blobs is None:
-        for base in _candidate_dirs(root, subdirs):
-            if (base / archive).is_file():
-                blobs = _read_tar_members(base / archive, required)
-                break
-    if blobs is None:
-        raise DataError(f"{name}: no CIFAR files in '{root}' (expected {expected}); {_fix_hint(explicit)}")
+    extracted = next((d for base in bases for d in (base, base / folder) if all((d / f).is_file() for f in required)),
+                     None)
+    if extracted is not None:
+        blobs = {f: (_read_bytes(extracted / f), str(extracted / f)) for f in required}
+    else:
+        tar = next((base / archive for base in bases if (base / archive).is_file()), None)
+        if tar is None:
+            raise DataError(f"{name}: no CIFAR files in '{root}' (expected {expected}); {fix}")
+        blobs = _read_tar_members(tar, required)
 
-    parts: dict[str, list] = {"train": [], "test": []}
-    for split, files in (("train", train_files), ("test", test_files)):
-        for f in files:
-            raw, display = blobs[f]
-            _check_md5(name, Path(f), raw, verify_checksums, display)
-            x, y = _unpickle_cifar(raw, display, label_key)
-            parts[split].append((x, _labels_int32(name, display, y, num_classes)))
-    return Dataset(
-        name=name,
-        train_x=np.concatenate([x for x, _ in parts["train"]]),
-        train_y=np.concatenate([y for _, y in parts["train"]]),
-        test_x=np.concatenate([x for x, _ in parts["test"]]),
-        test_y=np.concatenate([y for _, y in parts["test"]]),
-        num_classes=num_classes,
-    )
+    def read(f: str) -> tuple[np.ndarray, np.ndarray]:
+        raw, display = blobs[f]
+        _check_md5(name, Path(f), raw, verify_checksums, display)
+        x, y = _unpickle_cifar(raw, display, label_key)
+        return x, _labels_int32(name, display, y, num_classes)
+
+    return _from_files(name, num_classes, train_files, test_files, read)
+
+
+def _from_files(name: str, num_classes: int, train_files: tuple[str, ...], test_files: tuple[str, ...],
+                read: Callable[[str], tuple[np.ndarray, np.ndarray]]) -> Dataset:
+    """The Dataset whose splits are their files' ``read(file) -> (x, int32 labels)``, concatenated in order."""
+    (x_tr, y_tr), (x_te, y_te) = ([np.concatenate(a) for a in zip(*map(read, files))]
+                                  for files in (train_files, test_files))
+    return Dataset(name, x_tr, y_tr, x_te, y_te, num_classes=num_classes)
 
 
 def _read_tar_members(archive: Path, required: tuple[str, ...]) -> dict[str, tuple[bytes, str]]:
@@ -587,9 +528,9 @@ _CIFAR10_SAMPLE_FILES = ("cifar10_train_first4000_lossless.npz", "cifar10_test_f
 
 
 def _load_cifar10_sample(name: str, data_dir, verify_checksums: bool) -> Dataset:
-    found = _find_files(name, data_dir, ("cifar10_sample",), _CIFAR10_SAMPLE_FILES, lambda r: (r,))
-    arrays = []
-    for f in _CIFAR10_SAMPLE_FILES:
+    found = _find_files(name, data_dir, ("cifar10_sample",), _CIFAR10_SAMPLE_FILES)
+
+    def read(f: str) -> tuple[np.ndarray, np.ndarray]:
         path = found[f]
         raw = _read_bytes(path)
         try:
@@ -601,20 +542,20 @@ def _load_cifar10_sample(name: str, data_dir, verify_checksums: bool) -> Dataset
             raise DataError(f"{path}: expected x uint8 [n,32,32,3] and n labels, got {x.dtype} {x.shape}; "
                             "re-copy the file")
         _check_md5(name, path, raw, verify_checksums)
-        arrays.append((x, _labels_int32(name, str(path), y, 10)))
-    (x_tr, y_tr), (x_te, y_te) = arrays
-    return Dataset(name, x_tr, y_tr, x_te, y_te, num_classes=10)
+        return x, _labels_int32(name, str(path), y, 10)
+
+    return _from_files(name, 10, _CIFAR10_SAMPLE_FILES[:1], _CIFAR10_SAMPLE_FILES[1:], read)
 
 
 def _load_svhn(name: str, data_dir, verify_checksums: bool) -> Dataset:
     files = ("train_32x32.mat", "test_32x32.mat")
-    found = _find_files(name, data_dir, ("svhn", "SVHN", "svhn_cropped"), files, lambda r: (r,))
+    found = _find_files(name, data_dir, ("svhn", "SVHN", "svhn_cropped"), files)
     try:
         import scipy.io  # only SVHN needs scipy, so it is not a core dependency
     except ImportError as e:
         raise DataError("svhn: reading .mat files needs scipy: pip install scipy") from e
-    out = []
-    for f in files:
+
+    def read(f: str) -> tuple[np.ndarray, np.ndarray]:
         path = found[f]
         raw = _read_bytes(path)
         try:
@@ -629,9 +570,9 @@ def _load_svhn(name: str, data_dir, verify_checksums: bool) -> Dataset:
         y = np.asarray(y).reshape(-1).astype(np.int64)
         y[y == 10] = 0  # SVHN labels digit 0 as 10
         images = np.ascontiguousarray(x.transpose(3, 0, 1, 2)).astype(np.uint8, copy=False)
-        out.append((images, _labels_int32(name, str(path), y, 10)))
-    (x_tr, y_tr), (x_te, y_te) = out
-    return Dataset(name, x_tr, y_tr, x_te, y_te, num_classes=10)
+        return images, _labels_int32(name, str(path), y, 10)
+
+    return _from_files(name, 10, files[:1], files[1:], read)
 
 
 # --------------------------------------------------------------------------- generated / embedded
@@ -651,12 +592,10 @@ def _load_digits(test_fraction: float, split_seed: int) -> Dataset:
     images = (bunch.images.astype(np.int64) * 255 // 16).astype(np.uint8)[..., None]
     labels = bunch.target.astype(np.int32)
     rng = np.random.default_rng(split_seed)
-    test_idx = []
+    is_test = np.zeros(len(labels), bool)
     for c in range(10):
         idx = rng.permutation(np.flatnonzero(labels == c))
-        test_idx.append(idx[: int(round(test_fraction * len(idx)))])
-    is_test = np.zeros(len(labels), bool)
-    is_test[np.concatenate(test_idx)] = True
+        is_test[idx[: int(round(test_fraction * len(idx)))]] = True
     return Dataset(
         "digits", images[~is_test], labels[~is_test], images[is_test], labels[is_test], num_classes=10
     )
@@ -684,8 +623,7 @@ def _load_synthetic(alpha: float, beta: float, num_clients: int, seed: int, iid:
         raise DataError(f"synthetic: train_fraction must be in (0, 1), got {train_fraction}")
     rng = np.random.default_rng(seed)
     sizes = rng.lognormal(4, 2, num_clients).astype(np.int64) + 50
-    mean_w = rng.normal(0, alpha, num_clients)
-    mean_b = mean_w
+    mean_w = rng.normal(0, alpha, num_clients)   # also the mean of b (u_k)
     big_b = rng.normal(0, beta, num_clients)
     std_x = np.power(np.arange(1, dimension + 1, dtype=np.float64), -1.2) ** 0.5
     if iid:
@@ -694,34 +632,23 @@ def _load_synthetic(alpha: float, beta: float, num_clients: int, seed: int, iid:
         b_global = rng.normal(0, 1, num_classes)
     else:
         mean_x = rng.normal(big_b[:, None], 1, (num_clients, dimension))
-    parts: dict[str, tuple[list, list, list]] = {"train": ([], [], []), "test": ([], [], [])}
+    train: list[tuple] = []
+    test: list[tuple] = []
     for k in range(num_clients):
         if iid:
             w, b = w_global, b_global
         else:
             w = rng.normal(mean_w[k], 1, (dimension, num_classes))
-            b = rng.normal(mean_b[k], 1, num_classes)
+            b = rng.normal(mean_w[k], 1, num_classes)
         # Diagonal covariance: scaling standard normals equals multivariate_normal, far cheaper.
         x = mean_x[k] + rng.standard_normal((sizes[k], dimension)) * std_x
         y = np.argmax(x @ w + b, axis=1)  # softmax is monotone, argmax of logits suffices
         perm = rng.permutation(sizes[k])
         n_train = int(train_fraction * sizes[k])
-        for split, idx in (("train", perm[:n_train]), ("test", perm[n_train:])):
-            xs, ys, cs = parts[split]
-            xs.append(x[idx].astype(np.float32))
-            ys.append(y[idx].astype(np.int32))
-            cs.append(np.full(len(idx), k, np.int32))
-    cat = {s: tuple(np.concatenate(a) for a in parts[s]) for s in parts}
-    return Dataset(
-        name="synthetic",
-        train_x=cat["train"][0],
-        train_y=cat["train"][1],
-        test_x=cat["test"][0],
-        test_y=cat["test"][1],
-        num_classes=num_classes,
-        train_client_ids=cat["train"][2],
-        test_client_ids=cat["test"][2],
-    )
+        for split, idx in ((train, perm[:n_train]), (test, perm[n_train:])):
+            split.append((x[idx].astype(np.float32), y[idx].astype(np.int32), np.full(len(idx), k, np.int32)))
+    (x_tr, y_tr, ids_tr), (x_te, y_te, ids_te) = ([np.concatenate(a) for a in zip(*split)] for split in (train, test))
+    return Dataset("synthetic", x_tr, y_tr, x_te, y_te, num_classes, train_client_ids=ids_tr, test_client_ids=ids_te)
 
 
 # --------------------------------------------------------------------------- TFDS

@@ -1,10 +1,6 @@
-"""Stacked client data: every client's samples as index rows into one shared pool.
-
-Images stay in the dataset's compact dtype (uint8) once, in one array; a client
-is a padded row of indices plus its count, so 1000 MNIST clients cost
-``1000 * max_n * 4`` bytes on top of the images. A round gathers the sampled
-clients' rows and ``vmap``s (or ``lax.map``s) over them; batches are gathered
-and converted to float inside jitted code.
+"""Stacked client data: the images once, in their compact dtype (uint8), and each client a padded row of
+indices into them plus its count (how a round reads them: docs/design.md, end of "Replicas"; the cost:
+docs/scaling.md).
 
 Shapes: ``train_idx [N, max_train] int32`` (padding = 0, never read as data:
 every consumer masks positions >= count), ``train_count [N] int32``.

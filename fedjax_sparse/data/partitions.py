@@ -66,7 +66,7 @@ PARTITION_SCHEMES: dict[str, str] = {
     "natural": "natural  -- the dataset's own client ids (e.g. synthetic)",
 }
 
-_VALID_FORMS = "iid, dirichlet:ALPHA, dirichlet_split:ALPHA[:TRAIN_FRACTION], shards:S, natural"
+_VALID_FORMS = ", ".join(text.split("  --")[0] for text in PARTITION_SCHEMES.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,45 +159,6 @@ def _split_by_proportions(idx: np.ndarray, q: np.ndarray) -> list[np.ndarray]:
     return np.split(idx, (np.cumsum(q) * len(idx)).astype(int)[:-1])
 
 
-def _counts_by_proportions(n: int, q: np.ndarray) -> np.ndarray:
-    cuts = np.concatenate([[0], (np.cumsum(q) * n).astype(int)[:-1], [n]])
-    return np.diff(cuts)
-
-
-def _draw_dirichlet(
-    rng: np.random.Generator,
-    class_sizes: np.ndarray,
-    alpha: float,
-    num_clients: int,
-    min_train_samples: int,
-    max_redraws: int,
-    train_count,
-) -> np.ndarray:
-    """Draw ``[num_classes, num_clients]`` proportions until every client's train count is large enough.
-
-    `train_count(total_per_client)` maps a client's pooled sample count to its
-    train sample count. Only sizes are checked here, so rejected draws cost no
-    index shuffling.
-    """
-    for _ in range(max_redraws):
-        q = rng.dirichlet(np.full(num_clients, alpha), size=len(class_sizes))
-        if not np.all(np.isfinite(q)):  # defensive: extreme alphas can underflow
-            continue
-        totals = sum(_counts_by_proportions(int(n), q[c]) for c, n in enumerate(class_sizes))
-        if np.min(train_count(totals)) >= min_train_samples:
-            return q
-    if min_train_samples <= 1:   # nothing to lower: every client needs a sample to train on
-        raise ValueError(
-            f"could not give every client a train sample in {max_redraws} Dirichlet draws (alpha={alpha}, "
-            f"num_clients={num_clients}): too many clients for this alpha; raise alpha or use fewer clients"
-        )
-    raise ValueError(
-        f"could not give every client >= {min_train_samples} train samples in {max_redraws} Dirichlet draws "
-        f"(alpha={alpha}, num_clients={num_clients}); {arg('min_client_samples')} (min_train_samples) is too large for "
-        "this alpha and number of clients: lower it, raise alpha, or use fewer clients"
-    )
-
-
 # Each scheme: (rng, dataset, num_clients, min_train_samples, max_redraws, **its parse_partition_spec params)
 # -> (train indices, test indices) per client.
 def _iid(rng, dataset, num_clients, *_):
@@ -206,21 +167,46 @@ def _iid(rng, dataset, num_clients, *_):
     return train, test
 
 
-def _dirichlet(rng, dataset, num_clients, min_train_samples, max_redraws, alpha):
-    c = dataset.num_classes
-    sizes = np.bincount(dataset.train_y, minlength=c)
-    q = _draw_dirichlet(rng, sizes, alpha, num_clients, min_train_samples, max_redraws, lambda t: t)
-    train = [[] for _ in range(num_clients)]
-    test = [[] for _ in range(num_clients)]
-    for label in range(c):
-        for labels, out in ((dataset.train_y, train), (dataset.test_y, test)):
+def _by_class_dirichlet(rng, dataset, num_clients, min_train_samples, max_redraws, alpha, train_count, splits):
+    """Per class one Dirichlet(alpha) draw over the clients, redrawn until every client's
+    ``train_count(pooled train count)`` is >= min_train_samples (only sizes are checked, so rejected
+    draws cost no index shuffling); then each class's shuffled samples of every label array in `splits`
+    are cut by it. Returns, per split, every client's indices."""
+    sizes = np.bincount(dataset.train_y, minlength=dataset.num_classes)
+    for _ in range(max_redraws):
+        q = rng.dirichlet(np.full(num_clients, alpha), size=len(sizes))
+        if not np.all(np.isfinite(q)):  # defensive: extreme alphas can underflow
+            continue
+        # Every client's pooled count: the sizes of the pieces _split_by_proportions will cut.
+        totals = sum(np.diff((np.cumsum(q[c]) * n).astype(int)[:-1], prepend=0, append=n) for c, n in enumerate(sizes))
+        if np.min(train_count(totals)) >= min_train_samples:
+            break
+    else:
+        if min_train_samples <= 1:   # nothing to lower: every client needs a sample to train on
+            raise ValueError(
+                f"could not give every client a train sample in {max_redraws} Dirichlet draws (alpha={alpha}, "
+                f"num_clients={num_clients}): too many clients for this alpha; raise alpha or use fewer clients"
+            )
+        raise ValueError(
+            f"could not give every client >= {min_train_samples} train samples in {max_redraws} Dirichlet draws "
+            f"(alpha={alpha}, num_clients={num_clients}); {arg('min_client_samples')} (min_train_samples) is too "
+            "large for this alpha and number of clients: lower it, raise alpha, or use fewer clients"
+        )
+    out = [[[] for _ in range(num_clients)] for _ in splits]
+    for label in range(dataset.num_classes):
+        for labels, parts in zip(splits, out):
             idx = rng.permutation(np.flatnonzero(labels == label))
             for k, part in enumerate(_split_by_proportions(idx, q[label])):
-                out[k].append(part)
-    return [np.concatenate(p) for p in train], [np.concatenate(p) for p in test]
+                parts[k].append(part)
+    return [[np.concatenate(p) for p in parts] for parts in out]
 
 
-def _local_test_size(total: np.ndarray, train_fraction: float) -> np.ndarray:
+def _dirichlet(rng, dataset, num_clients, min_train_samples, max_redraws, alpha):
+    return _by_class_dirichlet(rng, dataset, num_clients, min_train_samples, max_redraws, alpha, lambda t: t,
+                               (dataset.train_y, dataset.test_y))
+
+
+def _local_test_size(total, train_fraction: float):
     # At least one local test sample once a client has two samples, so every
     # client can be evaluated; a single sample is kept for training.
     n_test = total - np.round(train_fraction * total).astype(np.int64)
@@ -228,19 +214,12 @@ def _local_test_size(total: np.ndarray, train_fraction: float) -> np.ndarray:
 
 
 def _dirichlet_split(rng, dataset, num_clients, min_train_samples, max_redraws, alpha, train_fraction):
-    c = dataset.num_classes
-    sizes = np.bincount(dataset.train_y, minlength=c)
-    q = _draw_dirichlet(rng, sizes, alpha, num_clients, min_train_samples, max_redraws,
-                        lambda t: t - _local_test_size(t, train_fraction))
-    pooled = [[] for _ in range(num_clients)]
-    for label in range(c):
-        idx = rng.permutation(np.flatnonzero(dataset.train_y == label))
-        for k, part in enumerate(_split_by_proportions(idx, q[label])):
-            pooled[k].append(part)
+    [pooled] = _by_class_dirichlet(rng, dataset, num_clients, min_train_samples, max_redraws, alpha,
+                                   lambda t: t - _local_test_size(t, train_fraction), (dataset.train_y,))
     train, test = [], []
-    for parts in pooled:
-        idx = rng.permutation(np.concatenate(parts))
-        n_test = int(_local_test_size(np.array([len(idx)]), train_fraction)[0])
+    for idx in pooled:
+        idx = rng.permutation(idx)
+        n_test = int(_local_test_size(len(idx), train_fraction))
         test.append(idx[:n_test])
         train.append(idx[n_test:])
     return train, test
