@@ -258,7 +258,8 @@ def _figure(views: list[tuple[str, str]]):
 
 
 def _finished(fig: "Figure", axes, views, title: str | None, out, legend_size: int) -> "Figure":
-    """The panels labelled and gridded, the unused ones hidden, the legend in the first: :func:`_saved`."""
+    """The panels labelled and gridded, the unused ones hidden, the legend in the first; saved to ``out``
+    when given."""
     for ax, (xk, yk) in zip(axes.ravel(), views):
         ax.set_xlabel(_axis_label(xk))
         ax.set_ylabel(_axis_label(yk))
@@ -269,7 +270,10 @@ def _finished(fig: "Figure", axes, views, title: str | None, out, legend_size: i
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    return _saved(fig, out)
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(Path(out), dpi=110)
+    return fig
 
 
 def _sweep_curves(sweep) -> dict[str, list[RunRecord]]:
@@ -308,15 +312,6 @@ def _plot_sweep(sweep, out, *, x, y, title) -> "Figure":
     return _finished(fig, axes, views, title or f"sweep {name}: mean ± sample std over seeds", out, legend_size=7)
 
 
-def _saved(fig: "Figure", out: str | Path | None) -> "Figure":
-    """The figure, written to ``out`` first when given."""
-    if out is not None:
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=110)
-    return fig
-
-
 def _scale_x(ax, values: list[float]) -> None:
     """Log x when the values span more than two decades (e.g. SpaFL's thresholds-only traffic next
     to FedAvg's), symlog when a run sits at 0 (Local sends nothing); linear otherwise."""
@@ -331,6 +326,10 @@ def _scale_x(ax, values: list[float]) -> None:
 
 def _pct(value) -> str:
     return "–" if value is None else f"{100 * value:.2f}"
+
+
+def _cell(value, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
 
 
 # The density a run's table and report show: metrics.jsonl's ``density``, over the final round's sampled
@@ -377,13 +376,9 @@ def report_table(paths) -> str:
         std = last.get("accuracy_std")
         acc = _pct(last.get("accuracy")) + ("" if std is None else f" ({100 * std:.2f})")
         best_s = "–" if best is None else f"{_pct(best['accuracy'])} ({best['round']})"
-        gbit = _safe(DERIVED["gbit"][1], last)
-        tflops = _safe(DERIVED["tflops"][1], last)
-        rate = run.summary.get("rounds_per_second_after_first_chunk")
-        density = last.get("density")
         label = run.label + (f" [{run.changes_text}]" if run.changes else "")
-        lines.append(f"| {label} | {rounds} | {acc} | {best_s} | "
-                     f"{'–' if gbit is None else f'{gbit:.4g}'} | {'–' if tflops is None else f'{tflops:.4g}'} | "
-                     f"{'–' if density is None else f'{density:.3f}'} | {'–' if rate is None else f'{rate:.3g}'} |"
-                     + dp_cell)
+        cells = [label, rounds, acc, best_s, _cell(_safe(DERIVED["gbit"][1], last), ".4g"),
+                 _cell(_safe(DERIVED["tflops"][1], last), ".4g"), _cell(last.get("density"), ".3f"),
+                 _cell(run.summary.get("rounds_per_second_after_first_chunk"), ".3g")]
+        lines.append("| " + " | ".join(cells) + " |" + dp_cell)
     return "\n".join(lines) + "\n"

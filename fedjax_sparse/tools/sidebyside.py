@@ -61,7 +61,4 @@ def summarise(values: list[float]) -> dict:
 
 def at_round(run: dict, r: int, key: str = "accuracy"):
     """``key`` of round ``r`` of a curve, None when that round was not evaluated."""
-    for row in run["rows"]:
-        if row["round"] == r:
-            return row[key]
-    return None
+    return next((row[key] for row in run["rows"] if row["round"] == r), None)
