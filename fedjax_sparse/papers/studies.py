@@ -256,10 +256,9 @@ def write_report(study: dict, out: Path, methods: list[str], seeds: list[int]) -
 
 
 def plot_learning_curves(study, runs, methods, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (ax_acc, ax_den) = plt.subplots(1, 2, figsize=(12, 4.5))
+    from matplotlib.figure import Figure   # no pyplot: the process's backend is untouched (as reporting)
+    fig = Figure(figsize=(12, 4.5))
+    ax_acc, ax_den = fig.subplots(1, 2)
     for method in methods:
         if method not in runs:
             continue
@@ -288,19 +287,17 @@ def plot_learning_curves(study, runs, methods, path: Path) -> None:
             ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def plot_sparsity_pattern(run: dict, path: Path, label: str, fractions=(0.08, 0.3, 1.0)) -> None:
     """Paper Fig. 3: active (black) / pruned (white) filters of the first
     layer, one row per client, at three rounds (by default 8%, 30% and 100%
     of training, i.e. rounds 40/150/500 of 500)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
     rounds, masks = run["masks"]["rounds"], run["masks"]["masks"]
     picks = sorted({int(np.argmin(np.abs(rounds - max(1, round(f * rounds[-1]))))) for f in fractions})
-    fig, axes = plt.subplots(1, len(picks), figsize=(4 * len(picks), 5), squeeze=False)
+    fig = Figure(figsize=(4 * len(picks), 5))
+    axes = fig.subplots(1, len(picks), squeeze=False)
     for ax, i in zip(axes[0], picks):
         ax.imshow(masks[i], cmap="Greys", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
         ax.set(title=f"round {rounds[i]} ({100 * masks[i].mean():.0f}% active)",
@@ -308,7 +305,6 @@ def plot_sparsity_pattern(run: dict, path: Path, label: str, fractions=(0.08, 0.
     fig.suptitle(f"Sparsity pattern of {run['masks']['layer']} ({label}); black = active")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------- command line
