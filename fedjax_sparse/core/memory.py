@@ -284,16 +284,12 @@ def _trace_client(engine, state, row, data) -> tuple[int, int]:
     state's shapes)."""
     alg = engine.algorithm
     payload = jax.eval_shape(alg.broadcast, state.server, state.round)
-
-    def one_client(payload, row, x, y, indices, count, round_, cid, key, shared_key):
-        return alg.client_update(payload, row, ClientData(x, y, indices, count),
-                                 ClientContext(round_, cid, key, shared_key))
-
     i32 = jax.ShapeDtypeStruct((), jnp.int32)
-    closed, out = jax.make_jaxpr(one_client, return_shape=True)(
-        payload, row, _shape(data.train_x), _shape(data.train_y),
-        jax.ShapeDtypeStruct(tuple(data.train_idx.shape[1:]), data.train_idx.dtype), i32, i32, i32,
-        state.key, state.key)
+    client = (_shape(data.train_x), _shape(data.train_y),
+              jax.ShapeDtypeStruct(tuple(data.train_idx.shape[1:]), data.train_idx.dtype), i32)
+    closed, out = jax.make_jaxpr(lambda payload, row, client, context: alg.client_update(
+        payload, row, ClientData(*client), ClientContext(*context)), return_shape=True)(
+        payload, row, client, (i32, i32, state.key, state.key))
     return peak_live_bytes(closed), tree_bytes(out[1])
 
 
