@@ -318,20 +318,20 @@ def _evaluation_bytes(engine, state, row, data, row_bytes: int) -> tuple[int, in
     has = counts[counts > 0]
     largest = int(has.max()) if has.size else 1
     global_predict, personal_predict = alg.global_predict, alg.personal_predict
+    assert global_predict is not None or personal_predict is not None, \
+        "an algorithm predicts with a personal or a global model"
     global_pass = 0
     if global_predict is not None:
         a, b = _forward_line(lambda server, row, cid, x: global_predict(server, x), state.server, row, data)
         global_pass = int(a + b * evaluator.global_eval_batch_size)
-    if personal_predict is None and global_predict is not None and evaluator.eval_shared_global_pass:
-        return global_pass, global_pass  # population.evaluate makes the same pass
+    # The personal models' path (per_client): one client at a time, its test set padded to the granularity;
+    # without personal models, each client's is the global model's (a, b as traced above).
     if personal_predict is not None:
-        predict = personal_predict
+        a, b = _forward_line(personal_predict, state.server, row, data)
+    elif evaluator.eval_shared_global_pass:
+        return global_pass, global_pass  # population.evaluate makes the same pass
     else:
-        assert global_predict is not None, "an algorithm predicts with a personal or a global model"
-        predict = lambda server, row, cid, x: global_predict(server, x)  # noqa: E731
         row_bytes = 0  # every client uses the server's model: no rows gathered
-    # The personal models' path (per_client): one client at a time, its test set padded to the granularity.
-    a, b = _forward_line(predict, state.server, row, data)
     g = evaluator.per_client_granularity
     personal = int(row_bytes + a + b * (-(-largest // g) * g))
     device = max(personal, global_pass)
