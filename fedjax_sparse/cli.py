@@ -440,13 +440,12 @@ def key_value_problem(argv: list[str]) -> str | None:
         flag, sep, value = token.partition("=")
         if flag not in KEY_VALUE_FLAGS:
             continue
+        rest = argv[i + 1:]
         if not sep:
-            if i + 1 >= len(argv):
+            if not rest:
                 return None  # argparse's "expected one argument"
-            value = argv[i + 1]
-            after = argv[i + 2] if i + 2 < len(argv) else None
-        else:
-            after = argv[i + 1] if i + 1 < len(argv) else None
+            value, rest = rest[0], rest[1:]
+        after = rest[0] if rest else None
         if "=" in value or value.startswith("--"):
             continue
         if after is not None and not after.startswith("--"):

@@ -300,8 +300,8 @@ def _plot_sweep(sweep, out, *, x, y, title) -> "Figure":
         scale = 100.0 if yk.endswith("accuracy") else 1.0
         for label, runs in points.items():
             length = min(len(run.rows) for run in runs)
-            xs = np.array([[v if v is not None else np.nan for v in run.series(xk)[:length]] for run in runs], float)
-            ys = np.array([[v if v is not None else np.nan for v in run.series(yk)[:length]] for run in runs], float)
+            # [seeds, rounds]; a missing value (None) is NaN.
+            xs, ys = (np.array([run.series(key)[:length] for run in runs], float) for key in (xk, yk))
             if not length or np.isnan(ys).all():
                 continue
             mean_x, mean_y = np.nanmean(xs, 0), scale * np.nanmean(ys, 0)
