@@ -448,13 +448,10 @@ def _part_sizes(e: MemoryEstimate) -> dict[str, int]:
 
 
 def check_fits(estimate: MemoryEstimate, config=None, *, capacity_bytes: int | None = None) -> None:
-    """Raises :class:`RunError` in one line when the run does not fit: the estimate and the
-    capacity, the largest part, and the flag(s) that make it fit, the fixes of the largest part
-    first: ``--client-state host`` (with ``--client-storage bfloat16`` when host memory is short
-    too) for the client state; ``--client-parallelism map`` (same results) or the largest
-    ``--clients-per-round`` that fits for training; or says that no flag does (the data alone).
-    ``config``: the run's RunConfig, accepted for the caller's convenience (the estimate carries
-    the settings it was made for). ``capacity_bytes`` replaces the device's capacity."""
+    """Raises :class:`RunError` in one line when the run does not fit: the estimate and the capacity,
+    the largest part, and the flags that make it fit, the largest part's first (which flags: docs/design.md,
+    "A run's files and their safety"), or that no flag does. ``config`` plays no part (the estimate carries
+    its settings; accepted for the callers' convenience). ``capacity_bytes`` replaces the device's capacity."""
     e = estimate if capacity_bytes is None else estimate.with_settings(device_capacity_bytes=int(capacity_bytes))
     short = _shortfalls(e)
     if not short:

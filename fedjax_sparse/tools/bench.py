@@ -242,19 +242,19 @@ def time_variant(checked: Checked, point: tuple, rounds_timed: int,
             mode, measured = runner.measure_client_parallelism(engine, state, exp.data)
             engine = dataclasses.replace(engine, client_parallelism=mode)
         advance = _round_advancer(exp, engine, state, population)
-        note(f"compiling and running round 1 ({engine.mode}) ...")
-        t = time.perf_counter()
-        state, first_metrics = advance(state)
-        jax.block_until_ready(state)
-        first_seconds = time.perf_counter() - t
-        note(f"timing {rounds_timed} rounds ...")
-        rounds, seconds = [first_metrics], []
-        for _ in range(rounds_timed):
+        rounds: list[dict] = []   # every round's host metrics
+
+        def timed_round() -> float:
+            nonlocal state
             t = time.perf_counter()
             state, round_metrics = advance(state)
             jax.block_until_ready(state)   # the metrics are on the host already; the state may still run
-            seconds.append(time.perf_counter() - t)
             rounds.append(round_metrics)
+            return time.perf_counter() - t
+        note(f"compiling and running round 1 ({engine.mode}) ...")
+        first_seconds = timed_round()
+        note(f"timing {rounds_timed} rounds ...")
+        seconds = [timed_round() for _ in range(rounds_timed)]
         local_step = None
         if count_kernels and population is None:
             note("counting the kernels of a local step ...")
@@ -268,7 +268,6 @@ def time_variant(checked: Checked, point: tuple, rounds_timed: int,
     flops = sum(np.asarray(timed["flops"]).tolist()) if "flops" in timed else None
     steps = int(timed["client_steps"].sum()) if "client_steps" in timed else None
     executed = int(timed["client_steps_executed"].sum()) if "client_steps_executed" in timed else None
-    peak_device = timing.device_peak_memory_mib()
     record = {
         "name": variant_name(point), "values": dict(point),
         "algorithm": config.algorithm, "model": exp.model.name, "num_params": int(exp.model.num_params),
@@ -288,7 +287,7 @@ def time_variant(checked: Checked, point: tuple, rounds_timed: int,
         "client_steps_executed_per_second": _per_second(executed, total_seconds),
         "total_flops": flops,
         "tflops": None if flops is None else float(flops) / total_seconds / 1e12,
-        "peak_device_memory_mib": peak_device,
+        "peak_device_memory_mib": timing.device_peak_memory_mib(),
         "peak_host_memory_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "memory_estimate_device_mib": estimate.device_total_bytes / 2 ** 20,
         "process": {"xla_flags": os.environ.get("XLA_FLAGS", ""), "isolated": False},
