@@ -147,11 +147,8 @@ def device_peak_memory_mib(devices=None) -> float | None:
     """The largest ``peak_bytes_in_use`` over ``devices`` (default: this process's local devices),
     in MiB; None where the backend keeps no allocator statistics (XLA:CPU's ``memory_stats()`` is
     None). The peak is the process's since it started: read it once per process for one figure."""
-    peaks = []
-    for device in jax.local_devices() if devices is None else devices:
-        stats = device.memory_stats()
-        if stats and "peak_bytes_in_use" in stats:
-            peaks.append(int(stats["peak_bytes_in_use"]))
+    stats = [device.memory_stats() or {} for device in (jax.local_devices() if devices is None else devices)]
+    peaks = [int(s["peak_bytes_in_use"]) for s in stats if "peak_bytes_in_use" in s]
     return max(peaks) / 2 ** 20 if peaks else None
 
 

@@ -255,8 +255,6 @@ def local_step_cost(round_fn: Callable, *args, platforms: tuple[str, ...] = ("cp
                 else:
                     costs.append(_costs(jitted.trace(*args).lower(lowering_platforms=(platform,)).cost_analysis()))
         whole, rest = costs
-        if whole is None or rest is None:
-            out[platform] = None
-            continue
-        out[platform] = {**{key: whole[key] - rest[key] for key in whole}, "compiled": platform == backend}
+        out[platform] = (None if whole is None or rest is None
+                         else {**{key: whole[key] - rest[key] for key in whole}, "compiled": platform == backend})
     return out
