@@ -30,14 +30,6 @@ RUN_EXAMPLES = """examples:
   python -m fedjax_sparse list       # algorithms, data sets, models, partitions"""
 
 
-def _group(parser: argparse.ArgumentParser, name: str):
-    """The argument group ``name`` (settings.GROUPS) of ``parser``, created on first use."""
-    groups = parser.__dict__.setdefault("_fjs_groups", {})
-    if name not in groups:
-        groups[name] = parser.add_argument_group(name)
-    return groups[name]
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fedjax_sparse",
                                      description="Sparse federated learning simulator (JAX).")
@@ -45,38 +37,38 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a federated experiment", epilog=RUN_EXAMPLES,
                          usage="python -m fedjax_sparse run [FLAGS]   (by group below; examples at the end)",
                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_config_arguments(run)
-    _group(run, "outputs").add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
-    _group(run, "outputs").add_argument(
+    groups = _add_config_arguments(run)
+    groups["outputs"].add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
+    groups["outputs"].add_argument(
         "--change", action="append", metavar="KEY=VALUE",
         help="with --resume: continue from the checkpoint with another lr (--change lr=0.01) or algorithm option "
              "(--change option.alpha=0.01), e.g. after a divergence; recorded in config.json with the round, "
              "marked by report and plot (repeatable)")
-    _group(run, "outputs").add_argument("--overwrite", action="store_true", help="replace the run already in --out")
-    _group(run, "outputs").add_argument("--quiet", action="store_true", help="no progress bar")
-    _group(run, "execution").add_argument("--compile-cache", default=None, metavar="DIR|off",
+    groups["outputs"].add_argument("--overwrite", action="store_true", help="replace the run already in --out")
+    groups["outputs"].add_argument("--quiet", action="store_true", help="no progress bar")
+    groups["execution"].add_argument("--compile-cache", default=None, metavar="DIR|off",
                      help="folder of JAX's persistent compilation cache, so a rerun, a resume or another seed "
                           "of the same shapes skips compiling (default: $FEDJAX_SPARSE_COMPILE_CACHE, else "
                           "$XDG_CACHE_HOME/fedjax_sparse/jax, i.e. ~/.cache/...; 'off' disables it)")
-    _group(run, "execution").add_argument("--coordinator", default=None, metavar="HOST:PORT",
+    groups["execution"].add_argument("--coordinator", default=None, metavar="HOST:PORT",
                      help="multi-process run (jax.distributed): address of process 0; with --num-processes and "
                           "--process-id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
-    _group(run, "execution").add_argument("--num-processes", type=int, default=None, metavar="N",
+    groups["execution"].add_argument("--num-processes", type=int, default=None, metavar="N",
                      help="multi-process run: how many processes (one command per process, same flags)")
-    _group(run, "execution").add_argument("--process-id", type=int, default=None, metavar="I",
+    groups["execution"].add_argument("--process-id", type=int, default=None, metavar="I",
                      help="multi-process run: this process's index, 0 .. N-1 (process 0 writes the files)")
-    _group(run, "seeds and sweeps").add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED",
+    groups["seeds and sweeps"].add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED",
                      help="replicas: run the configuration once per seed in one process, each in OUT/seed<SEED>/ "
                           "(OUT/replicas.json: mean and std over seeds); replaces --seed")
-    _group(run, "seeds and sweeps").add_argument("--replica-parallelism", default="auto",
+    groups["seeds and sweeps"].add_argument("--replica-parallelism", default="auto",
                      help="--seeds and --sweep: auto (sequential on CPU, vmap elsewhere) | vmap (all members in one "
                           "program) | sequential (one member after another through one compiled program)")
-    _group(run, "seeds and sweeps").add_argument("--sweep", action="append", default=None, metavar="KEY=V1,V2",
+    groups["seeds and sweeps"].add_argument("--sweep", action="append", default=None, metavar="KEY=V1,V2",
                      help="a grid (repeatable): KEY is lr, local_epochs, malicious_fraction (any RunConfig field), "
                           "option.NAME, model_option.NAME or dataset_option.NAME; every point runs every --seeds "
                           "seed, in "
                           "OUT/<point>/seed<SEED>/, with OUT/sweep.json and OUT/sweep.md (mean +- std over seeds)")
-    _group(run, "seeds and sweeps").add_argument("--sweep-select", default=None, metavar="KEY",
+    groups["seeds and sweeps"].add_argument("--sweep-select", default=None, metavar="KEY",
                      help="--sweep: how the best point is chosen: best_accuracy (default; on --resume the recorded "
                           "one) | final_accuracy | accuracy_at_gbit:X (best accuracy within X Gbit)")
 
@@ -112,14 +104,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_config_arguments(parser: argparse.ArgumentParser) -> dict:
     """The flags that make a run's configuration (``run`` and ``bench`` read them alike:
-    :func:`config_from_args`)."""
-    for name in GROUPS:   # the groups in their order
-        _group(parser, name)
-    _group(parser, "configuration").add_argument("--config",
-                                                 help="JSON config file (RunConfig fields); flags given override it")
-    _group(parser, "configuration").add_argument(
+    :func:`config_from_args`), in their groups (settings.GROUPS, in order); returns {name: group}."""
+    groups = {name: parser.add_argument_group(name) for name in GROUPS}
+    groups["configuration"].add_argument("--config",
+                                         help="JSON config file (RunConfig fields); flags given override it")
+    groups["configuration"].add_argument(
         "--setting", metavar="NAME", help="a paper's experiment (fedjax_sparse/papers/settings.py: spafl_fmnist, "
         "feddrop_fmnist, fsl_mnist, their methods as spafl_fmnist_fedavg ...; `list` names all); --config "
         "and the flags given override its keys")
@@ -127,16 +118,17 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = RunConfig()
     for flag, dest, kind, text, group in RUN_FLAGS:
         if kind is dict:   # KEY=VALUE, repeatable: typed by config.typed_value
-            _group(parser, group).add_argument(flag, action="append", metavar="KEY=VALUE", help=text)
+            groups[group].add_argument(flag, action="append", metavar="KEY=VALUE", help=text)
         elif kind is bool:
-            _group(parser, group).add_argument(flag, action="store_true", default=None, help=text)
+            groups[group].add_argument(flag, action="store_true", default=None, help=text)
         else:
             if "default" not in text:
                 # The flag's default is the RunConfig field's (argparse's own default stays None so that the
                 # flags given can be told apart from a config file's values).
                 default = getattr(defaults.execution if dest in EXECUTION_FIELDS else defaults, dest)
                 text = f"{text} (default: {default})"
-            _group(parser, group).add_argument(flag, dest=dest, type=kind, default=None, help=text)
+            groups[group].add_argument(flag, dest=dest, type=kind, default=None, help=text)
+    return groups
 
 
 def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
@@ -440,13 +432,12 @@ def key_value_problem(argv: list[str]) -> str | None:
         flag, sep, value = token.partition("=")
         if flag not in KEY_VALUE_FLAGS:
             continue
+        rest = argv[i + 1:]
         if not sep:
-            if i + 1 >= len(argv):
+            if not rest:
                 return None  # argparse's "expected one argument"
-            value = argv[i + 1]
-            after = argv[i + 2] if i + 2 < len(argv) else None
-        else:
-            after = argv[i + 1] if i + 1 < len(argv) else None
+            value, rest = rest[0], rest[1:]
+        after = rest[0] if rest else None
         if "=" in value or value.startswith("--"):
             continue
         if after is not None and not after.startswith("--"):

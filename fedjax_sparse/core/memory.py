@@ -1,15 +1,8 @@
 """Memory known before compiling: a run's peak memory on one device and on the host, estimated from
-shapes alone, and a one-line refusal naming the flag that makes it fit.
-
-Nothing is compiled or run: shapes come from ``jax.eval_shape`` and programs from
-``jax.make_jaxpr``. The estimate (:class:`MemoryEstimate`) counts the server and client state, the
-data, a round's working memory (one client's traced ``client_update`` at its live peak,
-:func:`peak_live_bytes`, times the clients trained in lockstep, plus the cohort's rows) and the
-largest evaluation program; what each part counts and against which capacity: docs/design.md,
-"The memory estimate: what is counted". ``check_fits`` raises :class:`RunError` in one line naming
-the largest part and the flag that makes the run fit, recomputed from the same per-client numbers
-(:meth:`MemoryEstimate.with_settings`). Earlier, ``check_weights_fit`` lets ``from_flax`` refuse,
-from the shapes, a model it could not even build.
+shapes alone (``jax.eval_shape``, ``jax.make_jaxpr``: nothing compiled or run), and a one-line refusal
+naming the flag that makes it fit (:func:`check_fits`). What each part of :class:`MemoryEstimate` counts
+and against which capacity: docs/design.md, "The memory estimate: what is counted".
+``check_weights_fit`` lets ``from_flax`` refuse, from the shapes, a model it could not even build.
 """
 from __future__ import annotations
 
@@ -137,7 +130,6 @@ def _device_capacity(data_bytes: int) -> tuple[int | None, str]:
         except ValueError:
             raise RunError(f"{LIMIT_ENV} must be a number of bytes, got {limit!r}") from None
     device = jax.local_devices()[0]
-    stats = None
     try:
         stats = device.memory_stats()
     except Exception:  # backends without allocator statistics
@@ -155,11 +147,8 @@ def device_peak_memory_mib(devices=None) -> float | None:
     """The largest ``peak_bytes_in_use`` over ``devices`` (default: this process's local devices),
     in MiB; None where the backend keeps no allocator statistics (XLA:CPU's ``memory_stats()`` is
     None). The peak is the process's since it started: read it once per process for one figure."""
-    peaks = []
-    for device in jax.local_devices() if devices is None else devices:
-        stats = device.memory_stats()
-        if stats and "peak_bytes_in_use" in stats:
-            peaks.append(int(stats["peak_bytes_in_use"]))
+    stats = [device.memory_stats() or {} for device in (jax.local_devices() if devices is None else devices)]
+    peaks = [int(s["peak_bytes_in_use"]) for s in stats if "peak_bytes_in_use" in s]
     return max(peaks) / 2 ** 20 if peaks else None
 
 
@@ -177,10 +166,7 @@ def check_weights_fit(model_name: str, variables: Any, *, capacity_bytes: int | 
     weight, so a model too large is refused from its shapes, not by the allocator; the run's own
     estimate (:func:`estimate`) then checks everything else."""
     weights = tree_bytes(variables)
-    if capacity_bytes is not None:
-        capacity: int | None = int(capacity_bytes)
-    else:
-        capacity, _ = _device_capacity(0)
+    capacity = int(capacity_bytes) if capacity_bytes is not None else _device_capacity(0)[0]
     if capacity is None or BUILD_COPIES * weights <= capacity:
         return
     count = sum(int(np.prod(leaf.shape)) for leaf in jax.tree_util.tree_leaves(variables.get("params", {})))
@@ -192,7 +178,7 @@ def check_weights_fit(model_name: str, variables: Any, *, capacity_bytes: int | 
 # ---------------------------------------------------------------- the estimate
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """A run's estimated peak memory in bytes (see the module docstring for what each counts).
+    """A run's estimated peak memory in bytes (what each counts: docs/design.md, "The memory estimate").
     Made by :func:`estimate`; :meth:`with_settings` recomputes it for other settings from the same
     per-client numbers; :meth:`as_dict` is JSON-ready."""
     # The settings it was computed for.
@@ -243,9 +229,10 @@ class MemoryEstimate:
     def fits(self) -> bool:
         return not _shortfalls(self)
 
-
-def _lockstep(mode: str, k: int) -> int:
-    return k if mode == "vmap" else 1
+    @property
+    def run_evaluation_bytes(self) -> int:
+        """The evaluation this run makes: the host population's with ``--client-state host``."""
+        return self.host_evaluation_bytes if self.client_state == "host" else self.evaluation_bytes
 
 
 def _host_capacity_rows(touched_per_chunk: int, chunks: int, num_clients: int, start: int = 64) -> int:
@@ -267,7 +254,7 @@ def _derive(e: MemoryEstimate) -> MemoryEstimate:
     sharded = (e.shard_clients and e.client_parallelism == "vmap" and e.device_count > 1
                and k % e.device_count == 0)
     client_devices = e.device_count if sharded else 1
-    lockstep = -(-_lockstep(e.client_parallelism, k) // client_devices)
+    lockstep = -(-(k if e.client_parallelism == "vmap" else 1) // client_devices)
     cohort = -(-k * (2 * row + e.message_bytes) // client_devices)
     activation = lockstep * e.step_bytes + cohort + e.server_state_bytes
     client_total = n * row
@@ -279,33 +266,27 @@ def _derive(e: MemoryEstimate) -> MemoryEstimate:
         capacity = _host_capacity_rows(min(resident, n), chunks, n) if row else 0
         # Stored rows, slot table, and per chunk: the rows gathered, the next chunk's prefetch, the rows fetched back.
         host = capacity * stored_row + 8 * n + 3 * resident * row
-        evaluation = e.host_evaluation_bytes
     else:
         device_clients = -(-client_total // e.population_devices)
         host = 0
-        evaluation = e.evaluation_bytes
-    device_total = e.server_state_bytes + device_clients + e.data_bytes + max(activation, evaluation)
+    device_total = e.server_state_bytes + device_clients + e.data_bytes + max(activation, e.run_evaluation_bytes)
     return dataclasses.replace(e, client_state_bytes=client_total, device_client_state_bytes=device_clients,
                                client_devices=client_devices, lockstep_clients=lockstep, cohort_bytes=cohort,
                                activation_bytes=activation, device_total_bytes=device_total,
                                host_total_bytes=host)
 
 
-def _trace_client(engine, state, data) -> tuple[int, int]:
-    """(step_bytes, message_bytes) of one client's client_update, traced for one client."""
+def _trace_client(engine, state, row, data) -> tuple[int, int]:
+    """(step_bytes, message_bytes) of one client's client_update, traced for one client (``row``: its
+    state's shapes)."""
     alg = engine.algorithm
     payload = jax.eval_shape(alg.broadcast, state.server, state.round)
-    row = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), state.clients)
-
-    def one_client(payload, row, x, y, indices, count, round_, cid, key, shared_key):
-        return alg.client_update(payload, row, ClientData(x, y, indices, count),
-                                 ClientContext(round_, cid, key, shared_key))
-
     i32 = jax.ShapeDtypeStruct((), jnp.int32)
-    closed, out = jax.make_jaxpr(one_client, return_shape=True)(
-        payload, row, _shape(data.train_x), _shape(data.train_y),
-        jax.ShapeDtypeStruct(tuple(data.train_idx.shape[1:]), data.train_idx.dtype), i32, i32, i32,
-        state.key, state.key)
+    client = (_shape(data.train_x), _shape(data.train_y),
+              jax.ShapeDtypeStruct(tuple(data.train_idx.shape[1:]), data.train_idx.dtype), i32)
+    closed, out = jax.make_jaxpr(lambda payload, row, client, context: alg.client_update(
+        payload, row, ClientData(*client), ClientContext(*context)), return_shape=True)(
+        payload, row, client, (i32, i32, state.key, state.key))
     return peak_live_bytes(closed), tree_bytes(out[1])
 
 
@@ -326,29 +307,28 @@ def _forward_line(predict, server, row, data) -> tuple[float, float]:
     return max(p1 - slope * b1, 0.0), slope
 
 
-def _evaluation_bytes(engine, state, data, row_bytes: int) -> tuple[int, int]:
-    """(device-state evaluation, host-population evaluation) peak bytes (module docstring)."""
+def _evaluation_bytes(engine, state, row, data, row_bytes: int) -> tuple[int, int]:
+    """(device-state evaluation, host-population evaluation) peak bytes (docs/design.md)."""
     alg = engine.algorithm
     evaluator = engine.evaluator
-    row = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), state.clients)
     counts = np.asarray(jax.device_get(data.test_count))
     has = counts[counts > 0]
     largest = int(has.max()) if has.size else 1
     global_predict, personal_predict = alg.global_predict, alg.personal_predict
+    assert global_predict is not None or personal_predict is not None, \
+        "an algorithm predicts with a personal or a global model"
     global_pass = 0
     if global_predict is not None:
         a, b = _forward_line(lambda server, row, cid, x: global_predict(server, x), state.server, row, data)
         global_pass = int(a + b * evaluator.global_eval_batch_size)
-    if personal_predict is None and global_predict is not None and evaluator.eval_shared_global_pass:
-        return global_pass, global_pass  # population.evaluate makes the same pass
+    # The personal models' path (per_client): one client at a time, its test set padded to the granularity;
+    # without personal models, each client's is the global model's (a, b as traced above).
     if personal_predict is not None:
-        predict = personal_predict
+        a, b = _forward_line(personal_predict, state.server, row, data)
+    elif evaluator.eval_shared_global_pass:
+        return global_pass, global_pass  # population.evaluate makes the same pass
     else:
-        assert global_predict is not None, "an algorithm predicts with a personal or a global model"
-        predict = lambda server, row, cid, x: global_predict(server, x)  # noqa: E731
         row_bytes = 0  # every client uses the server's model: no rows gathered
-    # The personal models' path (per_client): one client at a time, its test set padded to the granularity.
-    a, b = _forward_line(predict, state.server, row, data)
     g = evaluator.per_client_granularity
     personal = int(row_bytes + a + b * (-(-largest // g) * g))
     device = max(personal, global_pass)
@@ -361,7 +341,7 @@ def _evaluation_bytes(engine, state, data, row_bytes: int) -> tuple[int, int]:
 
 
 def estimate(experiment, *, capacity_bytes: int | None = None) -> MemoryEstimate:
-    """The run's estimated peak memory (module docstring), from shapes and traced programs only:
+    """The run's estimated peak memory (docs/design.md), from shapes and traced programs only:
     nothing is compiled or run. ``experiment``: what ``runner.build`` returns.
     ``capacity_bytes`` replaces the device's capacity (tests)."""
     t0 = time.perf_counter()
@@ -373,14 +353,12 @@ def estimate(experiment, *, capacity_bytes: int | None = None) -> MemoryEstimate
     row_bytes = tree_bytes(state.clients) // n if n else 0
     row_float = _float_bytes(state.clients) // n if n else 0
     data_bytes = tree_bytes(data)
-    step_bytes, message_bytes = _trace_client(engine, state, data)
-    evaluation, host_evaluation = _evaluation_bytes(engine, state, data, row_bytes)
+    row = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), state.clients)
+    step_bytes, message_bytes = _trace_client(engine, state, row, data)
+    evaluation, host_evaluation = _evaluation_bytes(engine, state, row, data, row_bytes)
     population_devices = 1 if engine.population_sharding is None else jax.device_count()
-    capacity: int | None
-    if capacity_bytes is not None:
-        capacity, source = int(capacity_bytes), "capacity_bytes"
-    else:
-        capacity, source = _device_capacity(data_bytes)
+    capacity, source = ((int(capacity_bytes), "capacity_bytes") if capacity_bytes is not None
+                        else _device_capacity(data_bytes))
     backend = jax.default_backend()
     est = MemoryEstimate(
         backend=backend, num_clients=n, clients_per_round=engine.clients_per_round,
@@ -394,8 +372,7 @@ def estimate(experiment, *, capacity_bytes: int | None = None) -> MemoryEstimate
         evaluation_bytes=evaluation, host_evaluation_bytes=host_evaluation,
         device_capacity_bytes=capacity, device_capacity_source=source, host_capacity_bytes=mem_available_bytes(),
         shared_memory=backend == "cpu")
-    est = _derive(est)
-    return dataclasses.replace(est, seconds=time.perf_counter() - t0)
+    return dataclasses.replace(_derive(est), seconds=time.perf_counter() - t0)
 
 
 # ---------------------------------------------------------------- fitting
@@ -405,22 +382,17 @@ def _size(n: float) -> str:
     return f"{n / 2 ** 20:.1f} MiB" if abs(n) >= 2 ** 20 else f"{n / 2 ** 10:.1f} KiB"
 
 
+def _needed(e: MemoryEstimate) -> int:
+    """The bytes the device must hold (on CPU, where device and host share one memory, both)."""
+    return e.device_total_bytes + (e.host_total_bytes if e.shared_memory else 0)
+
+
 def _shortfalls(e: MemoryEstimate) -> list[str]:
     """What does not fit: [] when the run fits (an unknown capacity fits)."""
-    out = []
-    if e.shared_memory:
-        if e.device_capacity_bytes is not None and e.device_total_bytes + e.host_total_bytes > e.device_capacity_bytes:
-            out.append("device")
-        return out
-    if e.device_capacity_bytes is not None and e.device_total_bytes > e.device_capacity_bytes:
-        out.append("device")
-    if e.host_capacity_bytes is not None and e.host_total_bytes > e.host_capacity_bytes:
-        out.append("host")
-    return out
-
-
-def _needed(e: MemoryEstimate) -> int:
-    return e.device_total_bytes + (e.host_total_bytes if e.shared_memory else 0)
+    limits = [("device", _needed(e), e.device_capacity_bytes)]
+    if not e.shared_memory:
+        limits.append(("host", e.host_total_bytes, e.host_capacity_bytes))
+    return [part for part, needed, capacity in limits if capacity is not None and needed > capacity]
 
 
 def _largest_cohort(e: MemoryEstimate) -> int | None:
@@ -468,19 +440,15 @@ def _fixes(e: MemoryEstimate, largest: str) -> list[tuple[str, MemoryEstimate]]:
 
 
 def _part_sizes(e: MemoryEstimate) -> dict[str, int]:
-    evaluation = e.host_evaluation_bytes if e.client_state == "host" else e.evaluation_bytes
     return {"client state": e.device_client_state_bytes + (e.host_total_bytes if e.shared_memory else 0),
-            "training": e.activation_bytes, "evaluation": evaluation, "data": e.data_bytes}
+            "training": e.activation_bytes, "evaluation": e.run_evaluation_bytes, "data": e.data_bytes}
 
 
 def check_fits(estimate: MemoryEstimate, config=None, *, capacity_bytes: int | None = None) -> None:
-    """Raises :class:`RunError` in one line when the run does not fit: the estimate and the
-    capacity, the largest part, and the flag(s) that make it fit, the fixes of the largest part
-    first: ``--client-state host`` (with ``--client-storage bfloat16`` when host memory is short
-    too) for the client state; ``--client-parallelism map`` (same results) or the largest
-    ``--clients-per-round`` that fits for training; or says that no flag does (the data alone).
-    ``config``: the run's RunConfig, accepted for the caller's convenience (the estimate carries
-    the settings it was made for). ``capacity_bytes`` replaces the device's capacity."""
+    """Raises :class:`RunError` in one line when the run does not fit: the estimate and the capacity,
+    the largest part, and the flags that make it fit, the largest part's first (which flags: docs/design.md,
+    "A run's files and their safety"), or that no flag does. ``config`` plays no part (the estimate carries
+    its settings; accepted for the callers' convenience). ``capacity_bytes`` replaces the device's capacity."""
     e = estimate if capacity_bytes is None else estimate.with_settings(device_capacity_bytes=int(capacity_bytes))
     short = _shortfalls(e)
     if not short:
@@ -510,8 +478,10 @@ def check_fits(estimate: MemoryEstimate, config=None, *, capacity_bytes: int | N
         raise RunError(f"{where}; to fit, use {advice}")
     if largest == "data":
         raise RunError(f"{where}; no flag makes it fit: use fewer clients (shorter index rows) or a smaller data set")
-    closest = f"; the closest, {min(candidates, key=lambda c: _needed(c[1]))[0]}, still needs " \
-              f"{_size(_needed(min(candidates, key=lambda c: _needed(c[1]))[1]))}" if candidates else ""
+    closest = ""
+    if candidates:
+        flags, fixed = min(candidates, key=lambda c: _needed(c[1]))
+        closest = f"; the closest, {flags}, still needs {_size(_needed(fixed))}"
     raise RunError(f"{where}; no flag here makes it fit{closest}: use a smaller model, {arg('batch_size')} or data "
                    "set, or a device with more memory")
 
@@ -519,11 +489,10 @@ def check_fits(estimate: MemoryEstimate, config=None, *, capacity_bytes: int | N
 def format_estimate(estimate: MemoryEstimate) -> str:
     """One line for the run to print."""
     e = estimate
-    evaluation = e.host_evaluation_bytes if e.client_state == "host" else e.evaluation_bytes
     capacity = "unknown capacity" if e.device_capacity_bytes is None else _size(e.device_capacity_bytes)
     state = e.server_state_bytes + e.device_client_state_bytes
     line = (f"memory estimate: device {_size(e.device_total_bytes)} = state {_size(state)} + data "
-            f"{_size(e.data_bytes)} + max(training {_size(e.activation_bytes)}, eval {_size(evaluation)})"
+            f"{_size(e.data_bytes)} + max(training {_size(e.activation_bytes)}, eval {_size(e.run_evaluation_bytes)})"
             f" of {capacity}")
     if e.client_state == "host" or e.host_total_bytes:
         line += f"; host {_size(e.host_total_bytes)}"

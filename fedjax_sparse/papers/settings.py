@@ -6,17 +6,11 @@ Plain data (no JAX, no engine): flat ``RunConfig`` keys as ``config.json`` and t
 The reproduction scripts (``experiments/reproduce/``), the benchmarks (``experiments/bench/``) and
 ``experiments/gpu_targets.py`` read them from here instead of from each other.
 
-* SpaFL (Kim et al., NeurIPS 2024), Fashion-MNIST: ``SPAFL_FMNIST_BASE`` (data, model and schedule),
-  ``SPAFL_FMNIST_OPTIONS`` (SpaFL's options), ``SPAFL_FMNIST_METHODS`` (every method of the study:
-  algorithm, learning rate, options, and the data settings a method changes), ``SPAFL_FMNIST_PAPER``
-  (the paper's Tables 1-3 numbers) and ``SPAFL_FMNIST_STUDY`` (all of it as one study for
-  ``fedjax_sparse.papers.studies``);
-* FedDrop, Fashion-MNIST: ``FEDDROP_FMNIST_BASE`` and ``FEDDROP_PARTICIPATION`` (full: 100 clients all
-  taking part; fractional: 1000 clients, 10 per round, a new cohort every 2 rounds);
-* FSL, MNIST: ``FSL_MNIST_BASE`` and ``FSL_MNIST_METHODS`` (weight training at ``FSL_WEIGHT_LR``,
-  supermask training at ``FSL_SUPERMASK_LR``);
-* ``ROUND_BENCHMARKS``: the named configurations of the round benchmark
-  (``experiments/bench/bench_rounds.py --config NAME``).
+Per paper (SpaFL and FedDrop on Fashion-MNIST, FSL on MNIST): its ``*_BASE`` (data, model and
+schedule), SpaFL's and FSL's ``*_METHODS`` (algorithm, learning rate, options, and the data settings a
+method changes), FedDrop's ``FEDDROP_PARTICIPATION``; ``SPAFL_FMNIST_STUDY`` gathers SpaFL's study for
+``fedjax_sparse.papers.studies``. ``ROUND_BENCHMARKS``: the named configurations of
+``experiments/bench/bench_rounds.py --config NAME``; ``SETTINGS``: ``run --setting NAME``.
 
 Each setting's source (paper section, appendix, reference code) is in the docstring of the script that
 reproduces it: ``experiments/reproduce/spafl_fmnist.py``, ``feddrop_fmnist.py``, ``fsl_mnist.py``.
@@ -108,18 +102,15 @@ FSL_MNIST_METHODS = {
 }
 
 # ---------------------------------------------------------------------------- round benchmarks
+# The SpaFL FMNIST setting (issue #2): 100 clients, Dirichlet 0.2 with per-client test mix,
+# 10 clients per round, 5 local epochs, batch 64, LeNet-5-Caffe.
+_FEDAVG_FMNIST_ROUNDS = dict(algorithm="fedavg", dataset="fashion_mnist", model="lenet5_caffe", num_clients=100,
+                             clients_per_round=10, local_epochs=5, batch_size=64, lr=0.01, partition="dirichlet:0.2",
+                             min_client_samples=64)
 ROUND_BENCHMARKS = {
-    # The SpaFL FMNIST setting (issue #2): 100 clients, Dirichlet 0.2 with per-client test mix,
-    # 10 clients per round, 5 local epochs, batch 64, LeNet-5-Caffe.
-    "fedavg_fmnist": dict(algorithm="fedavg", dataset="fashion_mnist", model="lenet5_caffe",
-                          num_clients=100, clients_per_round=10, local_epochs=5, batch_size=64,
-                          lr=0.01, partition="dirichlet:0.2", min_client_samples=64),
-    "local_fmnist": dict(algorithm="local", dataset="fashion_mnist", model="lenet5_caffe",
-                         num_clients=100, clients_per_round=10, local_epochs=5, batch_size=64,
-                         lr=0.01, partition="dirichlet:0.2", min_client_samples=64),
-    "spafl_fmnist": dict(algorithm="spafl", dataset="fashion_mnist", model="lenet5_caffe",
-                         num_clients=100, clients_per_round=10, local_epochs=5, batch_size=64,
-                         lr=0.001, partition="dirichlet:0.2", min_client_samples=64, preprocess="raw"),
+    "fedavg_fmnist": _FEDAVG_FMNIST_ROUNDS,
+    "local_fmnist": dict(_FEDAVG_FMNIST_ROUNDS, algorithm="local"),
+    "spafl_fmnist": dict(_FEDAVG_FMNIST_ROUNDS, algorithm="spafl", lr=0.001, preprocess="raw"),
     "fsl_mnist": dict(algorithm="fsl", dataset="mnist", model="fsl_lenet", num_clients=1000,
                       clients_per_round=25, local_epochs=2, batch_size=8, lr=0.4,
                       partition="dirichlet_split:1.0:0.8"),

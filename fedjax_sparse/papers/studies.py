@@ -7,17 +7,11 @@ that method) and ``config`` (further RunConfig keys)), ``paper`` (name -> the pa
 ``fedjax_sparse.papers.SPAFL_FMNIST_STUDY`` is one; ``experiments/reproduce/spafl_fmnist.py`` and
 ``spafl_cifar.py`` are ``main`` with their studies.
 
-Each (method, seed) is one ``fjs.run`` into ``OUT/<method>/seed<k>/`` (config.json, metrics.jsonl,
-summary.json); runs with a summary.json are skipped, interrupted ones resume from their checkpoint; a
-run whose training or test loss turns NaN/inf gets ``diverged.json`` (``DIVERGED``), the study goes on, reruns skip it
-and the report counts it apart ("2 (+1 diverged)") and out of the means (``--replicas`` runs stop at
-the first divergence). ``--replicas sequential|vmap|auto`` runs each method's seeds as replicas in
-one process (``fedjax_sparse.driver.replicas``: the same files and numbers, one compiled program). For the
-SpaFL family ``MaskRecorder`` records, after every evaluation, every client's first-layer row mask and
-density (``spafl_masks.npz``). ``write_report`` writes ``OUT/results.md`` / ``results.json``
-(accuracy mean ± std over seeds, best round and final; total Gbit; total FLOPs; density; next to the
-paper's numbers), ``learning_curves.png`` and the sparsity pattern of the first layer (the SpaFL
-paper's Fig. 3). ``--report-only`` rebuilds these from OUT.
+Each (method, seed) is one ``fjs.run`` into ``OUT/<method>/seed<k>/``, skipped when finished, resumed
+when interrupted, recorded as diverged (:func:`run_one`); ``--replicas`` runs a method's seeds in one
+process (:func:`run_method_replicas`); the SpaFL family's masks are recorded by :class:`MaskRecorder`;
+:func:`write_report` writes the table and plots (``--report-only``: only those). The command line as a
+user reads it: the docstring (``--help``) of ``experiments/reproduce/spafl_fmnist.py``.
 
 FLOPs: ours count a multiply-accumulate as 2 FLOPs and sum over all sampled clients; the SpaFL paper
 counts MACs and reports the mean per client, so "paper convention" = ours / (2 * N).
@@ -78,9 +72,8 @@ class MaskRecorder:
             self._fn = self._build(exp)
         # On resume, drop anything recorded past the checkpoint.
         keep = [i for i, r in enumerate(self.rounds) if r < row["round"]]
-        self.rounds = [self.rounds[i] for i in keep]
-        self.masks = [self.masks[i] for i in keep]
-        self.density = [self.density[i] for i in keep]
+        self.rounds, self.masks, self.density = ([recorded[i] for i in keep]
+                                                 for recorded in (self.rounds, self.masks, self.density))
         masks, density = self._fn(state.server, state.clients)
         self.rounds.append(int(row["round"]))
         self.masks.append(np.asarray(masks, np.uint8))
@@ -216,6 +209,9 @@ def seeds_cell(num_runs: int, num_diverged: int) -> str:
 
 
 def write_report(study: dict, out: Path, methods: list[str], seeds: list[int]) -> dict:
+    """``OUT/results.md`` and ``results.json`` (accuracy mean ± std over seeds, best round and final; Gbit;
+    FLOPs; density; next to the paper's numbers), ``learning_curves.png`` and the sparsity pattern of the
+    first layer (the SpaFL paper's Fig. 3) of the runs in ``out``; returns the table."""
     runs, diverged = collect(out, methods, seeds)
     table = {}
     for method, by_seed in runs.items():
@@ -260,10 +256,9 @@ def write_report(study: dict, out: Path, methods: list[str], seeds: list[int]) -
 
 
 def plot_learning_curves(study, runs, methods, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (ax_acc, ax_den) = plt.subplots(1, 2, figsize=(12, 4.5))
+    from matplotlib.figure import Figure   # no pyplot: the process's backend is untouched (as reporting)
+    fig = Figure(figsize=(12, 4.5))
+    ax_acc, ax_den = fig.subplots(1, 2)
     for method in methods:
         if method not in runs:
             continue
@@ -292,19 +287,17 @@ def plot_learning_curves(study, runs, methods, path: Path) -> None:
             ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def plot_sparsity_pattern(run: dict, path: Path, label: str, fractions=(0.08, 0.3, 1.0)) -> None:
     """Paper Fig. 3: active (black) / pruned (white) filters of the first
     layer, one row per client, at three rounds (by default 8%, 30% and 100%
     of training, i.e. rounds 40/150/500 of 500)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
     rounds, masks = run["masks"]["rounds"], run["masks"]["masks"]
     picks = sorted({int(np.argmin(np.abs(rounds - max(1, round(f * rounds[-1]))))) for f in fractions})
-    fig, axes = plt.subplots(1, len(picks), figsize=(4 * len(picks), 5), squeeze=False)
+    fig = Figure(figsize=(4 * len(picks), 5))
+    axes = fig.subplots(1, len(picks), squeeze=False)
     for ax, i in zip(axes[0], picks):
         ax.imshow(masks[i], cmap="Greys", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
         ax.set(title=f"round {rounds[i]} ({100 * masks[i].mean():.0f}% active)",
@@ -312,7 +305,6 @@ def plot_sparsity_pattern(run: dict, path: Path, label: str, fractions=(0.08, 0.
     fig.suptitle(f"Sparsity pattern of {run['masks']['layer']} ({label}); black = active")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------- command line

@@ -1,42 +1,19 @@
 """How fast a configuration runs here: ``python -m fedjax_sparse bench`` and :func:`bench`.
 
-``bench(config, {"client_parallelism": ["map", "vmap"]})`` builds the experiment of every variant
-(the cartesian product of the compared values) as ``run`` would, runs one compiling round through
-the runner's own scan program (``Engine.advance``; ``population.advance`` with ``--client-state
-host``), then times ``rounds_timed`` more rounds one by one, each synchronised
-(``jax.block_until_ready``), so every round has its own wall time. Variants run one after another in
-this process, side by side; ``xla_flags`` variants (and every variant with ``isolate=True``) run in
-child processes (``python -m fedjax_sparse bench ... --json FILE`` with ``XLA_FLAGS`` extended),
-because XLA reads its flags once, when the backend starts.
+How each variant is built and timed, what the table's columns and the JSON hold: docs/performance.md,
+"Benchmark your configuration". Variants run one after another in this process; ``xla_flags`` variants
+(and every variant with ``isolate=True``) run in child processes (``python -m fedjax_sparse bench ...
+--json FILE`` with ``XLA_FLAGS`` extended), because XLA reads its flags once, when the backend starts.
 
-Per variant (units in the names; the JSON schema is ``SCHEMA``, documented in :func:`bench`):
-
-* seconds per round: the median of the timed rounds, their min, max and quartiles, and every
-  round's seconds (``round_seconds`` [R]); ``rounds_per_second`` = R / their sum;
-* ``client_steps_per_second``: the rounds' ``client_steps`` metric (the local steps the sampled
-  clients needed) over the timed seconds; ``client_steps_executed_per_second`` counts what the
-  client schedule ran (``vmap`` pads every client to the longest);
-* ``tflops``: the exact FLOPs accounting of the timed rounds (their ``flops`` metric, summed by
-  ``engine.metrics_to_host``: forward 2 x MACs, backward 2 x forward, kept fractions only) over their
-  seconds, in 10^12 FLOP/s; null when the algorithm counts no FLOPs. ``tflops_share_of_matmul``
-  reads it against a float32 N x N matmul timed in the same process at the variant's matmul
-  precision (best of 5, after the variants so its buffers stay out of their memory peaks);
-* ``first_round_seconds``: the compiling round (tracing, compilation, one round); ``compile_seconds``
-  = that less the median round;
-* ``peak_device_memory_mib`` (the allocator's peak, null where the backend keeps none, e.g. XLA:CPU)
-  and ``peak_host_memory_mib`` (``ru_maxrss``): the process's peaks up to the end of the variant, so
-  a variant after a larger one repeats its peak (``isolate=True``: each variant its own process);
-  ``memory_estimate_device_mib``: the shape-based estimate of ``fedjax_sparse.core.memory`` (a run's
-  refusal uses the same; a configuration that does not fit is refused in one line here too);
-* ``metrics``: every round's engine metrics (the compiling round first), e.g. ``loss`` [1 + R];
-* with ``count_kernels`` (``--count-kernels``): ``local_step``, what one iteration of the local-step
-  loop runs in the program compiled for this device (``fedjax_sparse.tools.programs.loop_op_counts``:
-  ``kernels`` launched at its top level, ``loops_inside`` it, ``ops`` by opcode, and
-  ``grouped_convolutions``: how many instructions of the whole compiled round still have a group count
-  above 1), and what the step costs (:func:`step_cost`: ``cost`` {cpu, cuda: flops, bytes_accessed}
-  per lockstep iteration, ``cost_per_client_step``, ``lockstep_clients`` and ``padding``: executed /
-  useful client-steps of the schedule over 50 rounds' cohorts); null where the round has no such loop
-  (or lives in host memory). On a GPU each kernel is at least one launch per step.
+A variant's record (:func:`time_variant`), beyond what the docs say: ``client_steps_executed_per_second``
+counts what the client schedule ran (``vmap`` pads every client to the longest); ``tflops`` (10^12 FLOP/s
+of the rounds' ``flops`` metric) is null when the algorithm counts no FLOPs, and ``tflops_share_of_matmul``
+reads it against the matmul at the variant's precision (timed after the variants, its buffers out of their
+memory peaks); ``compile_seconds`` = ``first_round_seconds`` less the median round;
+``memory_estimate_device_mib`` is ``fedjax_sparse.core.memory``'s estimate (a configuration that does not
+fit is refused in one line, as ``run`` refuses it); ``metrics``: every round's engine metrics, the
+compiling round first; with ``count_kernels``, ``local_step`` (:func:`local_step_counts`; null where the
+round has no local-step loop or lives in host memory).
 
 The persistent compilation cache stays off unless asked for (``--compile-cache DIR``), so compile
 times are cold; ``device.compilation_cache`` records the folder JAX used, if any.
@@ -158,10 +135,6 @@ def matmul_tflops(size: int, precision: str | None = None, repeats: int = 5) -> 
         return timing.matmul_gflops(size, repeats) / 1e3
 
 
-def default_matmul_size() -> int:
-    return MATMUL_SIZE_CPU if jax.default_backend() == "cpu" else MATMUL_SIZE_ACCELERATOR
-
-
 def _round_advancer(exp: Experiment, engine, state, population) -> Callable:
     """state -> (state, host metrics of one round), through the program a run uses for this
     configuration: the engine's scan (here one round long), or the host population's chunks."""
@@ -177,11 +150,6 @@ def _initial_state(exp: Experiment):
     if config.execution.client_state != "host":
         return engine.init(jax.random.PRNGKey(config.seed)), None
     return host_population.init_for_run(engine, config.seed, config.execution.client_storage, config.algorithm)
-
-
-def _sum(values) -> int | float:
-    """Exact total of a host cost array (int64 or object: Python ints; float64: a float)."""
-    return sum(np.asarray(values).tolist())
 
 
 def _per_second(total, seconds: float) -> float | None:
@@ -212,8 +180,11 @@ def check_models(exp: Experiment, configs: Sequence[RunConfig], points: Sequence
 
 
 def local_step_counts(engine, state, data) -> dict | None:
-    """What one local step launches in the round program compiled for this device (compiles the
-    round once more; its cost is not in any timing)."""
+    """What one iteration of the local-step loop runs in the round program compiled for this device
+    (``programs.loop_op_counts``): ``kernels`` launched at its top level (on a GPU each is at least one
+    launch per step), ``loops_inside`` it, ``ops`` by opcode, ``grouped_convolutions``: the instructions
+    of the whole round with a group count above 1; and :func:`step_cost`'s keys. None where the round
+    has no such loop. Compiles the round once more (outside any timing)."""
     compiled = jax.jit(lambda s, d: engine.round_step(s, d)).lower(state, data).compile().as_text() or ""
     loops = [loop for loop in programs.loop_op_counts(compiled) if loop["in_scope"]]
     if not loops:
@@ -251,7 +222,9 @@ def time_variant(checked: Checked, point: tuple, rounds_timed: int,
                  count_kernels: bool = False) -> dict:
     """Builds ``checked`` (one variant's :func:`variant_config`; ``built``: its :func:`build_variant`
     already), runs the compiling round and times ``rounds_timed`` rounds, each synchronised. Returns
-    the variant's record (module docstring; ``matmul_tflops`` and the share are added by :func:`bench`)."""
+    the variant's record (``matmul_tflops`` and the share are added by :func:`bench`): its ``name`` and
+    ``values``, the rounds' seconds (``round_seconds`` [R], the median ``seconds_per_round``, min, max and
+    quartiles), rates, compile and build seconds, memory peaks and estimate, ``process``, ``metrics``."""
     config = checked.config
     precision = dict(point).get(PRECISION_KEY)
     if built is None:
@@ -269,19 +242,19 @@ def time_variant(checked: Checked, point: tuple, rounds_timed: int,
             mode, measured = runner.measure_client_parallelism(engine, state, exp.data)
             engine = dataclasses.replace(engine, client_parallelism=mode)
         advance = _round_advancer(exp, engine, state, population)
-        note(f"compiling and running round 1 ({engine.mode}) ...")
-        t = time.perf_counter()
-        state, first_metrics = advance(state)
-        jax.block_until_ready(state)
-        first_seconds = time.perf_counter() - t
-        note(f"timing {rounds_timed} rounds ...")
-        rounds, seconds = [first_metrics], []
-        for _ in range(rounds_timed):
+        rounds: list[dict] = []   # every round's host metrics
+
+        def timed_round() -> float:
+            nonlocal state
             t = time.perf_counter()
             state, round_metrics = advance(state)
             jax.block_until_ready(state)   # the metrics are on the host already; the state may still run
-            seconds.append(time.perf_counter() - t)
             rounds.append(round_metrics)
+            return time.perf_counter() - t
+        note(f"compiling and running round 1 ({engine.mode}) ...")
+        first_seconds = timed_round()
+        note(f"timing {rounds_timed} rounds ...")
+        seconds = [timed_round() for _ in range(rounds_timed)]
         local_step = None
         if count_kernels and population is None:
             note("counting the kernels of a local step ...")
@@ -291,10 +264,10 @@ def time_variant(checked: Checked, point: tuple, rounds_timed: int,
     total_seconds = float(sum(seconds))
     q1, median, q3 = (float(q) for q in np.percentile(seconds, [25, 50, 75]))
     # Costs an algorithm does not count stay unknown (null), never 0.
-    flops = _sum(timed["flops"]) if "flops" in timed else None
+    # Exact: Python ints of an int64 or object array (a float of float64).
+    flops = sum(np.asarray(timed["flops"]).tolist()) if "flops" in timed else None
     steps = int(timed["client_steps"].sum()) if "client_steps" in timed else None
     executed = int(timed["client_steps_executed"].sum()) if "client_steps_executed" in timed else None
-    peak_device = timing.device_peak_memory_mib()
     record = {
         "name": variant_name(point), "values": dict(point),
         "algorithm": config.algorithm, "model": exp.model.name, "num_params": int(exp.model.num_params),
@@ -314,7 +287,7 @@ def time_variant(checked: Checked, point: tuple, rounds_timed: int,
         "client_steps_executed_per_second": _per_second(executed, total_seconds),
         "total_flops": flops,
         "tflops": None if flops is None else float(flops) / total_seconds / 1e12,
-        "peak_device_memory_mib": peak_device,
+        "peak_device_memory_mib": timing.device_peak_memory_mib(),
         "peak_host_memory_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "memory_estimate_device_mib": estimate.device_total_bytes / 2 ** 20,
         "process": {"xla_flags": os.environ.get("XLA_FLAGS", ""), "isolated": False},
@@ -359,11 +332,8 @@ def bench(config: RunConfig, compare: dict[str, list] | None = None, *, rounds_t
       "rounds_timed": R, "device": {"backend", "device_kind", "device_count", "jax",
       "compilation_cache", "xla_flags", "machine"}, "matmul": {"size": N, "dtype": "float32",
       "tflops": {precision: 10^12 FLOP/s}}, "variants": [record, ...], "fastest": the name of the
-      variant with the lowest median seconds per round}``; a record as the module docstring lists
-      (``name``, ``values``, ``seconds_per_round`` and its spread, ``round_seconds`` [R],
-      ``rounds_per_second``, ``client_steps_per_second``, ``tflops``, ``matmul_tflops``,
-      ``tflops_share_of_matmul``, ``first_round_seconds``, ``compile_seconds``, memory, ``process``,
-      ``metrics``). JSON-ready (NaN and infinities as None).
+      variant with the lowest median seconds per round}``, a record per variant (:func:`time_variant`,
+      the module docstring). JSON-ready (NaN and infinities as None).
     """
     if not isinstance(rounds_timed, int) or isinstance(rounds_timed, bool) or rounds_timed < 1:
         raise RunError(f"--rounds-timed must be a positive integer, got {rounds_timed!r}")
@@ -413,7 +383,7 @@ def bench(config: RunConfig, compare: dict[str, list] | None = None, *, rounds_t
         # collection: free them before the next variant allocates its own.
         gc.collect()
     # The matmul after the variants: its buffers (768 MiB at 8192) stay out of their memory peaks.
-    size = matmul_size or default_matmul_size()
+    size = matmul_size or (MATMUL_SIZE_CPU if jax.default_backend() == "cpu" else MATMUL_SIZE_ACCELERATOR)
     note(f"timing a float32 {size} x {size} matmul ...")
     rates = {p: matmul_tflops(size, None if p == "default" else p)
              for p in dict.fromkeys(v["matmul_precision"] for v in variants)}
@@ -433,10 +403,7 @@ def fastest(variants: Sequence[dict]) -> str | None:
 
 
 def _printer(enabled: bool) -> Callable[[str], None]:
-    def note(text: str) -> None:
-        if enabled:
-            print(text, file=sys.stderr, flush=True)
-    return note
+    return (lambda text: print(text, file=sys.stderr, flush=True)) if enabled else (lambda text: None)
 
 
 # ---------------------------------------------------------------------------- child processes
@@ -528,9 +495,7 @@ def _run_child(command: list[str], env: dict, label: str, note: Callable[[str], 
 
 # ---------------------------------------------------------------------------- reading the result
 def _fmt(value, digits: int = 3) -> str:
-    if value is None:
-        return "n/a"
-    if isinstance(value, float) and not math.isfinite(value):
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "n/a"
     if abs(value) >= 10 ** digits:   # no exponent for large counts: 2210, not 2.21e+03
         return f"{value:.0f}"
@@ -574,6 +539,11 @@ def format_table(result: dict) -> str:
                       f"fastest: {result['fastest']}"]) + "\n"
 
 
+def _refuse_existing(path: Path, overwrite: bool) -> None:
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} already exists; choose another --json FILE or pass {arg('overwrite')}")
+
+
 def check_json_writable(path: str | Path, overwrite: bool = False) -> None:
     """Refuses, before a benchmark spends its minutes, a ``--json`` path that :func:`write_json` could not
     write: an existing file (unless ``overwrite``), a folder, or a place where no file can be created
@@ -581,8 +551,7 @@ def check_json_writable(path: str | Path, overwrite: bool = False) -> None:
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"--json {path} is a folder; give a file name, e.g. --json {path / 'bench.json'}")
-    if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} already exists; choose another --json FILE or pass {arg('overwrite')}")
+    _refuse_existing(path, overwrite)
     tmp = path.with_name(path.name + ".tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -597,8 +566,7 @@ def write_json(result: dict, path: str | Path, overwrite: bool = False) -> Path:
     """Writes ``result`` to ``path`` (atomically: a temporary file renamed). An existing file is
     refused unless ``overwrite``."""
     path = Path(path)
-    if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} already exists; choose another --json FILE or pass {arg('overwrite')}")
+    _refuse_existing(path, overwrite)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(result, indent=2, allow_nan=False))

@@ -100,11 +100,6 @@ def _computations(hlo: str) -> dict[str, list[str]]:
     return comps
 
 
-def _opcode(line: str) -> str | None:
-    m = _INSTRUCTION.match(line)
-    return m.group(1) if m else None
-
-
 def _direct_hlo_ops(name: str, comps: dict[str, list[str]], scope: str, seen: tuple = ()) -> tuple[Counter, int]:
     """Top-level opcodes of computation ``name``, the computations it calls or branches to (``call``,
     ``conditional``) inlined and nested ``while`` loops counted as one op each; and how many of them
@@ -112,9 +107,10 @@ def _direct_hlo_ops(name: str, comps: dict[str, list[str]], scope: str, seen: tu
     ops: Counter = Counter()
     in_scope = 0
     for line in comps.get(name, []):
-        op = _opcode(line)
-        if op is None:
+        instruction = _INSTRUCTION.match(line)
+        if instruction is None:
             continue
+        op = instruction.group(1)
         ops[op] += 1
         in_scope += scope in line
         if op in ("call", "conditional"):
@@ -243,15 +239,10 @@ def _costs(analysis) -> dict | None:
 def local_step_cost(round_fn: Callable, *args, platforms: tuple[str, ...] = ("cpu", "cuda")) -> dict:
     """XLA's cost analysis of one iteration of the local-step loop of ``round_fn(*args)`` (a round
     whose clients train with ``training.run_local_epochs``): the round's cost less the same round
-    traced with no local step (``training.without_local_steps``). XLA costs a ``while`` body once
-    whatever its trip count, so the difference is one iteration as the schedule runs it: all K clients
-    in lockstep under ``vmap``, one client under ``map``, one group under ``packed``.
-
-    Per platform: ``"cpu"`` (this machine, compiled: after fusion) and ``"cuda"`` (lowered for CUDA
-    here, the program a GPU would run with its own choices such as ``conv_impl="auto"``; XLA's analysis
-    of the unoptimised program, before fusion, so its bytes bound from above what the fused kernels
-    move). Returns {platform: {flops, bytes_accessed, transcendentals}} per step; None for a platform
-    whose analysis XLA does not give here (on a GPU host, the program lowered for the CPU)."""
+    traced with no local step; how and what it measures: docs/design.md, "What one local step costs".
+    Per platform (``"cpu"``: compiled here, after fusion; ``"cuda"``: lowered for CUDA, before fusion):
+    {flops, bytes_accessed, transcendentals, compiled}; None for a platform whose analysis XLA does not
+    give here (on a GPU host, the program lowered for the CPU)."""
     out: dict[str, dict | None] = {}
     backend = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())
     for platform in platforms:
@@ -264,8 +255,6 @@ def local_step_cost(round_fn: Callable, *args, platforms: tuple[str, ...] = ("cp
                 else:
                     costs.append(_costs(jitted.trace(*args).lower(lowering_platforms=(platform,)).cost_analysis()))
         whole, rest = costs
-        if whole is None or rest is None:
-            out[platform] = None
-            continue
-        out[platform] = {**{key: whole[key] - rest[key] for key in whole}, "compiled": platform == backend}
+        out[platform] = (None if whole is None or rest is None
+                         else {**{key: whole[key] - rest[key] for key in whole}, "compiled": platform == backend})
     return out

@@ -258,7 +258,8 @@ def _figure(views: list[tuple[str, str]]):
 
 
 def _finished(fig: "Figure", axes, views, title: str | None, out, legend_size: int) -> "Figure":
-    """The panels labelled and gridded, the unused ones hidden, the legend in the first: :func:`_saved`."""
+    """The panels labelled and gridded, the unused ones hidden, the legend in the first; saved to ``out``
+    when given."""
     for ax, (xk, yk) in zip(axes.ravel(), views):
         ax.set_xlabel(_axis_label(xk))
         ax.set_ylabel(_axis_label(yk))
@@ -269,7 +270,10 @@ def _finished(fig: "Figure", axes, views, title: str | None, out, legend_size: i
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    return _saved(fig, out)
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(Path(out), dpi=110)
+    return fig
 
 
 def _sweep_curves(sweep) -> dict[str, list[RunRecord]]:
@@ -296,8 +300,8 @@ def _plot_sweep(sweep, out, *, x, y, title) -> "Figure":
         scale = 100.0 if yk.endswith("accuracy") else 1.0
         for label, runs in points.items():
             length = min(len(run.rows) for run in runs)
-            xs = np.array([[v if v is not None else np.nan for v in run.series(xk)[:length]] for run in runs], float)
-            ys = np.array([[v if v is not None else np.nan for v in run.series(yk)[:length]] for run in runs], float)
+            # [seeds, rounds]; a missing value (None) is NaN.
+            xs, ys = (np.array([run.series(key)[:length] for run in runs], float) for key in (xk, yk))
             if not length or np.isnan(ys).all():
                 continue
             mean_x, mean_y = np.nanmean(xs, 0), scale * np.nanmean(ys, 0)
@@ -306,15 +310,6 @@ def _plot_sweep(sweep, out, *, x, y, title) -> "Figure":
                 std = scale * np.nanstd(ys, 0, ddof=1)
                 ax.fill_between(mean_x, mean_y - std, mean_y + std, color=line.get_color(), alpha=0.2)
     return _finished(fig, axes, views, title or f"sweep {name}: mean ± sample std over seeds", out, legend_size=7)
-
-
-def _saved(fig: "Figure", out: str | Path | None) -> "Figure":
-    """The figure, written to ``out`` first when given."""
-    if out is not None:
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=110)
-    return fig
 
 
 def _scale_x(ax, values: list[float]) -> None:
@@ -331,6 +326,10 @@ def _scale_x(ax, values: list[float]) -> None:
 
 def _pct(value) -> str:
     return "–" if value is None else f"{100 * value:.2f}"
+
+
+def _cell(value, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
 
 
 # The density a run's table and report show: metrics.jsonl's ``density``, over the final round's sampled
@@ -377,13 +376,9 @@ def report_table(paths) -> str:
         std = last.get("accuracy_std")
         acc = _pct(last.get("accuracy")) + ("" if std is None else f" ({100 * std:.2f})")
         best_s = "–" if best is None else f"{_pct(best['accuracy'])} ({best['round']})"
-        gbit = _safe(DERIVED["gbit"][1], last)
-        tflops = _safe(DERIVED["tflops"][1], last)
-        rate = run.summary.get("rounds_per_second_after_first_chunk")
-        density = last.get("density")
         label = run.label + (f" [{run.changes_text}]" if run.changes else "")
-        lines.append(f"| {label} | {rounds} | {acc} | {best_s} | "
-                     f"{'–' if gbit is None else f'{gbit:.4g}'} | {'–' if tflops is None else f'{tflops:.4g}'} | "
-                     f"{'–' if density is None else f'{density:.3f}'} | {'–' if rate is None else f'{rate:.3g}'} |"
-                     + dp_cell)
+        cells = [label, rounds, acc, best_s, _cell(_safe(DERIVED["gbit"][1], last), ".4g"),
+                 _cell(_safe(DERIVED["tflops"][1], last), ".4g"), _cell(last.get("density"), ".3f"),
+                 _cell(run.summary.get("rounds_per_second_after_first_chunk"), ".3g")]
+        lines.append("| " + " | ".join(cells) + " |" + dp_cell)
     return "\n".join(lines) + "\n"

@@ -45,7 +45,7 @@ def read_ours(folder: Path) -> dict:
     cfg = json.loads(config.read_text()) if config.exists() else {}
     seed = cfg.get("config", cfg).get("seed")
     return {"source": str(folder), "seed": seed, "finished": (folder / "summary.json").exists(),
-            "density_key": "density_all_clients" if rows and lines and "density_all_clients" in lines[0]
+            "density_key": "density_all_clients" if rows and "density_all_clients" in lines[0]
             else "density (sampled clients)", "rows": rows}
 
 
@@ -61,7 +61,4 @@ def summarise(values: list[float]) -> dict:
 
 def at_round(run: dict, r: int, key: str = "accuracy"):
     """``key`` of round ``r`` of a curve, None when that round was not evaluated."""
-    for row in run["rows"]:
-        if row["round"] == r:
-            return row[key]
-    return None
+    return next((row[key] for row in run["rows"] if row["round"] == r), None)

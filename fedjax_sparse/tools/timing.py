@@ -59,9 +59,7 @@ def _cpuinfo(path: str = "/proc/cpuinfo") -> dict:
     except OSError:
         return {}
     flags = found.pop("flags", "").split()
-    found["avx512f"] = "avx512f" in flags
-    found["avx512_bf16"] = "avx512_bf16" in flags
-    return found
+    return {**found, **{flag: flag in flags for flag in ("avx512f", "avx512_bf16")}}
 
 
 def machine_facts() -> dict:
