@@ -30,8 +30,9 @@ from fedjax_sparse.driver import population as host_population
 from fedjax_sparse.driver.checkpoint import (Checkpointer, clear_outputs, latest_checkpoint, locked_out_dir,
                                              prepare_out_dir, recover_metrics, restore_checkpoint,
                                              write_metrics)
-from fedjax_sparse.driver.config import (EXECUTION_FIELDS, OPTION_FIELDS, RunConfig, resolved_dp_accountant,
-                                         same_setting, typed_value, with_default_lr, with_overrides)
+from fedjax_sparse.driver.config import (EXECUTION_FIELDS, OPTION_FIELDS, RunConfig, override_key,
+                                         resolved_dp_accountant, same_setting, typed_value, with_default_lr,
+                                         with_overrides)
 from fedjax_sparse.errors import RunError, RunInterrupted, RunStopped, arg, in_callers_words
 from fedjax_sparse.data.federated import FederatedData
 from fedjax_sparse.core.engine import COHORT_METRICS, STEP_METRICS, Engine, EngineState
@@ -166,7 +167,6 @@ def changed_config(config: RunConfig, change: dict[str, Any]) -> tuple[RunConfig
     the CLI's text, typed as ``config`` declares them) and what changed, ``{key: {"from": old, "to": new}}``.
     Any other key is refused in one line (what else a resume may change is :data:`RESUMABLE_CHANGES`); the
     resumed run checks the result (``open_run``)."""
-    from fedjax_sparse.driver.config import override_key
     typed = {}
     for key, value in change.items():
         key = override_key(key)
@@ -697,11 +697,11 @@ class OpenRun:
                               f"{self.exp.engine.cohort_capacity} were left out in rounds {self.round - n + 1}-"
                               f"{self.round} (the highest ids; counted in total_cohort_overflow)", stacklevel=2)
         at_eval = self.round % config.eval_every == 0 or self.round >= config.rounds or bool(bad)
-        row = self._evaluate_and_log(state, metrics, chunk_started, bad) if at_eval else None
-        if not at_eval:
-            if chunk_started is not None:
-                self._first_chunk_done(chunk_started, n)
-            totals["seconds"] = time.perf_counter() - self.t0
+        evaluation = self.evaluate(state) if at_eval else None
+        if chunk_started is not None:
+            self._first_chunk_done(chunk_started, n)
+        totals["seconds"] = time.perf_counter() - self.t0
+        row = self._log(evaluation, metrics, bad) if evaluation is not None else None
         # Checkpoints keep their own cadence (not every evaluation): the clock and --checkpoint-every,
         # the end, and a stop; rows written after the last checkpoint are recomputed by a resume.
         if out is not None and (stopping or self.round >= config.rounds or self._checkpoint_due()):
@@ -741,20 +741,16 @@ class OpenRun:
             self.bar.note(f"first chunk (incl. compilation) took {self.compile_seconds:.1f} s")
             self.bar.restart(self.round)
 
-    def _evaluate_and_log(self, state: EngineState, metrics: dict, chunk_started: float | None, bad: list) -> dict:
-        """Evaluates, appends the metrics row (the last round's training metrics, the totals) and raises
+    def _log(self, evaluation: dict, metrics: dict, bad: list) -> dict:
+        """Appends the metrics row (``evaluation``, the last round's training metrics, the totals) and raises
         on divergence."""
         config, totals, out = self.config, self.totals, self.out
-        evaluation = self.evaluate(state)
         # A NaN/inf test loss means non-finite outputs, whose argmax (class 0) is no accuracy: the row keeps
         # its keys with the accuracies null, and the run ends below.
         broken = [k for k in ("test_loss", "global_test_loss")
                   if isinstance(evaluation.get(k), float) and not np.isfinite(evaluation[k])]
         if broken:
             evaluation = {k: None if "accuracy" in k else v for k, v in evaluation.items()}
-        if chunk_started is not None:
-            self._first_chunk_done(chunk_started, len(metrics["loss"]))
-        totals["seconds"] = time.perf_counter() - self.t0
         row = {"round": totals["round"],
                **{k: v for k, v in evaluation.items() if k != "client_accuracies"},
                "loss": float(metrics["loss"][-1]),
