@@ -198,15 +198,10 @@ def decode_rows(item: dict) -> list[dict]:
 
 def recover_metrics(out: str | Path, round_: int, saved: list[dict] | None, repair: bool = True,
                     last_evaluation: int | None = None) -> list[dict]:
-    """The metrics rows a resume from the checkpoint of round ``round_`` continues: up to that round.
-
-    ``saved``: the rows the checkpoint holds (None: a checkpoint of an earlier version, without them).
-    With them, they are the rows (the file's rows past the checkpoint are dropped: the resume
-    recomputes them), and whatever the file lacked or had damaged (torn, cut, emptied, deleted) is
-    named in one notice. Without them, the file's rows up to ``round_`` (a torn last line dropped, a
-    damaged line before it an error); when they stop before ``last_evaluation`` (the last evaluated
-    round up to ``round_``, if known), a notice names the rounds lost. ``repair``: print the notices
-    (the process that writes the files)."""
+    """The metrics rows a resume from the checkpoint of round ``round_`` continues: ``saved``, the rows the
+    checkpoint holds, with one notice naming whatever the file lacked or had damaged (docs/outputs.md);
+    None (a checkpoint of an earlier version): the file's rows up to ``round_``, with a notice naming the
+    rounds lost before ``last_evaluation`` (if known). ``repair``: print the notices (the writing process)."""
     path = Path(out) / "metrics.jsonl"
     if saved is None:
         rows = [r for r in read_metrics(out, repair=repair) if r["round"] <= round_]
@@ -338,8 +333,7 @@ class Restored(NamedTuple):
 
 def load_checkpoint(out: Path, template: EngineState, population=None) -> tuple[EngineState, dict]:
     """The state and totals of the newest readable checkpoint of ``out`` (see :func:`restore_checkpoint`)."""
-    state, totals, _ = restore_checkpoint(out, template, population)
-    return state, totals
+    return restore_checkpoint(out, template, population)[:2]
 
 
 def restore_checkpoint(out: Path, template: EngineState, population=None) -> Restored:

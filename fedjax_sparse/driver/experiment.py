@@ -30,11 +30,12 @@ from fedjax_sparse.models.flax.adapter import from_flax
 def _one_line(*errors: type[Exception]) -> Iterator[None]:
     """A library's refusal (a ValueError, or one of ``errors``) as the one-line RunError users see; a
     DataError as it is."""
+    caught: tuple[type[Exception], ...] = (ValueError, *errors)
     try:
         yield
     except DataError:
         raise
-    except (ValueError, *errors) as e:
+    except caught as e:
         raise RunError(str(e)) from None
 
 
@@ -268,14 +269,10 @@ STALE_STATISTICS = 0.1
 
 
 def batch_norm_lag(model: Model, algorithm: Algorithm, data: FederatedData, config: RunConfig) -> str | None:
-    """One line when the model's BatchNorm running statistics cannot follow the run, else None.
-
-    Evaluation normalises with the running statistics, which a local step moves by (1 - momentum) towards
-    the batch's: after S local steps a round over r rounds, m ** (S r) of their initial values (mean 0,
-    variance 1) remain (FedAvg averages the clients' statistics, each of which kept that share of the
-    broadcast ones). A personal model's statistics move only in the rounds its client is sampled (K / N of
-    them). Flagged when more than ``STALE_STATISTICS`` remain at the last round (docs/design.md, "BatchNorm
-    in federated runs"). S is the median client's local steps a round."""
+    """One line when the model's BatchNorm running statistics cannot follow the run, else None: more than
+    ``STALE_STATISTICS`` of their initial values left, m ** (S r), after S local steps a round (the median
+    client's; a personal model's in K / N of the rounds) over r rounds. Why: docs/design.md, "BatchNorm in
+    federated runs"."""
     m = float(model.batch_norm_momentum)
     variables = jax.eval_shape(model.init, jax.random.PRNGKey(0))
     if not jax.tree_util.tree_leaves(variables.get("batch_stats", {})) or m <= 0:

@@ -244,8 +244,9 @@ def sweep(config: RunConfig, axes: dict[str, list] | None = None, seeds: Sequenc
     """Runs every grid point of ``axes`` ({key: values}) with every seed (docs/sweeps.md): member ``(point,
     seed)`` is the run of ``config`` with the point's values and that seed, in ``OUT/<point>/seed<seed>/`` (the
     same numbers as that run alone); ``OUT/sweep.json`` and ``OUT/sweep.md`` hold the mean ± sample std over
-    seeds per point and the best point by ``select``. One program's members are open at a time. ``keep_states``: keep every member's final state in
-    ``results`` (False: ``RunResult.state`` is None, and only the running group's states are alive).
+    seeds per point and the best point by ``select``. One program's members are open at a time.
+    ``keep_states``: keep every member's final state in ``results`` (False: ``RunResult.state`` is None, and
+    only the running group's states are alive).
     ``model``, ``data``, ``algorithm``: objects replacing the config's names in every member, as in
     ``fjs.run`` (the keys they decide cannot be swept; an algorithm object gets a program per point).
     ``seeds``: default ``(0,)``; ``select``: default ``best_accuracy``.
@@ -385,11 +386,6 @@ def _without_time(record: dict) -> dict:
     return plain
 
 
-def _same(a, b) -> bool:
-    """Two grid values are the same point when they make the same folder name (``1`` and ``1.0`` do not)."""
-    return str(a) == str(b)
-
-
 def _finished_without_checkpoint(config: RunConfig, out: Path) -> RunResult | None:
     """A member folder holding a finished run whose checkpoints were deleted (to save space, as the
     recorded results do) is that member's result: kept, never rerun over. Its recorded configuration
@@ -444,7 +440,8 @@ def resume_plan(config: RunConfig, axes: dict[str, list] | None, seeds: list[int
     merged, _ = resumed_config(clean, recorded, None if given is None else given - {"seed"} - swept)
     new_axes = old_axes
     if axes is not None:
-        new_axes = {k: v + [x for x in axes[k] if not any(_same(x, y) for y in v)] for k, v in old_axes.items()}
+        # A value is a recorded one when it makes the same folder name (``1`` and ``1.0`` do not).
+        new_axes = {k: v + [x for x in axes[k] if str(x) not in map(str, v)] for k, v in old_axes.items()}
     new_seeds = old_seeds + [s for s in (seeds or []) if s not in old_seeds]
     old_points = {point_label(p) for p in grid(old_axes)}
     added = [point_label(p) for p in grid(new_axes) if point_label(p) not in old_points]
