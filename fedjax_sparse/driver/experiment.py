@@ -151,8 +151,7 @@ def build(config: RunConfig | Checked, *, model=None, data=None, algorithm=None)
         raise TypeError("a Checked configuration holds its objects: build(checked) takes no model, data or algorithm")
     checked = config if isinstance(config, Checked) else check(*with_components(config, model, data, algorithm))
     config, parts, options = checked.config, checked.parts, checked.options
-    from fedjax_sparse.data.arrays import load as load_data
-    from fedjax_sparse.data.arrays import PartitionedData
+    from fedjax_sparse.data.arrays import PartitionedData, load as load_data
     from fedjax_sparse.data.partitions import partition_dataset
     pinned = {}
     if isinstance(parts.data, PartitionedData):

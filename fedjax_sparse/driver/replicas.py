@@ -123,14 +123,13 @@ def run_replicas(config: RunConfig, seeds: Sequence[int], *, parallelism: str = 
             stack.enter_context(locked_out_dir(out))
         opened: list = []
         for seed in seeds:
-            cfg = dataclasses.replace(config, seed=seed, out=str(out / f"seed{seed}") if out else None)
+            out_r = out / f"seed{seed}" if out else None
+            cfg = dataclasses.replace(config, seed=seed, out=str(out_r) if out_r else None)
             if cfg.execution.client_parallelism == "measure" and opened and not isinstance(opened[0], RunResult):
                 # Measured once, on the first seed: the others run the schedule it chose.
-                cfg = dataclasses.replace(cfg, execution=dataclasses.replace(
-                    cfg.execution, client_parallelism=opened[0].exp.engine.mode))
-            if cfg.out is not None:
-                stack.enter_context(locked_out_dir(Path(cfg.out)))
-            out_r = Path(cfg.out) if cfg.out else None
+                cfg = cfg.replace(client_parallelism=opened[0].exp.engine.mode)
+            if out_r is not None:
+                stack.enter_context(locked_out_dir(out_r))
             start = cfg if checked is None else dataclasses.replace(checked, config=cfg)
             # --resume continues every seed that has a checkpoint and starts the others (a seed killed
             # before its first checkpoint has nothing a resume would keep).
