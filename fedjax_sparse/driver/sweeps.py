@@ -111,8 +111,7 @@ def check_axes(config: RunConfig, axes: dict[str, list], objects: Sequence[str] 
 def grid(axes: dict[str, list]) -> list[tuple]:
     """Every grid point, ``((key, value), ...)`` in the keys' order, the first axis slowest; one empty
     point (the configuration as given) when there is no axis."""
-    keys = list(axes)
-    return [tuple(zip(keys, values)) for values in itertools.product(*(axes[k] for k in keys))]
+    return [tuple(zip(axes, values)) for values in itertools.product(*axes.values())]
 
 
 def point_label(point: tuple) -> str:
@@ -122,13 +121,10 @@ def point_label(point: tuple) -> str:
 
 def members_of(config: RunConfig, axes: dict[str, list], seeds: Sequence[int]) -> list[Member]:
     out = Path(config.out) if config.out else None
-    members = []
-    for point in grid(axes):
-        for seed in seeds:
-            member_out = str(out / point_label(point) / f"seed{seed}") if out else None
-            members.append(Member(point, int(seed), dataclasses.replace(with_overrides(config, point), seed=int(seed),
-                                                                          out=member_out)))
-    return members
+    return [Member(point, int(seed), dataclasses.replace(
+                with_overrides(config, point), seed=int(seed),
+                out=str(out / point_label(point) / f"seed{seed}") if out else None))
+            for point in grid(axes) for seed in seeds]
 
 
 # ------------------------------------------------------------------ one program for many points
@@ -191,12 +187,9 @@ def traced_keys(exp: Experiment, state, point: tuple, algorithm_object: bool = F
     for key, _ in point:
         if key.startswith("option.") and key not in float_options:
             why[key] = "not a float option (traced values are float32 arrays)"
-            continue
-        if key not in TRACEABLE_FIELDS and key not in float_options:
+        elif key not in TRACEABLE_FIELDS and key not in float_options:
             why[key] = "not a learning rate or an algorithm option (shapes, data or the threat model)"
-            continue
-        problem = _trace_problem(exp, state, [key], point)
-        if problem:
+        elif problem := _trace_problem(exp, state, [key], point):
             why[key] = problem
         else:
             ok.append(key)
