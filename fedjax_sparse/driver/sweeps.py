@@ -336,7 +336,7 @@ def sweep(config: RunConfig, axes: dict[str, list] | None = None, seeds: Sequenc
         # The first unfinished member decides which keys trace; then the members are opened one program
         # (group) at a time, so only one group's states are alive at once (docs/sweeps.md).
         pending = [i for i, m in enumerate(members) if _name(m) not in diverged]
-        first = next(((i, run) for i in pending if (run := open_member(i)) is not None), None)
+        first = next(filter(lambda opened: opened[1] is not None, ((i, open_member(i)) for i in pending)), None)
         if first is not None:
             keys, why = traced_keys(first[1].exp, first[1].state, members[first[0]].point,
                                     algorithm_object=parts.algorithm is not None)
