@@ -47,7 +47,7 @@ def measure(config: fjs.RunConfig, tmp: Path, synchronous_checkpoints: bool) -> 
     from fedjax_sparse.driver.checkpoint import Checkpointer
     from fedjax_sparse.core.engine import Engine
     records, evaluations, chunks = [], [], []
-    real = (runner.OpenRun.record, runner.OpenRun._evaluate_and_log, Engine.advance, Checkpointer.__init__)
+    real = (runner.OpenRun.record, Engine.evaluate, Engine.advance, Checkpointer.__init__)
 
     def timed(store, fn):
         def wrapper(*a, **k):
@@ -67,14 +67,14 @@ def measure(config: fjs.RunConfig, tmp: Path, synchronous_checkpoints: bool) -> 
     def checkpointer_init(self, out, asynchronous=True):
         real[3](self, out, asynchronous=asynchronous and not synchronous_checkpoints)
     runner.OpenRun.record = timed(records, real[0])
-    runner.OpenRun._evaluate_and_log = timed(evaluations, real[1])
+    Engine.evaluate = timed(evaluations, real[1])
     Engine.advance, Checkpointer.__init__ = advance, checkpointer_init
     try:
         out = tmp / ("before" if synchronous_checkpoints else "after")
         fjs.run(fjs.RunConfig.from_json({**config.to_json(), "out": str(out)}), progress=False)
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     finally:
-        runner.OpenRun.record, runner.OpenRun._evaluate_and_log, Engine.advance, Checkpointer.__init__ = real
+        runner.OpenRun.record, Engine.evaluate, Engine.advance, Checkpointer.__init__ = real
     return {"record_seconds": records, "evaluation_seconds": evaluations, "chunks": chunks, "rows": rows}
 
 

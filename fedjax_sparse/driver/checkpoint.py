@@ -198,15 +198,10 @@ def decode_rows(item: dict) -> list[dict]:
 
 def recover_metrics(out: str | Path, round_: int, saved: list[dict] | None, repair: bool = True,
                     last_evaluation: int | None = None) -> list[dict]:
-    """The metrics rows a resume from the checkpoint of round ``round_`` continues: up to that round.
-
-    ``saved``: the rows the checkpoint holds (None: a checkpoint of an earlier version, without them).
-    With them, they are the rows (the file's rows past the checkpoint are dropped: the resume
-    recomputes them), and whatever the file lacked or had damaged (torn, cut, emptied, deleted) is
-    named in one notice. Without them, the file's rows up to ``round_`` (a torn last line dropped, a
-    damaged line before it an error); when they stop before ``last_evaluation`` (the last evaluated
-    round up to ``round_``, if known), a notice names the rounds lost. ``repair``: print the notices
-    (the process that writes the files)."""
+    """The metrics rows a resume from the checkpoint of round ``round_`` continues: ``saved``, the rows the
+    checkpoint holds, with one notice naming whatever the file lacked or had damaged (docs/outputs.md);
+    None (a checkpoint of an earlier version): the file's rows up to ``round_``, with a notice naming the
+    rounds lost before ``last_evaluation`` (if known). ``repair``: print the notices (the writing process)."""
     path = Path(out) / "metrics.jsonl"
     if saved is None:
         rows = [r for r in read_metrics(out, repair=repair) if r["round"] <= round_]
@@ -251,11 +246,7 @@ def write_metrics(out: str | Path, rows: list[dict]) -> None:
 def has_checkpoint(out: str | Path) -> bool:
     """Whether ``out`` holds a checkpoint to resume from (a first-format ``checkpoint.npz`` counts, so
     that ``--resume`` reaches the line refusing it)."""
-    out = Path(out)
-    if (out / LEGACY_CHECKPOINT).exists():
-        return True
-    directory = out / CHECKPOINT_DIR
-    return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
+    return (Path(out) / LEGACY_CHECKPOINT).exists() or latest_checkpoint(out) is not None
 
 
 def latest_checkpoint(out: str | Path) -> int | None:
@@ -342,8 +333,7 @@ class Restored(NamedTuple):
 
 def load_checkpoint(out: Path, template: EngineState, population=None) -> tuple[EngineState, dict]:
     """The state and totals of the newest readable checkpoint of ``out`` (see :func:`restore_checkpoint`)."""
-    state, totals, _ = restore_checkpoint(out, template, population)
-    return state, totals
+    return restore_checkpoint(out, template, population)[:2]
 
 
 def restore_checkpoint(out: Path, template: EngineState, population=None) -> Restored:
@@ -353,10 +343,10 @@ def restore_checkpoint(out: Path, template: EngineState, population=None) -> Res
     host population to load the saved one into (checkpoints of --client-state host runs)."""
     import orbax.checkpoint as ocp
     out = Path(out)
-    if not (out / CHECKPOINT_DIR).is_dir() and population is not None:
-        raise RunError(f"{out} holds no checkpoint of a {arg('client_state', 'host')} run; resume it with "
-                       f"{arg('client_state', 'device')}, or start a fresh run in a new {arg('out')}")
     if not (out / CHECKPOINT_DIR).is_dir():
+        if population is not None:
+            raise RunError(f"{out} holds no checkpoint of a {arg('client_state', 'host')} run; resume it with "
+                           f"{arg('client_state', 'device')}, or start a fresh run in a new {arg('out')}")
         legacy = out / LEGACY_CHECKPOINT
         if legacy.exists():
             # That format stored the leaves by position: it cannot follow a state whose fields moved.
@@ -444,24 +434,21 @@ def failed_start(out: Path) -> bool:
     return isinstance(recorded, dict) and isinstance(recorded.get("config"), dict)  # written by a run
 
 
-def _clear_failed_start(out: Path) -> None:
-    import shutil
-    for name in FAILED_START_FILES:
-        if name != LOCK:
-            (out / name).unlink(missing_ok=True)
-    for name in FAILED_START_DIRS:
-        shutil.rmtree(out / name, ignore_errors=True)
-
-
 def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
     """Checks ``out`` for the requested mode and creates it. Removes nothing of a run that finished or
     can be resumed (see ``clear_outputs``); a run that stopped before its first checkpoint (see
     ``failed_start``) is replaced by a fresh run, with a notice."""
     if out.exists() and not out.is_dir():
         raise RunError(f"{arg('out', out)} exists and is not a directory; choose another {arg('out')}")
+    # A finished run whose checkpoints were deleted (the recorded results keep none, to save space): the
+    # same one way forward whether the folder is run into again with --resume or without.
+    finished = None
+    if (out / "summary.json").is_file() and not has_checkpoint(out):
+        finished = ("it holds a finished run whose checkpoints were deleted, which can be neither resumed nor "
+                    f"extended; start the new run in another {arg('out')}")
     if resume:
-        if _finished_without_checkpoints(out):
-            raise RunError(f"nothing to resume in {out}: {finished_without_checkpoints()}")
+        if finished:
+            raise RunError(f"nothing to resume in {out}: {finished}")
         if not has_checkpoint(out):
             raise RunError(f"nothing to resume in {out}: no checkpoint there; run without {arg('resume')}")
         return
@@ -469,24 +456,13 @@ def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
         if failed_start(out):
             print(f"notice: {out} held only a failed start (config.json and metrics of a run stopped before its "
                   "first checkpoint: nothing to resume); this run replaces it", file=sys.stderr)
-            _clear_failed_start(out)
-        elif _finished_without_checkpoints(out):
-            raise RunError(f"output directory {out} is not empty: {finished_without_checkpoints()}")
+            clear_outputs(out, FAILED_START_FILES, FAILED_START_DIRS)
+        elif finished:
+            raise RunError(f"output directory {out} is not empty: {finished}")
         else:
             what, fix = _holds(out)
             raise RunError(f"output directory {out} is not empty (it holds {what}); {fix}")
     out.mkdir(parents=True, exist_ok=True)
-
-
-def finished_without_checkpoints() -> str:
-    """A finished run whose checkpoints were deleted (the recorded results keep none, to save space): the
-    same one way forward whether the folder is run into again with --resume or without."""
-    return ("it holds a finished run whose checkpoints were deleted, which can be neither resumed nor extended; "
-            f"start the new run in another {arg('out')}")
-
-
-def _finished_without_checkpoints(out: Path) -> bool:
-    return (out / "summary.json").is_file() and not has_checkpoint(out)
 
 
 def _holds(out: Path) -> tuple[str, str]:
@@ -513,9 +489,12 @@ def _holds(out: Path) -> tuple[str, str]:
             "files)")
 
 
-def clear_outputs(out: Path) -> None:
-    """``--overwrite``: removes the previous run's outputs (called once the new run has built)."""
+def clear_outputs(out: Path, files: tuple[str, ...] = OUTPUT_FILES, dirs: tuple[str, ...] = (CHECKPOINT_DIR,)) -> None:
+    """``--overwrite``: removes the previous run's outputs (called once the new run has built); a failed
+    start's (``FAILED_START_FILES``, ``FAILED_START_DIRS``) when a fresh run replaces it. Never the lock."""
     import shutil
-    for name in OUTPUT_FILES:
-        (out / name).unlink(missing_ok=True)
-    shutil.rmtree(out / CHECKPOINT_DIR, ignore_errors=True)
+    for name in files:
+        if name != LOCK:
+            (out / name).unlink(missing_ok=True)
+    for name in dirs:
+        shutil.rmtree(out / name, ignore_errors=True)

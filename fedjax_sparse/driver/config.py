@@ -295,10 +295,10 @@ def validate(config: RunConfig, objects: frozenset[str] | set[str] = frozenset()
                        f"({config.num_clients}); sample at most as many clients as there are")
     if "algorithm" not in objects and config.algorithm not in algorithm_names():
         raise RunError(f"unknown algorithm {config.algorithm!r}; valid algorithms: {', '.join(algorithm_names())}")
-    if "model" not in objects and config.model is not None and config.model not in model_names():
-        if not is_model_reference(config.model):
-            raise RunError(f"unknown model {config.model!r}; valid models: {', '.join(model_names())}, or "
-                           "package.module:Name for your own Flax module")
+    if ("model" not in objects and config.model is not None and config.model not in model_names()
+            and not is_model_reference(config.model)):
+        raise RunError(f"unknown model {config.model!r}; valid models: {', '.join(model_names())}, or "
+                       "package.module:Name for your own Flax module")
     from fedjax_sparse.data import datasets
     if "dataset" in objects:
         pass

@@ -6,10 +6,11 @@ rounds, ``fedjax_sparse.driver.progress`` reports them.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,19 @@ from fedjax_sparse.data.federated import FederatedData, build_federated_data
 from fedjax_sparse.core.engine import Engine, choose_pack_width, poisson_capacity
 from fedjax_sparse.models import Model, make_model
 from fedjax_sparse.models.flax.adapter import from_flax
+
+
+@contextlib.contextmanager
+def _one_line(*errors: type[Exception]) -> Iterator[None]:
+    """A library's refusal (a ValueError, or one of ``errors``) as the one-line RunError users see; a
+    DataError as it is."""
+    caught: tuple[type[Exception], ...] = (ValueError, *errors)
+    try:
+        yield
+    except DataError:
+        raise
+    except caught as e:
+        raise RunError(str(e)) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,8 +151,7 @@ def build(config: RunConfig | Checked, *, model=None, data=None, algorithm=None)
         raise TypeError("a Checked configuration holds its objects: build(checked) takes no model, data or algorithm")
     checked = config if isinstance(config, Checked) else check(*with_components(config, model, data, algorithm))
     config, parts, options = checked.config, checked.parts, checked.options
-    from fedjax_sparse.data.arrays import load as load_data
-    from fedjax_sparse.data.arrays import PartitionedData
+    from fedjax_sparse.data.arrays import PartitionedData, load as load_data
     from fedjax_sparse.data.partitions import partition_dataset
     pinned = {}
     if isinstance(parts.data, PartitionedData):
@@ -155,24 +168,16 @@ def build(config: RunConfig | Checked, *, model=None, data=None, algorithm=None)
                 dataset_options.setdefault("num_clients", config.num_clients)
                 dataset_options.setdefault("seed", config.seed)
             dataset = load_data(config.dataset, config.data_dir, download=config.download, **dataset_options)
-        try:
+        with _one_line():
             if config.partition_file:
                 partition = pinning.load_partition_file(config.partition_file, dataset, config.num_clients)
                 pinned["partition_file"] = {"path": config.partition_file,
                                             "sha256": pinning.file_digest(config.partition_file)}
             else:
                 partition = partition_dataset(dataset, config.partition, config.num_clients,
-                                                            config.seed, min_train_samples=config.min_client_samples)
-        except DataError:
-            raise
-        except ValueError as e:
-            raise RunError(str(e)) from None
-    try:
+                                              config.seed, min_train_samples=config.min_client_samples)
+    with _one_line():
         data = build_federated_data(dataset, partition, preprocess=config.preprocess)
-    except DataError:
-        raise
-    except ValueError as e:
-        raise RunError(str(e)) from None
     data_record = PartitionedData(dataset, partition).describe()
     largest = int(np.max(np.asarray(data.train_count))) if data.num_clients else 0
     if 0 < largest < config.batch_size:
@@ -184,10 +189,8 @@ def build(config: RunConfig | Checked, *, model=None, data=None, algorithm=None)
             f"{largest} examples): each local epoch is one full-batch step, padded to {config.batch_size} rows; "
             f"{arg('batch_size', largest)} takes the same steps without the padding"), stacklevel=1)
     if parts.model is None:
-        try:
+        with _one_line(TypeError, ImportError, AttributeError):
             model = make_model(model_name(config), data.input_shape, data.num_classes, **config.model_options)
-        except (ValueError, TypeError, ImportError, AttributeError) as e:
-            raise RunError(str(e)) from None
     elif isinstance(parts.model, Model):
         model = parts.model
         if tuple(model.input_shape) != tuple(data.input_shape) or model.num_classes != data.num_classes:
@@ -195,21 +198,18 @@ def build(config: RunConfig | Checked, *, model=None, data=None, algorithm=None)
                            f"logits, but the data has {tuple(data.input_shape)} inputs and {data.num_classes} "
                            "classes; build the model for the data's shapes")
     else:
-        try:
+        with _one_line(TypeError):
             model = from_flax(parts.model, data.input_shape, num_classes=data.num_classes)
-        except (ValueError, TypeError) as e:
-            raise RunError(str(e)) from None
     initial_variables = None
     if config.init_params:
         if getattr(options, "init", "model") != "model":
             raise RunError(f"{arg('init_params')} gives the initial weights, but {config.algorithm} re-initialises "
                            f"them (option init={options.init!r}); add {arg('option', 'init=model')}")
         template = jax.eval_shape(model.init, jax.random.PRNGKey(0))
-        try:
+        with _one_line():
             variables, extras = pinning.load_init_params(config.init_params, template)
-        except ValueError as e:
-            raise RunError(str(e)) from None
-        model = dataclasses.replace(model, init_fn=_constant_init(variables))
+        # model.init returns the pinned variables whatever the key.
+        model = dataclasses.replace(model, init_fn=lambda key: jax.tree_util.tree_map(jnp.asarray, variables))
         initial_variables = dict(variables)
         if extras:
             initial_variables["scores"] = {k.split("/")[1]: v for k, v in extras.items()}
@@ -218,12 +218,10 @@ def build(config: RunConfig | Checked, *, model=None, data=None, algorithm=None)
     if config.cohort_schedule:
         if config.resample_every != 1:
             raise RunError(f"{arg('cohort_schedule')} fixes every round's cohort; drop {arg('resample_every')}")
-        try:
+        with _one_line():
             schedule = pinning.load_cohort_schedule(config.cohort_schedule, num_clients=config.num_clients,
                                                     clients_per_round=config.clients_per_round,
                                                     rounds=config.rounds)
-        except ValueError as e:
-            raise RunError(str(e)) from None
         pinned["cohort_schedule"] = {"path": config.cohort_schedule,
                                      "sha256": pinning.file_digest(config.cohort_schedule)}
     assert config.lr is not None   # with_components set the algorithm's default
@@ -232,10 +230,8 @@ def build(config: RunConfig | Checked, *, model=None, data=None, algorithm=None)
                 rounds=config.rounds, preprocess=data.preprocess, seed=config.seed,
                 initial_variables=initial_variables)
     if parts.algorithm is None:
-        try:
+        with _one_line():   # the algorithm refuses the model or the setting (one line, with the fix)
             algorithm = make_algorithm(config.algorithm, task, options)
-        except ValueError as e:  # the algorithm refuses the model or the setting (one line, with the fix)
-            raise RunError(str(e)) from None
     else:
         algorithm = parts.algorithm if isinstance(parts.algorithm, Algorithm) else parts.algorithm(task)
         if not isinstance(algorithm, Algorithm):
@@ -272,14 +268,10 @@ STALE_STATISTICS = 0.1
 
 
 def batch_norm_lag(model: Model, algorithm: Algorithm, data: FederatedData, config: RunConfig) -> str | None:
-    """One line when the model's BatchNorm running statistics cannot follow the run, else None.
-
-    Evaluation normalises with the running statistics, which a local step moves by (1 - momentum) towards
-    the batch's: after S local steps a round over r rounds, m ** (S r) of their initial values (mean 0,
-    variance 1) remain (FedAvg averages the clients' statistics, each of which kept that share of the
-    broadcast ones). A personal model's statistics move only in the rounds its client is sampled (K / N of
-    them). Flagged when more than ``STALE_STATISTICS`` remain at the last round (docs/design.md, "BatchNorm
-    in federated runs"). S is the median client's local steps a round."""
+    """One line when the model's BatchNorm running statistics cannot follow the run, else None: more than
+    ``STALE_STATISTICS`` of their initial values left, m ** (S r), after S local steps a round (the median
+    client's; a personal model's in K / N of the rounds) over r rounds. Why: docs/design.md, "BatchNorm in
+    federated runs"."""
     m = float(model.batch_norm_momentum)
     variables = jax.eval_shape(model.init, jax.random.PRNGKey(0))
     if not jax.tree_util.tree_leaves(variables.get("batch_stats", {})) or m <= 0:
@@ -307,7 +299,7 @@ def batch_norm_lag(model: Model, algorithm: Algorithm, data: FederatedData, conf
 def wrap_algorithm(algorithm: Algorithm, config: RunConfig) -> Algorithm:
     """``algorithm`` inside the wrappers ``config`` asks for (``--dp-clip``, ``--aggregator``,
     ``--attack``; the attack outermost: it is what the clients send)."""
-    try:
+    with _one_line(TypeError):
         if config.dp_clip is not None:
             from fedjax_sparse.algorithms.private import with_dp
             algorithm = with_dp(algorithm, clip_norm=config.dp_clip, noise_multiplier=noise_multiplier(config),
@@ -317,8 +309,6 @@ def wrap_algorithm(algorithm: Algorithm, config: RunConfig) -> Algorithm:
         if config.attack is not None:
             algorithm = compose.with_attack(algorithm, config.attack, num_clients=config.num_clients,
                                             malicious_fraction=config.malicious_fraction, seed=config.seed)
-    except (ValueError, TypeError) as e:
-        raise RunError(str(e)) from None
     return algorithm
 
 
@@ -344,15 +334,6 @@ def privacy_sampling(config: RunConfig) -> str:
     """The accountant's name for the run's client sampling: ``without_replacement`` (fixed K of N,
     replace-one adjacency) or ``poisson`` (add/remove-one; fedjax_sparse.driver.privacy)."""
     return "poisson" if config.client_sampling == "poisson" else "without_replacement"
-
-
-def _constant_init(variables: dict):
-    """model.init replacement returning the pinned variables whatever the key."""
-    def init(key):
-        return jax.tree_util.tree_map(jnp.asarray, variables)
-    return init
-
-
 
 
 def pack_width_for(config: RunConfig, data, schedule) -> int:

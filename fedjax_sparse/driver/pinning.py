@@ -47,6 +47,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
+from flax import traverse_util
+
 from fedjax_sparse.errors import PinningError, arg
 
 PARTITION_FORMAT = "fedjax_sparse.partition/1"
@@ -128,21 +130,9 @@ def load_partition_file(path: str | Path, dataset, num_clients: int):
 
 
 # ---------------------------------------------------------------- initial parameters
-def flatten_variables(variables: Mapping, prefix: str = "") -> dict[str, np.ndarray]:
-    """{"params": {"conv1": {"kernel": x}}} -> {"params/conv1/kernel": x} (empty dicts vanish)."""
-    out = {}
-    for key, value in variables.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.update(flatten_variables(value, path + "/"))
-        else:
-            out[path] = value   # an array or a ShapeDtypeStruct (templates)
-    return out
-
-
 def save_init_params(variables: Mapping, path: str | Path) -> None:
     """Writes ``variables`` as an ``--init-params`` file."""
-    arrays = {k: np.asarray(v) for k, v in flatten_variables(variables).items()}
+    arrays = {k: np.asarray(v) for k, v in traverse_util.flatten_dict(variables, sep="/").items()}
     # numpy's stub confuses **kwds with allow_pickle
     np.savez(Path(path), **arrays)  # type: ignore[arg-type]
 
@@ -162,7 +152,8 @@ def load_init_params(path: str | Path, template: Mapping, *,
     except (OSError, ValueError) as e:
         raise PinningError(f"{flag} {path} is not a readable .npz file ({e}); regenerate it with "
                            "fedjax_sparse.driver.pinning.save_init_params") from None
-    expected = flatten_variables(template)
+    # {"params": {"conv1": {"kernel": x}}} -> {"params/conv1/kernel": x} (empty dicts vanish).
+    expected = traverse_util.flatten_dict(template, sep="/")
     missing = sorted(set(expected) - set(arrays))
     unknown = sorted(k for k in set(arrays) - set(expected) if not k.startswith(extra_prefixes))
     if missing or unknown:
@@ -175,13 +166,8 @@ def load_init_params(path: str | Path, template: Mapping, *,
                                "see fedjax_sparse/driver/pinning.py)")
         if not np.all(np.isfinite(arrays[key])):
             raise PinningError(f"{flag} {path}: {key} holds NaN or inf values")
-    variables: dict = {}
-    for key, ref in expected.items():
-        node = variables
-        parts = key.split("/")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = arrays[key].astype(ref.dtype)
+    variables = traverse_util.unflatten_dict({key: arrays[key].astype(ref.dtype) for key, ref in expected.items()},
+                                             sep="/")
     for top in template:   # keep empty collections such as batch_stats = {}
         variables.setdefault(top, {})
     extras = {k: v for k, v in arrays.items() if k.startswith(extra_prefixes)}

@@ -188,14 +188,10 @@ def run_rounds(engine: Engine, state: EngineState, population: HostPopulation, d
             stale = np.isin(upcoming, resident) & (upcoming < population.num_clients)
             if stale.any():
                 fresh = population.gather(upcoming[stale])
-                next_rows = jax.tree_util.tree_map(functools.partial(_put, where=stale), next_rows, fresh)
+                for leaf, fresh_leaf in zip(jax.tree_util.tree_leaves(next_rows), jax.tree_util.tree_leaves(fresh)):
+                    leaf[stale] = fresh_leaf
             resident, rows = upcoming, next_rows
     return state, metrics
-
-
-def _put(rows: np.ndarray, values: np.ndarray, where: np.ndarray) -> np.ndarray:
-    rows[where] = values
-    return rows
 
 
 _EVALUATORS: dict = {}
@@ -234,16 +230,13 @@ def _client_stats(engine: Engine, state: EngineState, population: HostPopulation
     return np.concatenate(correct), np.concatenate(loss_sum), np.concatenate(count)
 
 
-def _summary(correct: np.ndarray, loss_sum: np.ndarray, count: np.ndarray) -> dict:
-    return {**personal_summary(correct, loss_sum, count), "clients_evaluated": int((count > 0).sum())}
-
-
 def evaluate_clients(engine: Engine, state: EngineState, population: HostPopulation, data: FederatedData,
                      client_ids: np.ndarray, chunk_clients: int = 256) -> dict:
     """Personalised accuracy of ``client_ids`` (each client's own model on its own test set;
     clients without test data skipped), ``chunk_clients`` at a time (the last chunk padded): accuracy mean/std/min/max,
     test_loss and the per-client accuracies, as :meth:`Evaluator.evaluate` reports them."""
-    return _summary(*_client_stats(engine, state, population, data, np.asarray(client_ids), chunk_clients))
+    correct, loss_sum, count = _client_stats(engine, state, population, data, np.asarray(client_ids), chunk_clients)
+    return {**personal_summary(correct, loss_sum, count), "clients_evaluated": int((count > 0).sum())}
 
 
 def ignores_client_id(algorithm, server: Any, row: Any, x: jax.Array) -> bool:
@@ -324,8 +317,7 @@ def evaluate(engine: Engine, state: EngineState, population: HostPopulation, dat
         trained = np.arange(n)
     size = min(chunk_clients, n)
     correct[trained], loss_sum[trained], count[trained] = _client_stats(engine, state, population, data, trained, size)
-    out = _summary(correct, loss_sum, count)
-    out.pop("clients_evaluated")
+    out = personal_summary(correct, loss_sum, count)
     out["global_accuracy"] = None
     if alg.global_predict is not None:
         g = evaluator.global_stats(state, data)

@@ -51,8 +51,7 @@ def _quiet():
 
 
 def _check(num_clients: int, clients_per_round: int, sampling: str, noise_multiplier: float) -> None:
-    if sampling not in SAMPLINGS:
-        raise ValueError(f"unknown sampling {sampling!r}; valid: {', '.join(SAMPLINGS)}")
+    neighboring_relation(sampling)   # refuses an unknown sampling
     if not 1 <= clients_per_round <= num_clients:
         raise ValueError(f"clients_per_round ({clients_per_round}) must be between 1 and num_clients ({num_clients})")
     if not noise_multiplier >= 0:
@@ -147,9 +146,8 @@ def round_rdp(noise_multiplier: float, *, num_clients: int, clients_per_round: i
                         sampling=sampling)
     if noise_multiplier == 0:
         return np.full(len(orders), np.inf)
-    accountant = rdp_lib.RdpAccountant(list(orders), neighboring_relation=neighboring_relation(sampling))
     with _quiet():
-        return np.asarray(accountant.compose(event).rdp, np.float64)
+        return np.asarray(make_accountant(sampling, "rdp", orders).compose(event).rdp, np.float64)
 
 
 def rdp_to_epsilon(orders, rdp, delta: float) -> np.ndarray:

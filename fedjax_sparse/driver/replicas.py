@@ -1,12 +1,7 @@
-"""Several seeds of one configuration in one process ("replicas"), each with its own outputs.
-
-``run_replicas(config, seeds)`` runs replica r as the run ``config`` with ``seed = seeds[r]`` and
-``out = OUT/seed<seed>`` (the same numbers as that run alone); ``OUT/replicas.json`` collects the
-seeds' final accuracies and how they ran. Replicas that differ only by their keys and partition
-share one compiled program: ``vmap`` (over a leading replica axis) or ``sequential`` (one after
-another); ``auto`` is sequential on CPU, vmap elsewhere. Others (seeded attacks, per-seed data or
-preprocessing) get a program each, and ``replicas.json`` says why. ``resume=True`` continues every
-seed that has a checkpoint and starts the others. See docs/running.md.
+"""Several seeds of one configuration in one process ("replicas"): replica r is the run ``config`` with
+``seed = seeds[r]`` in ``OUT/seed<seed>`` (the same numbers as that run alone), ``OUT/replicas.json`` collects
+them; replicas that can share one compiled program do (:func:`unshareable_reason`), and :class:`RunGroup`
+advances them (sweeps' members too). docs/running.md, "Several seeds at once".
 """
 from __future__ import annotations
 
@@ -25,7 +20,7 @@ import numpy as np
 from fedjax_sparse.driver.checkpoint import has_checkpoint, locked_out_dir
 from fedjax_sparse.driver.config import RunConfig
 from fedjax_sparse.errors import RunError, arg, in_callers_words
-from fedjax_sparse.data.federated import FederatedData, pad_index_rows
+from fedjax_sparse.data.federated import pad_index_rows
 from fedjax_sparse.core.engine import Engine, metrics_to_host
 from fedjax_sparse.driver.progress import Progress
 from fedjax_sparse.driver.experiment import check, with_components
@@ -41,12 +36,6 @@ def resolve_replica_parallelism(mode: str) -> str:
     if mode == "auto":
         return "sequential" if jax.default_backend() == "cpu" else "vmap"
     return mode
-
-
-def replica_config(config: RunConfig, seed: int) -> RunConfig:
-    """The run of one replica: ``config`` with ``seed`` and ``out = OUT/seed<seed>``."""
-    out = str(Path(config.out) / f"seed{seed}") if config.out else None
-    return dataclasses.replace(config, seed=seed, out=out)
 
 
 def unshareable_reason(runs) -> str | None:
@@ -87,8 +76,8 @@ def _take(tree, i: int):
 
 
 def seed_list(seeds) -> list[int]:
-    """``seeds`` as a list of ints, or a one-line RunError: a string (``"01"`` would be the seeds 0 and 1),
-    a single number or a non-integer is refused, never coerced."""
+    """``seeds`` as a list of distinct non-negative ints, or a one-line RunError: a string (``"01"`` would be
+    the seeds 0 and 1), a single number or a non-integer is refused, never coerced."""
     import numbers
     if isinstance(seeds, numbers.Integral) and not isinstance(seeds, bool):
         raise RunError(f"seeds must be a list of integers such as [0, 1, 2], got the int {seeds}: write "
@@ -100,7 +89,14 @@ def seed_list(seeds) -> list[int]:
     for s in seeds:
         if not isinstance(s, numbers.Integral) or isinstance(s, bool):
             raise RunError(f"seeds must be integers, got {s!r}")
-    return [int(s) for s in seeds]
+    seeds = [int(s) for s in seeds]
+    if not seeds:
+        raise RunError(f"{arg('seeds')} needs at least one seed")
+    if len(set(seeds)) != len(seeds):
+        raise RunError(f"{arg('seeds')} lists a seed twice: {seeds}; each seed is one run")
+    if any(s < 0 for s in seeds):
+        raise RunError(f"{arg('seeds')} must be non-negative integers, got {seeds}")
+    return seeds
 
 
 @in_callers_words
@@ -112,12 +108,6 @@ def run_replicas(config: RunConfig, seeds: Sequence[int], *, parallelism: str = 
     ``on_eval_for_seed(seed)``: that replica's ``on_eval(row, state, experiment)`` hook (as in
     ``runner.run``), or None."""
     seeds = seed_list(seeds)
-    if not seeds:
-        raise RunError(f"{arg('seeds')} needs at least one seed")
-    if len(set(seeds)) != len(seeds):
-        raise RunError(f"{arg('seeds')} lists a seed twice: {seeds}; each seed is one replica")
-    if any(s < 0 for s in seeds):
-        raise RunError(f"{arg('seeds')} must be non-negative integers, got {seeds}")
     if config.execution.client_state == "host":
         raise RunError(f"{arg('seeds')} stacks every replica's clients on the device; run "
                        f"{arg('client_state', 'host')} one {arg('seed')} at a time")
@@ -133,14 +123,13 @@ def run_replicas(config: RunConfig, seeds: Sequence[int], *, parallelism: str = 
             stack.enter_context(locked_out_dir(out))
         opened: list = []
         for seed in seeds:
-            cfg = replica_config(config, seed)
+            out_r = out / f"seed{seed}" if out else None
+            cfg = dataclasses.replace(config, seed=seed, out=str(out_r) if out_r else None)
             if cfg.execution.client_parallelism == "measure" and opened and not isinstance(opened[0], RunResult):
                 # Measured once, on the first seed: the others run the schedule it chose.
-                cfg = dataclasses.replace(cfg, execution=dataclasses.replace(
-                    cfg.execution, client_parallelism=opened[0].exp.engine.mode))
-            if cfg.out is not None:
-                stack.enter_context(locked_out_dir(Path(cfg.out)))
-            out_r = Path(cfg.out) if cfg.out else None
+                cfg = cfg.replace(client_parallelism=opened[0].exp.engine.mode)
+            if out_r is not None:
+                stack.enter_context(locked_out_dir(out_r))
             start = cfg if checked is None else dataclasses.replace(checked, config=cfg)
             # --resume continues every seed that has a checkpoint and starts the others (a seed killed
             # before its first checkpoint has nothing a resume would keep).
@@ -236,20 +225,16 @@ class RunGroup:
             return jax.vmap(one)(hps, states, data.train_idx, data.train_count)
         return jax.jit(run, static_argnums=3, donate_argnums=1)
 
-    def _engine_of(self, i: int) -> Engine:
-        return self.runs[i].exp.engine if self.mode == "separate" else self.engine
-
-    def _data_of(self, i: int) -> FederatedData:
-        return self.runs[i].exp.data if self.mode == "separate" else self.train_data[i]
-
     def _advance_one(self, i: int, n: int, first: bool) -> None:
         run = self.runs[i]
         t = time.perf_counter()
-        if self.rebuild is not None and self.mode != "separate":
-            state, metrics = self._hp_scan_fn(self.hps[i], run.state, self._data_of(i), n)
+        if self.mode == "separate":
+            state, metrics = run.exp.engine.advance(run.state, run.exp.data, n)
+        elif self.rebuild is not None:
+            state, metrics = self._hp_scan_fn(self.hps[i], run.state, self.train_data[i], n)
             metrics = metrics_to_host(metrics)
         else:
-            state, metrics = self._engine_of(i).advance(run.state, self._data_of(i), n)
+            state, metrics = self.engine.advance(run.state, self.train_data[i], n)
         self._record(i, state, metrics, n, t if first else None)
 
     def _record(self, i: int, state, metrics, n: int, chunk_started) -> None:

@@ -30,8 +30,9 @@ from fedjax_sparse.driver import population as host_population
 from fedjax_sparse.driver.checkpoint import (Checkpointer, clear_outputs, latest_checkpoint, locked_out_dir,
                                              prepare_out_dir, recover_metrics, restore_checkpoint,
                                              write_metrics)
-from fedjax_sparse.driver.config import (EXECUTION_FIELDS, OPTION_FIELDS, RunConfig, resolved_dp_accountant,
-                                         same_setting, typed_value, with_default_lr, with_overrides)
+from fedjax_sparse.driver.config import (EXECUTION_FIELDS, OPTION_FIELDS, RunConfig, override_key,
+                                         resolved_dp_accountant, same_setting, typed_value, with_default_lr,
+                                         with_overrides)
 from fedjax_sparse.errors import RunError, RunInterrupted, RunStopped, arg, in_callers_words
 from fedjax_sparse.data.federated import FederatedData
 from fedjax_sparse.core.engine import COHORT_METRICS, STEP_METRICS, Engine, EngineState
@@ -166,7 +167,6 @@ def changed_config(config: RunConfig, change: dict[str, Any]) -> tuple[RunConfig
     the CLI's text, typed as ``config`` declares them) and what changed, ``{key: {"from": old, "to": new}}``.
     Any other key is refused in one line (what else a resume may change is :data:`RESUMABLE_CHANGES`); the
     resumed run checks the result (``open_run``)."""
-    from fedjax_sparse.driver.config import override_key
     typed = {}
     for key, value in change.items():
         key = override_key(key)
@@ -213,21 +213,22 @@ def run(config: RunConfig, *, model=None, data=None, algorithm=None, resume: boo
         if parts.given():
             experiment = build(start)
     out = Path(config.out) if config.out else None
-    if out is None or not distributed.is_primary():
-        # No folder, or a process other than 0 of a multi-process run (it writes nothing, reads to resume).
-        return _run(start, out, resume=resume and out is not None, overwrite=False,
+    # Process 0 locks the folder; without one, or in another process of a multi-process run, nothing is
+    # written (the others read it to resume).
+    lock = None
+    if out is not None and distributed.is_primary():
+        try:
+            lock = locked_out_dir(out).acquire()
+        except RunError as e:
+            distributed.stop_together("opening --out", e)  # the other processes stop too; raises e
+            raise
+    try:
+        return _run(start, out, resume=resume and out is not None, overwrite=overwrite and lock is not None,
                     progress=progress and distributed.is_primary(), on_eval=on_eval, experiment=experiment,
                     given=given, change=change)
-    try:
-        lock = locked_out_dir(out).acquire()
-    except RunError as e:
-        distributed.stop_together("opening --out", e)  # the other processes stop too; raises e
-        raise
-    try:
-        return _run(start, out, resume=resume, overwrite=overwrite, progress=progress, on_eval=on_eval,
-                    experiment=experiment, given=given, change=change)
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
 
 
 class StopSignals:
@@ -298,16 +299,13 @@ class ChunkClock:
     def __init__(self, max_seconds: float, estimated_round_seconds: float | None = None):
         self.max_seconds = float(max_seconds)
         self.cap: int | None = None
-        if self.max_seconds > 0 and estimated_round_seconds:
-            self.cap = self._rounds_within(estimated_round_seconds)
-
-    def _rounds_within(self, seconds_per_round: float) -> int:
-        rounds = max(1, int(self.max_seconds / max(seconds_per_round, 1e-9)))
-        return 1 << (rounds.bit_length() - 1)   # the largest power of two <= rounds
+        if estimated_round_seconds:
+            self.measured(1, estimated_round_seconds)
 
     def measured(self, rounds: int, seconds: float) -> None:
         if self.max_seconds > 0 and rounds > 0:
-            self.cap = self._rounds_within(seconds / rounds)
+            within = max(1, int(self.max_seconds / max(seconds / rounds, 1e-9)))
+            self.cap = 1 << (within.bit_length() - 1)   # the largest power of two <= within
 
     @classmethod
     def for_experiment(cls, max_seconds: float, exp: "Experiment") -> "ChunkClock":
@@ -667,13 +665,12 @@ class OpenRun:
         return bool(config.execution.checkpoint_seconds) and not distributed.multi_process() and \
             time.perf_counter() - self.last_checkpoint >= config.execution.checkpoint_seconds
 
-    def record(self, state: EngineState, metrics: dict, n: int, chunk_started: float | None = None,
-               stopping: bool = False) -> dict | None:
+    def record(self, state: EngineState, metrics: dict, n: int, chunk_started: float | None = None) -> dict | None:
         """Books ``n`` rounds that ended in ``state`` (``metrics``: host metrics, one entry per
         round): totals; at an evaluation round (or a diverged one) the evaluation and the metrics row;
-        a checkpoint on ``--checkpoint-every`` / ``--checkpoint-seconds``, at the end and when
-        ``stopping`` (a signal asked the run to stop); progress. ``chunk_started``: the clock at the
-        start of this process's first chunk (its time includes compiling). Returns the row, if any."""
+        a checkpoint on ``--checkpoint-every`` / ``--checkpoint-seconds`` and at the end (a stop's:
+        :meth:`checkpoint_for_stop`); progress. ``chunk_started``: the clock at the start of this
+        process's first chunk (its time includes compiling). Returns the row, if any."""
         config, totals, out = self.config, self.totals, self.out
         self.state = state
         # A NaN loss is divergence, except in a round whose (Poisson) cohort was empty: no loss at all.
@@ -697,14 +694,14 @@ class OpenRun:
                               f"{self.exp.engine.cohort_capacity} were left out in rounds {self.round - n + 1}-"
                               f"{self.round} (the highest ids; counted in total_cohort_overflow)", stacklevel=2)
         at_eval = self.round % config.eval_every == 0 or self.round >= config.rounds or bool(bad)
-        row = self._evaluate_and_log(state, metrics, chunk_started, bad) if at_eval else None
-        if not at_eval:
-            if chunk_started is not None:
-                self._first_chunk_done(chunk_started, n)
-            totals["seconds"] = time.perf_counter() - self.t0
+        evaluation = self.evaluate(state) if at_eval else None
+        if chunk_started is not None:
+            self._first_chunk_done(chunk_started, n)
+        totals["seconds"] = time.perf_counter() - self.t0
+        row = self._log(evaluation, metrics, bad) if evaluation is not None else None
         # Checkpoints keep their own cadence (not every evaluation): the clock and --checkpoint-every,
         # the end, and a stop; rows written after the last checkpoint are recomputed by a resume.
-        if out is not None and (stopping or self.round >= config.rounds or self._checkpoint_due()):
+        if out is not None and (self.round >= config.rounds or self._checkpoint_due()):
             self.checkpoint()
         if row is not None and self.on_eval is not None:
             self.on_eval(row, state, self.exp)
@@ -741,20 +738,16 @@ class OpenRun:
             self.bar.note(f"first chunk (incl. compilation) took {self.compile_seconds:.1f} s")
             self.bar.restart(self.round)
 
-    def _evaluate_and_log(self, state: EngineState, metrics: dict, chunk_started: float | None, bad: list) -> dict:
-        """Evaluates, appends the metrics row (the last round's training metrics, the totals) and raises
+    def _log(self, evaluation: dict, metrics: dict, bad: list) -> dict:
+        """Appends the metrics row (``evaluation``, the last round's training metrics, the totals) and raises
         on divergence."""
         config, totals, out = self.config, self.totals, self.out
-        evaluation = self.evaluate(state)
         # A NaN/inf test loss means non-finite outputs, whose argmax (class 0) is no accuracy: the row keeps
         # its keys with the accuracies null, and the run ends below.
         broken = [k for k in ("test_loss", "global_test_loss")
                   if isinstance(evaluation.get(k), float) and not np.isfinite(evaluation[k])]
         if broken:
             evaluation = {k: None if "accuracy" in k else v for k, v in evaluation.items()}
-        if chunk_started is not None:
-            self._first_chunk_done(chunk_started, len(metrics["loss"]))
-        totals["seconds"] = time.perf_counter() - self.t0
         row = {"round": totals["round"],
                **{k: v for k, v in evaluation.items() if k != "client_accuracies"},
                "loss": float(metrics["loss"][-1]),

@@ -47,9 +47,7 @@ class MetricSinks:
         if self.out is None or not rows:
             return
         if "csv" in self.kinds:
-            columns: list[str] = []
-            for row in rows:
-                columns += [k for k in row if k not in columns]
+            columns = list(dict.fromkeys(k for row in rows for k in row))   # their union, in first-seen order
             path = self.out / "metrics.csv"
             tmp = path.with_name(path.name + ".tmp")
             with open(tmp, "w", newline="") as f:

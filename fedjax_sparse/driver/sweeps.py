@@ -1,15 +1,9 @@
 """Sweeps: a grid of hyper-parameters x seeds in one process, and the table a paper needs.
 
-``sweep(config, {"lr": [0.01, 0.1], "option.alpha": [0.001, 0.002]}, seeds=[0, 1, 2])`` runs every
-grid point with every seed ("members"); member ``(point, seed)`` is the run of ``config`` with the
-point's values and that seed, in ``OUT/<point>/seed<seed>/`` (the same numbers as that run alone).
-``OUT/sweep.json`` and ``OUT/sweep.md`` hold the mean +- sample std over seeds per grid point and the
-best point by ``select``.
-
-Swept values the algorithm only computes with (``lr``, float options) enter one compiled program as
-traced float32 arrays (:func:`make_rebuild`); the others split the grid into a program per value
-(``sweep.json`` says which keys and why). A diverged member is recorded and the others go on;
-``resume=True`` continues or extends the sweep (:func:`resume_plan`). Details: docs/sweeps.md.
+``sweep(config, {"lr": [0.01, 0.1]}, seeds=[0, 1, 2])`` runs every grid point with every seed, each
+member in ``OUT/<point>/seed<seed>/``, and writes ``OUT/sweep.json`` and ``OUT/sweep.md``. Traced values
+share one program (:func:`make_rebuild`), the other keys split the grid; a diverged member is recorded;
+``resume=True`` continues or extends (:func:`resume_plan`). All of it: docs/sweeps.md.
 """
 from __future__ import annotations
 
@@ -117,8 +111,7 @@ def check_axes(config: RunConfig, axes: dict[str, list], objects: Sequence[str] 
 def grid(axes: dict[str, list]) -> list[tuple]:
     """Every grid point, ``((key, value), ...)`` in the keys' order, the first axis slowest; one empty
     point (the configuration as given) when there is no axis."""
-    keys = list(axes)
-    return [tuple(zip(keys, values)) for values in itertools.product(*(axes[k] for k in keys))]
+    return [tuple(zip(axes, values)) for values in itertools.product(*axes.values())]
 
 
 def point_label(point: tuple) -> str:
@@ -128,13 +121,10 @@ def point_label(point: tuple) -> str:
 
 def members_of(config: RunConfig, axes: dict[str, list], seeds: Sequence[int]) -> list[Member]:
     out = Path(config.out) if config.out else None
-    members = []
-    for point in grid(axes):
-        for seed in seeds:
-            member_out = str(out / point_label(point) / f"seed{seed}") if out else None
-            members.append(Member(point, int(seed), dataclasses.replace(with_overrides(config, point), seed=int(seed),
-                                                                          out=member_out)))
-    return members
+    return [Member(point, int(seed), dataclasses.replace(
+                with_overrides(config, point), seed=int(seed),
+                out=str(out / point_label(point) / f"seed{seed}") if out else None))
+            for point in grid(axes) for seed in seeds]
 
 
 # ------------------------------------------------------------------ one program for many points
@@ -197,12 +187,9 @@ def traced_keys(exp: Experiment, state, point: tuple, algorithm_object: bool = F
     for key, _ in point:
         if key.startswith("option.") and key not in float_options:
             why[key] = "not a float option (traced values are float32 arrays)"
-            continue
-        if key not in TRACEABLE_FIELDS and key not in float_options:
+        elif key not in TRACEABLE_FIELDS and key not in float_options:
             why[key] = "not a learning rate or an algorithm option (shapes, data or the threat model)"
-            continue
-        problem = _trace_problem(exp, state, [key], point)
-        if problem:
+        elif problem := _trace_problem(exp, state, [key], point):
             why[key] = problem
         else:
             ok.append(key)
@@ -247,9 +234,12 @@ def sweep(config: RunConfig, axes: dict[str, list] | None = None, seeds: Sequenc
               parallelism: str = "auto", select: str | None = None, resume: bool = False, overwrite: bool = False,
               progress: bool = True, given: set[str] | None = None, keep_states: bool = True, model=None, data=None,
               algorithm=None) -> SweepResult:
-    """Runs every grid point of ``axes`` ({key: values}) with every seed (see the module docstring).
-    One program's members are open at a time. ``keep_states``: keep every member's final state in
-    ``results`` (False: ``RunResult.state`` is None, and only the running group's states are alive).
+    """Runs every grid point of ``axes`` ({key: values}) with every seed (docs/sweeps.md): member ``(point,
+    seed)`` is the run of ``config`` with the point's values and that seed, in ``OUT/<point>/seed<seed>/`` (the
+    same numbers as that run alone); ``OUT/sweep.json`` and ``OUT/sweep.md`` hold the mean ± sample std over
+    seeds per point and the best point by ``select``. One program's members are open at a time.
+    ``keep_states``: keep every member's final state in ``results`` (False: ``RunResult.state`` is None, and
+    only the running group's states are alive).
     ``model``, ``data``, ``algorithm``: objects replacing the config's names in every member, as in
     ``fjs.run`` (the keys they decide cannot be swept; an algorithm object gets a program per point).
     ``seeds``: default ``(0,)``; ``select``: default ``best_accuracy``.
@@ -264,8 +254,6 @@ def sweep(config: RunConfig, axes: dict[str, list] | None = None, seeds: Sequenc
     previous = _read_record(out) if (resume and out is not None) else {}
     seeds = None if seeds is None else seed_list(seeds)
     axes = None if axes is None else axis_lists(axes)
-    if seeds is not None and (not seeds or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds)):
-        raise RunError(f"a sweep needs distinct non-negative seeds, got {seeds}")
     if axes is not None:
         # The keys in the sweep's words, then text values typed for the configuration they vary: the
         # recorded one when resuming (its algorithm's options), so that they compare with the recorded grid.
@@ -348,14 +336,7 @@ def sweep(config: RunConfig, axes: dict[str, list] | None = None, seeds: Sequenc
         # The first unfinished member decides which keys trace; then the members are opened one program
         # (group) at a time, so only one group's states are alive at once (docs/sweeps.md).
         pending = [i for i, m in enumerate(members) if _name(m) not in diverged]
-
-        def open_first() -> tuple[int, Any] | None:
-            for index in pending:
-                run = open_member(index)
-                if run is not None:
-                    return index, run
-            return None
-        first = open_first()
+        first = next(filter(lambda opened: opened[1] is not None, ((i, open_member(i)) for i in pending)), None)
         if first is not None:
             keys, why = traced_keys(first[1].exp, first[1].state, members[first[0]].point,
                                     algorithm_object=parts.algorithm is not None)
@@ -398,11 +379,6 @@ def _without_time(record: dict) -> dict:
     return plain
 
 
-def _same(a, b) -> bool:
-    """Two grid values are the same point when they make the same folder name (``1`` and ``1.0`` do not)."""
-    return str(a) == str(b)
-
-
 def _finished_without_checkpoint(config: RunConfig, out: Path) -> RunResult | None:
     """A member folder holding a finished run whose checkpoints were deleted (to save space, as the
     recorded results do) is that member's result: kept, never rerun over. Its recorded configuration
@@ -427,18 +403,10 @@ def _finished_without_checkpoint(config: RunConfig, out: Path) -> RunResult | No
 def resume_plan(config: RunConfig, axes: dict[str, list] | None, seeds: list[int] | None, select: str | None,
                 record: dict, given: set[str] | None, out: Path) -> tuple[RunConfig, dict, list[int], str, str | None]:
     """What resuming the sweep recorded in ``out`` (``record``: its sweep.json) runs: (config, axes,
-    seeds, select, notice or None). The rule:
-
-    * the configuration is the recorded one; fields set (``given``; None: every field, the API's
-      ``config``) must equal it, except ``runner.RESUMABLE_CHANGES`` (``--rounds`` may grow) and
-      execution settings, as for one run's resume; the swept keys and the seed are the grid's;
-    * ``axes`` None: the recorded grid. Otherwise it must sweep the same keys; each key's values become
-      the recorded ones followed by the new ones (the grid is their product), so old points are never
-      dropped and new values extend the sweep; ``seeds`` likewise (None: the recorded seeds);
-    * ``select`` None: the recorded one (another only changes the table).
-
-    Anything else is refused in one RunError listing every difference, with the fix (another out,
-    or overwrite). ``notice``: one line naming the new points and seeds when the sweep grows."""
+    seeds, select, notice or None), by the rule of docs/sweeps.md, "Resuming and extending a sweep":
+    the recorded configuration, grid, seeds and select, extended by new values and seeds; any other
+    difference is refused in one RunError listing them. ``given``: the fields the user set (None: every
+    field). ``notice``: one line naming the new points and seeds when the sweep grows."""
     recorded = RunConfig.from_json(record["config"])
     old_axes: dict[str, list] = {k: list(v) for k, v in record["axes"].items()}
     old_seeds = [int(s) for s in record["seeds"]]
@@ -465,7 +433,8 @@ def resume_plan(config: RunConfig, axes: dict[str, list] | None, seeds: list[int
     merged, _ = resumed_config(clean, recorded, None if given is None else given - {"seed"} - swept)
     new_axes = old_axes
     if axes is not None:
-        new_axes = {k: v + [x for x in axes[k] if not any(_same(x, y) for y in v)] for k, v in old_axes.items()}
+        # A value is a recorded one when it makes the same folder name (``1`` and ``1.0`` do not).
+        new_axes = {k: v + [x for x in axes[k] if str(x) not in map(str, v)] for k, v in old_axes.items()}
     new_seeds = old_seeds + [s for s in (seeds or []) if s not in old_seeds]
     old_points = {point_label(p) for p in grid(old_axes)}
     added = [point_label(p) for p in grid(new_axes) if point_label(p) not in old_points]
