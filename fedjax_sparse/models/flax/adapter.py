@@ -32,6 +32,7 @@ import inspect
 import math
 import os
 import re
+import traceback
 import zlib
 from typing import Any, Callable, Sequence
 
@@ -40,7 +41,7 @@ import jax.numpy as jnp
 
 from fedjax_sparse.models import layers as L
 from fedjax_sparse.models.flax.program_flow import layer_scope, program_flow
-from fedjax_sparse.models.base import Hooks, LayerInfo, Model, shape_tuple
+from fedjax_sparse.models.base import NO_HOOKS, Hooks, LayerInfo, Model, shape_tuple
 
 Path = tuple  # a module path inside the user's variables, e.g. ("Block_0", "Dense_0") or ("layers", 0)
 
@@ -59,13 +60,9 @@ def _flatten(tree: dict, prefix: Path = ()) -> dict[Path, dict]:
 
 
 def _unflatten(entries: dict[Path, dict]) -> dict:
-    tree: dict = {}
-    for path, leaves in entries.items():
-        node = tree
-        for key in path:
-            node = node.setdefault(key, {})
-        node.update(leaves)
-    return tree
+    from flax import traverse_util
+    return traverse_util.unflatten_dict({path + (leaf,): a for path, leaves in entries.items()
+                                         for leaf, a in leaves.items()})
 
 
 def entry_name(path: Path) -> str:
@@ -478,47 +475,31 @@ def _nnx_parts(module, train_kwargs):
         cells = {tuple(p) for p, m in nnx.iter_graph(merged) if isinstance(m, nnx.RNNCellBase)}
         bridges: list = []    # the paths of the nnx.bridge.ToNNX modules whose linen module is running
 
-        def layer(self, kind, kernel, x, run, conv=None, out_axes=1):
-            path = _nnx_path(self)
-            if any(path[:i] in cells for i in range(len(path))):
-                kind = "recurrent"
-            # Inside a lifted transform (nnx.remat, nnx.scan, nnx.vmap): another trace, a copy of the module.
-            nested = _current_trace() != calls.outer_trace
-            return calls.weight_layer(path, kind, kernel, x, run, None if nested else conv, out_axes=out_axes,
-                                      nested=nested)
+        def weight_call(cls):
+            # Flax's own weight class, or a subclass in ``overriding``: that one runs its own code (no fast
+            # path), and is a weight layer only while it holds its kernel as an nnx.Param.
+            kind, leaf = weight_classes[next(c for c in cls.__mro__ if c in weight_classes)]
+            run = overriding.get(cls) or originals[cls]
 
-        def linear_general(self, x, *a, **k):
-            features = self.out_features if isinstance(self.out_features, (tuple, list)) else (self.out_features,)
-            out_axes = 0 if getattr(self, "batch_axis", None) else len(features)
-            return layer(self, "dense_general", self.kernel[...], x,
-                         lambda: originals[nnx.LinearGeneral](self, x, *a, **k), out_axes=out_axes)
-
-        def einsum(self, x, *a, **k):
-            spec = k.get("einsum_str") or (a[0] if a else None) or self.einsum_str
-            return layer(self, "einsum", self.kernel[...], x, lambda: originals[nnx.Einsum](self, x, *a, **k),
-                         out_axes=einsum_out_axes(spec or ""))
-
-        def embed(self, x, *a, **k):
-            return layer(self, "embed", self.embedding[...], x, lambda: originals[nnx.Embed](self, x, *a, **k))
-
-        def linear(self, x, *a, **k):
-            return layer(self, "dense", self.kernel[...], x, lambda: originals[nnx.Linear](self, x, *a, **k))
-
-        def conv(self, x, *a, **k):
-            kernel = self.kernel[...]
-            bias = self.bias[...] if self.use_bias else None
-            plain = not a and not k and _runs_flax_code(type(self), nnx.Conv)
-            return layer(self, "conv", kernel, x, lambda: originals[nnx.Conv](self, x, *a, **k),
-                         _conv_config(self, kernel, bias) if plain else None)
-
-        def own_call(cls):
             def call(self, x, *a, **k):
-                base = next(c for c in type(self).__mro__ if c in weight_classes)
-                kind, leaf = weight_classes[base]
                 kernel = getattr(self, leaf, None)
-                if not isinstance(kernel, nnx.Param):
-                    return overriding[cls](self, x, *a, **k)
-                return layer(self, kind, kernel[...], x, lambda: overriding[cls](self, x, *a, **k))
+                if cls in overriding and not isinstance(kernel, nnx.Param):
+                    return run(self, x, *a, **k)
+                kernel, out_axes, conv = kernel[...], 1, None
+                path = _nnx_path(self)
+                # Inside a lifted transform (nnx.remat, nnx.scan, nnx.vmap): another trace, a copy of the module.
+                nested = _current_trace() != calls.outer_trace
+                if cls is nnx.LinearGeneral:
+                    features = self.out_features if isinstance(self.out_features, (tuple, list)) \
+                        else (self.out_features,)
+                    out_axes = 0 if getattr(self, "batch_axis", None) else len(features)
+                elif cls is nnx.Einsum:
+                    out_axes = einsum_out_axes(k.get("einsum_str") or (a[0] if a else None) or self.einsum_str or "")
+                elif cls is nnx.Conv and not nested and not a and not k and _runs_flax_code(type(self), nnx.Conv):
+                    conv = _conv_config(self, kernel, self.bias[...] if self.use_bias else None)
+                in_cell = any(path[:i] in cells for i in range(len(path)))
+                return calls.weight_layer(path, "recurrent" if in_cell else kind, kernel, x,
+                                          lambda: run(self, x, *a, **k), conv, out_axes=out_axes, nested=nested)
             return call
 
         def batch_norm(self, x, *a, **k):
@@ -543,10 +524,8 @@ def _nnx_parts(module, train_kwargs):
             finally:
                 object.__setattr__(self, _NNX_PATH, path)
                 bridges.pop()
-        patched = {nnx.Linear: linear, nnx.Conv: conv, nnx.BatchNorm: batch_norm, nnx.Dropout: dropout,
-                   nnx.LinearGeneral: linear_general, nnx.Einsum: einsum, nnx.Embed: embed,
-                   **({bridge: to_nnx} if bridge is not None else {}),
-                   **{cls: own_call(cls) for cls in overriding}}
+        patched = {**{cls: weight_call(cls) for cls in (*weight_classes, *overriding)},
+                   nnx.BatchNorm: batch_norm, nnx.Dropout: dropout, **({bridge: to_nnx} if bridge is not None else {})}
         try:
             for cls, fn in patched.items():
                 cls.__call__ = fn  # type: ignore[method-assign]
@@ -606,13 +585,10 @@ def _user_frame(error: BaseException) -> tuple[str, int, str] | None:
     numpy, the standard library and fedjax_sparse (whose example models count as the user's)."""
     libraries = _library_dirs()
     found = None
-    tb = error.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        path = os.path.abspath(code.co_filename)
+    for frame, line in traceback.walk_tb(error.__traceback__):
+        path = os.path.abspath(frame.f_code.co_filename)
         if not path.startswith(libraries) or path.endswith(os.path.join("models", "flax_examples.py")):
-            found = (path, tb.tb_lineno, code.co_name)
-        tb = tb.tb_next
+            found = (path, line, frame.f_code.co_name)
     return found
 
 
@@ -621,14 +597,8 @@ _SHAPE_WORDS = ("shape", "dimension", "rank", "axis", "axes", "broadcast", "inco
 
 def _failing_module(error: BaseException, classes: tuple):
     """The innermost module of one of ``classes`` whose method is on the traceback (None if none)."""
-    found = None
-    tb = error.__traceback__
-    while tb is not None:
-        candidate = tb.tb_frame.f_locals.get("self")
-        if isinstance(candidate, classes):
-            found = candidate
-        tb = tb.tb_next
-    return found
+    modules = [frame.f_locals.get("self") for frame, _ in traceback.walk_tb(error.__traceback__)]
+    return next((m for m in reversed(modules) if isinstance(m, classes)), None)
 
 
 def _module_name(module) -> str:
@@ -767,17 +737,17 @@ def _check_call_arguments(module, call: Callable, train_argument: str | None) ->
 _PROBE_KEY = 20240917  # the probe batch's seed: fixed, so a model is checked on the same inputs every time
 
 
-def _check_same_network(model_name: str, model_apply: Callable, reference: Callable, variables: dict,
-                        input_shape: tuple, modes: Sequence[bool], rtol: float = 1e-4) -> None:
-    """Refuses a model whose adapted forward pass (``model_apply(variables, x, train) -> (logits,
-    layer outputs)``, fast paths included, no-op hooks) is not the module's own (``reference``, same
-    signature, Flax's code for every layer) on a probe batch x [2, *input_shape] from a fixed key:
+def _check_same_network(model_name: str, forward: Callable, variables: dict, input_shape: tuple,
+                        modes: Sequence[bool], rtol: float = 1e-4) -> None:
+    """Refuses a model whose adapted forward pass (``forward("run", variables, x, train) -> (logits, _,
+    layer outputs)``, fast paths included, no-op hooks) is not the module's own (``forward("reference",
+    ...)``, Flax's code for every layer) on a probe batch x [2, *input_shape] from a fixed key:
     the logits must agree to ``rtol`` of their scale (max |logit|), in each mode of ``modes``
     (train flags). The first weight layer whose output differs is named when there is one."""
     x = jax.random.normal(jax.random.PRNGKey(_PROBE_KEY), (2,) + tuple(input_shape), jnp.float32)
     for train in modes:
-        got, got_layers = model_apply(variables, x, train)
-        want, want_layers = reference(variables, x, train)
+        got, _, got_layers = forward("run", variables, x, train)
+        want, _, want_layers = forward("reference", variables, x, train)
         got, want = jnp.asarray(got, jnp.float32), jnp.asarray(want, jnp.float32)
         scale = float(jnp.max(jnp.abs(want))) if want.size else 0.0
         diff = float(jnp.max(jnp.abs(got - want))) if want.size else 0.0
@@ -847,12 +817,10 @@ def _check_weights_seen(model_name: str, recorded: Sequence[_Recorded], params: 
     return stacked
 
 
-def _program_flows(model_name: str, apply_nested: Callable, to_nested: Callable, variables: dict,
-                   input_shape: tuple, names: Sequence[str]) -> dict:
-    """{batch: ProgramFlow} of the module's own forward pass (evaluation mode) at batch 1 and 2: the
-    difference of their costs is what one more example costs."""
-    def forward(v, x):
-        return apply_nested(to_nested(v), x, _Calls("reference"), False)[0]
+def _program_flows(model_name: str, forward: Callable, variables: dict, input_shape: tuple,
+                   names: Sequence[str]) -> dict:
+    """{batch: ProgramFlow} of ``forward(variables, x) -> logits``, the module's own forward pass (evaluation
+    mode), at batch 1 and 2: the difference of their costs is what one more example costs."""
     flows = {}
     for batch in (1, 2):
         x_aval = jax.ShapeDtypeStruct((batch,) + input_shape, jnp.float32)
@@ -946,9 +914,12 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     # "embedding" in the module's own; filled once the layers are recorded.
     embed_entries: set = set()
 
+    def renamed(entries: dict, old: str, new: str) -> dict:
+        return {k: ({(new if leaf == old else leaf): a for leaf, a in v.items()} if k in embed_entries else v)
+                for k, v in entries.items()}
+
     def to_nested(variables: dict) -> dict:
-        params = {k: ({("embedding" if leaf == "kernel" else leaf): a for leaf, a in v.items()}
-                      if k in embed_entries else v) for k, v in variables["params"].items()}
+        params = renamed(variables["params"], "kernel", "embedding")
         out = {"params": _unflatten({paths[k]: v for k, v in params.items()})}
         stats = variables.get("batch_stats", {})
         if stats:
@@ -956,13 +927,14 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
         return out
 
     def to_flat(nested: dict) -> dict:
-        flat = {entry_name(p): dict(v) for p, v in _flatten(_plain(nested)).items()}
-        return {k: ({("kernel" if leaf == "embedding" else leaf): a for leaf, a in v.items()}
-                    if k in embed_entries else v) for k, v in flat.items()}
+        return renamed({entry_name(p): dict(v) for p, v in _flatten(_plain(nested)).items()}, "embedding", "kernel")
+
+    def flat_variables(nested: dict) -> dict:
+        return {"params": to_flat(nested["params"]), "batch_stats": to_flat(nested.get("batch_stats", {}))}
 
     # 1. Record the weight layers, their shapes, and the BatchNorms that read them.
     record = _Calls("record", conv_impl=conv_impl)
-    flat0 = {"params": to_flat(nested0["params"]), "batch_stats": to_flat(nested0.get("batch_stats", {}))}
+    flat0 = flat_variables(nested0)
     try:
         logits_aval = jax.eval_shape(lambda v, x: apply_nested(to_nested(v), x, record, False)[0], flat0, x_aval)
     except Exception as e:  # an NNX module first runs here (its init only reads its weights)
@@ -986,13 +958,21 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     bn_momentum = max(record.bn_momentum.values(), default=Model.batch_norm_momentum)
     scanned = _check_weights_seen(model_name, record.recorded, flat0["params"])
     embed_entries.update(n for n, r in zip(names, record.recorded) if r.kind == "embed")
-    flat0 = {"params": to_flat(nested0["params"]), "batch_stats": to_flat(nested0.get("batch_stats", {}))}
+    flat0 = flat_variables(nested0)
+
+    def run(mode: str, variables: dict, x, train: bool, *, hooks: Hooks = NO_HOOKS, sample_mask=None, rng=None):
+        """The module on the Model's ``variables`` in ``mode`` (see ``_Calls``): (logits, its new batch_stats as
+        the module nests them, each weight layer's output)."""
+        calls = _Calls(mode, train=train, hooks=hooks, sample_mask=sample_mask, bn_of=bn_of, conv_impl=conv_impl,
+                       rng=rng)
+        logits, stats = apply_nested(to_nested(variables), x, calls, train)
+        return logits, stats, calls.layer_outputs
 
     # 2. From the module's own program (every value followed through lifted transforms: nn.remat, nn.scan,
     # nn.jit, nn.vmap and NNX's): which layer feeds which, each layer's products (its kernel's, with their
     # contraction, and any beside it), MACs per example (scans times their length; the products of no layer,
     # attention's scores and values, as Model.other_macs).
-    flows = _program_flows(model_name, apply_nested, to_nested, flat0, input_shape, names)
+    flows = _program_flows(model_name, lambda v, x: run("reference", v, x, False)[0], flat0, input_shape, names)
     units = [_units(r) for r in record.recorded]
     input_layers, sequential = link_layers(names, [u[0] for u in units], [u[1] for u in units],
                                            [frozenset(flows[2].layers[n].sources) for n in names],
@@ -1024,28 +1004,23 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     channel_entries = tuple((entry_name(bn), entry_name(layer)) for bn, layer in bn_of.items())
 
     def init_fn(key):
-        nested = init_nested(key, jnp.zeros((1,) + input_shape, jnp.float32))
-        return {"params": to_flat(nested["params"]), "batch_stats": to_flat(nested.get("batch_stats", {}))}
+        return flat_variables(init_nested(key, jnp.zeros((1,) + input_shape, jnp.float32)))
 
     layer_names = set(names)
 
     def apply_fn(variables, x, *, train, hooks, sample_mask, rng):
         params = {k: ({**v, "kernel": hooks.kernel(k, v["kernel"])} if k in layer_names else v)
                   for k, v in variables["params"].items()}
-        calls = _Calls("run", train=train, hooks=hooks, sample_mask=sample_mask, bn_of=bn_of, conv_impl=conv_impl,
-                       rng=rng)
-        logits, stats = apply_nested(to_nested({"params": params, "batch_stats": variables.get("batch_stats", {})}),
-                                     x, calls, train)
+        logits, stats, _ = run("run", {**variables, "params": params}, x, train, hooks=hooks, sample_mask=sample_mask,
+                               rng=rng)
         return logits, to_flat(stats) if stats else dict(variables.get("batch_stats", {}))
 
     # 3. Training mode as the engine's local steps run it (a dropout key, statistics over the real samples):
     # a module asking for another rng stream or a cross-device BatchNorm is refused here, in one line.
-    def train_trace(v, x, key):
-        calls = _Calls("run", train=True, hooks=Hooks(), sample_mask=jnp.ones((x.shape[0],), jnp.float32),
-                       bn_of=bn_of, conv_impl=conv_impl, rng=key)
-        return apply_nested(to_nested(v), x, calls, True)
     try:
-        jax.eval_shape(train_trace, flat0, x_aval, jax.random.PRNGKey(0))
+        jax.eval_shape(lambda v, x, key: apply_fn(v, x, train=True, hooks=NO_HOOKS, rng=key,
+                                                  sample_mask=jnp.ones((x.shape[0],), jnp.float32)),
+                       flat0, x_aval, jax.random.PRNGKey(0))
     except Exception as e:
         if str(e).startswith("from_flax:"):
             raise
@@ -1055,15 +1030,6 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     # 4. Never a different network: the adapted forward pass (fast paths included) against the module's
     # own code on a probe batch, in evaluation mode and, when __call__ takes a train flag, training mode.
     check_key = jax.random.PRNGKey(_PROBE_KEY)  # dropout on in training mode, the same masks on both sides
-
-    def forward(mode):   # "run": the adapted pass (no-op hooks); "reference": the module's own code
-        def apply(variables, x, train):
-            calls = _Calls(mode, train=train, hooks=Hooks(), bn_of=bn_of, conv_impl=conv_impl,
-                           rng=check_key if train else None)
-            params = {"params": variables["params"], "batch_stats": variables.get("batch_stats", {})}
-            logits, _ = apply_nested(to_nested(params), x, calls, train)
-            return logits, calls.layer_outputs
-        return apply
     modes = (False, True) if train_kwargs(True) else (False,)
     # The first real weights: made once, for this check and the probes (memory.check_weights_fit's peak).
     variables = init_fn(jax.random.PRNGKey(0))
@@ -1071,7 +1037,8 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     # logits 0 whatever the layers before it compute.
     from fedjax_sparse.models.flax import probes as flax_probes
     probe_variables = flax_probes.perturbed(variables, set(names), _PROBE_KEY + 1)
-    _check_same_network(model_name, forward("run"), forward("reference"), probe_variables, input_shape, modes)
+    _check_same_network(model_name, lambda mode, v, x, train: run(mode, v, x, train, rng=check_key if train else None),
+                        probe_variables, input_shape, modes)
     del probe_variables
 
     # 5. On a probe: padded rows change nothing for the real ones (else refused), and which layers' dropped
