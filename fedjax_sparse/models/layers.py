@@ -62,13 +62,6 @@ def resolve_conv_impl(impl: str, platform: str | None = None) -> str:
 Pads = tuple  # ((top, bottom), (left, right))
 
 
-def _explicit_padding(x_shape, kernel_shape, stride: int, padding: str) -> Pads:
-    """XLA's own pads for ``padding`` (``"SAME"``: the odd one at the bottom/right, as ``lax.conv`` pads)."""
-    if padding not in ("SAME", "VALID"):
-        raise ValueError(f"padding must be 'SAME' or 'VALID', got {padding!r}")
-    return tuple(lax.padtype_to_pads(x_shape[1:3], kernel_shape[:2], (stride, stride), padding))
-
-
 def _native_conv(x, kernel, stride: int, pads: Pads):
     return lax.conv_general_dilated(x, kernel, (stride, stride), pads, dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
@@ -149,7 +142,10 @@ def conv2d(x: jax.Array, kernel: jax.Array, *, stride: int = 1,
     layer's, for messages)."""
     if impl not in CONV_IMPLS:
         raise ValueError(f"unknown conv implementation {impl!r}; valid: {CONV_IMPLS}")
-    pads = _explicit_padding(x.shape, kernel.shape, stride, padding)
+    if padding not in ("SAME", "VALID"):
+        raise ValueError(f"padding must be 'SAME' or 'VALID', got {padding!r}")
+    # XLA's own pads ("SAME": the odd one at the bottom/right, as lax.conv pads it).
+    pads = tuple(lax.padtype_to_pads(x.shape[1:3], kernel.shape[:2], (stride, stride), padding))
     if impl == "auto":
         # Both forms are traced; lowering keeps the target platform's alone.
         form = functools.partial(conv2d, stride=stride, padding=padding, name=name)
@@ -198,6 +194,12 @@ def avg_pool(x: jax.Array, window: int, stride: int | None = None) -> jax.Array:
         # Overlapping windows as a sum of shifted strided slices (cheap gradient on CPU).
         return jnp.asarray(sum(_shifted(x, window, window, stride))) / (window * window)
     return _tiles(x, window).mean(axis=(2, 4))
+
+
+def batch_norm_variables(features: int) -> tuple[dict, dict]:
+    """A fresh BatchNorm over ``features`` channels: ({"bn_scale": 1, "bn_bias": 0}, {"mean": 0, "var": 1})."""
+    params = {"bn_scale": jnp.ones((features,), jnp.float32), "bn_bias": jnp.zeros((features,), jnp.float32)}
+    return params, {"mean": jnp.zeros((features,), jnp.float32), "var": jnp.ones((features,), jnp.float32)}
 
 
 def batch_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, stats: dict,

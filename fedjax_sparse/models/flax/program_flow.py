@@ -56,13 +56,6 @@ def layer_scope(name: str):
     return jax.named_scope(TAG + name.replace("/", "::"))
 
 
-def layer_of(eqn, inherited: str | None) -> str | None:
-    """The innermost layer tag on the equation's name stack (a transform writes its scopes inside
-    its own name, ``vmap(fjs_layer:conv1)``: ``nn.vmap``), else ``inherited``."""
-    found = _TAGGED.findall(str(eqn.source_info.name_stack))
-    return found[-1].replace("::", "/") if found else inherited
-
-
 def _sub(value):
     if isinstance(value, jax.extend.core.ClosedJaxpr):
         return [value.jaxpr]
@@ -133,7 +126,10 @@ class _Flow:
                 mine.side += f.side
 
     def scope(self, eqn, inherited):
-        layer = layer_of(eqn, inherited)
+        """The layer of the innermost tag on the equation's name stack (a transform writes its scopes inside
+        its own name, ``vmap(fjs_layer:conv1)``: ``nn.vmap``), else ``inherited``."""
+        found = _TAGGED.findall(str(eqn.source_info.name_stack))
+        layer = found[-1].replace("::", "/") if found else inherited
         return layer if layer in self.index else inherited
 
     def entering(self, deps: tuple, where) -> tuple:
