@@ -1,28 +1,14 @@
 """Any Flax model as a :class:`fedjax_sparse.models.Model`: ``from_flax(module, input_shape=...)``.
 
-Every algorithm works on a ``Model`` (a layer table plus ``init``/``apply`` with :class:`Hooks`); this
-module derives that from a ``flax.linen`` or ``flax.nnx`` module, from one abstract forward pass (no
-FLOPs spent) and the module's own program (:mod:`~fedjax_sparse.models.flax.program_flow`):
-
-* the weight layers, every parameterised product in call order, named by their module path joined with
-  ``/`` (``"conv1"``, ``"Block_0/Dense_0"``), with kind (``LayerInfo.kind``), kernel shape, units, MACs
-  per example, ``contraction``, ``uses`` and ``input_layer``; ``Model.sequential``, ``other_macs``
-  (products of no layer's kernel) and ``row_leaks`` (layers whose output does not follow their rows);
-* ``BatchNorm`` modules reading a weight layer's output directly: per-channel entries of that layer
-  (``Model.channel_entries``), trained with statistics over a padded batch's real samples only;
-* refused in one line: a kernel no seen layer multiplies by, a kernel the stored one is no stack of,
-  products inside a ``while`` loop, rng streams other than ``dropout``, collections other than
-  ``params`` and ``batch_stats``, and any model whose adapted forward pass (fast paths included) differs
-  from the module's own on a probe batch (logits to 1e-4 of their scale).
-
-At run time ``hooks.kernel`` is applied to each layer's kernel before the forward pass and
-``hooks.activation`` to each layer's output (behind its BatchNorm when it has one). Plain 2-D ``Conv``
-layers running Flax's own code in float32 are computed by :func:`fedjax_sparse.models.layers.conv2d`
-(im2col inside the engine's scans on CPU, batched matmuls under a ``vmap`` over clients) and
-non-overlapping ``max_pool`` by :func:`~fedjax_sparse.models.layers.max_pool`; everything else is Flax's
-own code. ``BatchNorm`` and ``Dropout`` follow the adapter's train/eval mode whatever the module fixed.
-The normalisation and padding probes are in :mod:`~fedjax_sparse.models.flax.probes`; the full
-description, with what each mechanism does to each layer kind, is docs/design.md ("Your Flax model").
+From one abstract forward pass of a ``flax.linen`` or ``flax.nnx`` module with its layer calls intercepted
+(``_Calls``) and from the module's own program (:mod:`~fedjax_sparse.models.flax.program_flow`), this module
+derives the weight layers (every parameterised product in call order, named by its module path: ``"conv1"``,
+``"Block_0/Dense_0"``), their MACs and data flow, and the ``BatchNorm`` reading each (``Model.channel_entries``).
+At run time ``hooks.kernel`` is applied to each kernel and ``hooks.activation`` to each layer's output (behind
+its BatchNorm when it has one); plain float32 2-D ``Conv`` layers and non-overlapping ``max_pool`` run as
+:mod:`fedjax_sparse.models.layers`' (``_fast_conv``, ``_zoo_max_pool``), everything else as Flax's own code.
+What it cannot follow is refused in one line; the probes run last are in
+:mod:`~fedjax_sparse.models.flax.probes`. The full description: docs/design.md ("Your Flax model").
 """
 from __future__ import annotations
 
@@ -96,9 +82,7 @@ class _Recorded:
     kind: str
     kernel_shape: tuple
     in_shape: tuple
-    out_shape: tuple
     out_axes: int = 1       # trailing kernel axes that are output units (0: none, see LayerInfo)
-    nested: bool = False    # called inside a lifted transform (remat, scan, jit): its values live on an inner trace
 
 
 class _Calls:
@@ -126,20 +110,19 @@ class _Calls:
         # Layers whose call is in progress: a subclass's ``__call__`` that calls ``super().__call__``
         # reaches the interception again for the same layer, which is the same use, not a second one.
         self.active: list = []
-        # Weight layers called inside another weight layer's call (record mode): outer path -> inner paths.
-        self.inner: dict[Path, list] = {}
+        # Weight layers called inside another weight layer's call (record mode): outer path -> the first of them.
+        self.inner: dict[Path, Path] = {}
 
     def weight_layer(self, path: Path, kind: str, kernel, x, original: Callable, conv: dict | None, *,
                      out_axes: int = 1, nested: bool = False):
         """``conv``: the layer's configuration when it is Flax's own ``Conv`` code (the fast path may
         replace it), None for a Dense or a subclass that runs its own code. ``out_axes``: the
-        kernel's trailing axes that are output units; ``nested``: see the class docstring."""
+        kernel's trailing axes that are output units; ``nested``: called inside a lifted transform (remat,
+        scan, jit), its values on an inner trace (not in ``layer_outputs``)."""
         if path in self.active:
             return original()
         if self.mode == "record" and self.active:
-            self.inner.setdefault(self.active[-1], [])
-            if path not in self.inner[self.active[-1]]:
-                self.inner[self.active[-1]].append(path)
+            self.inner.setdefault(self.active[-1], path)
         first = path not in self.seen
         self.seen.add(path)
         out = _fast_conv(x, kernel, conv, self.conv_impl) if conv is not None and self.mode != "reference" else None
@@ -156,8 +139,7 @@ class _Calls:
             return out
         if self.mode == "record":
             if first:
-                self.recorded.append(_Recorded(path, kind, tuple(kernel.shape), tuple(x.shape), tuple(out.shape),
-                                               out_axes, nested))
+                self.recorded.append(_Recorded(path, kind, tuple(kernel.shape), tuple(x.shape), out_axes))
             self._outputs[id(out)] = (path, out)
             return out
         if path not in self.deferred:
@@ -569,7 +551,9 @@ def _nnx_parts(module, train_kwargs):
 
 
 # ---------------------------------------------------------------- errors in the user's words
-def _library_dirs() -> tuple[str, ...]:
+def _user_frame(error: BaseException) -> tuple[str, int, str] | None:
+    """(file, line, function) of the innermost traceback frame in the user's code: outside jax, flax,
+    numpy, the standard library and fedjax_sparse (whose example models count as the user's)."""
     import sysconfig
 
     import flax
@@ -577,13 +561,7 @@ def _library_dirs() -> tuple[str, ...]:
     import numpy
     dirs = [os.path.dirname(m.__file__ or "") for m in (jax, jaxlib, flax, numpy)]
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return tuple(os.path.join(d, "") for d in dirs + [package, sysconfig.get_paths()["stdlib"]])
-
-
-def _user_frame(error: BaseException) -> tuple[str, int, str] | None:
-    """(file, line, function) of the innermost traceback frame in the user's code: outside jax, flax,
-    numpy, the standard library and fedjax_sparse (whose example models count as the user's)."""
-    libraries = _library_dirs()
+    libraries = tuple(os.path.join(d, "") for d in dirs + [package, sysconfig.get_paths()["stdlib"]])
     found = None
     for frame, line in traceback.walk_tb(error.__traceback__):
         path = os.path.abspath(frame.f_code.co_filename)
@@ -602,6 +580,8 @@ def _failing_module(error: BaseException, classes: tuple):
 
 
 def _module_name(module) -> str:
+    if module is None:
+        return "a layer"
     scope = getattr(module, "scope", None)
     path = tuple(scope.path) if scope is not None else ()
     return f"layer {entry_name(path)!r} ({type(module).__name__})" if path else f"{type(module).__name__}.__call__"
@@ -619,7 +599,7 @@ def _engine_error(model_name: str, error: Exception, train: bool) -> Exception |
     stream = re.search(r'needs PRNG for "([^"]*)"', first)
     if stream:
         module = _failing_module(error, (nn.Module,))
-        who = _module_name(module) if module is not None else "a layer"
+        who = _module_name(module)
         if stream.group(1) == "dropout" and not train:
             return ValueError(f"from_flax: {model_name}: {who} asks for a 'dropout' key in evaluation mode{at}; "
                               "evaluation passes none (dropout off): draw it only in training (gate "
@@ -630,7 +610,7 @@ def _engine_error(model_name: str, error: Exception, train: bool) -> Exception |
     axis = re.search(r"unbound axis name: ?([^\s.,]+)", first)
     if isinstance(error, NameError) and axis:
         module = _failing_module(error, (nn.BatchNorm, nnx.BatchNorm))
-        who = _module_name(module) if module is not None else "a layer"
+        who = _module_name(module)
         return ValueError(f"from_flax: {model_name}: {who} computes over the device axis {axis.group(1)!r}{at} "
                           "(BatchNorm axis_name: cross-device statistics), which the engine's vmap over clients "
                           "does not bind: drop axis_name (each client's statistics are its own)")
@@ -720,13 +700,11 @@ def _check_call_arguments(module, call: Callable, train_argument: str | None) ->
     only those): which argument, and the fix."""
     params = list(inspect.signature(call).parameters.values())[1:]  # after self
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if not positional:
-        if not any(p.kind == p.VAR_POSITIONAL for p in params):
-            raise TypeError(f"from_flax: {type(module).__name__}.__call__ takes no input argument; it must take the "
-                            "batch x [batch, *input_shape] as its first argument")
-    rest = [p for p in params if p is not (positional[0] if positional else None)]
+    if not positional and not any(p.kind == p.VAR_POSITIONAL for p in params):
+        raise TypeError(f"from_flax: {type(module).__name__}.__call__ takes no input argument; it must take the "
+                        "batch x [batch, *input_shape] as its first argument")
     flags = {"train", "training", "is_training", "deterministic", train_argument}
-    for p in rest:
+    for p in params[1:] if positional else params:   # all but the input (positional arguments come first)
         if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in flags:
             raise TypeError(f"from_flax: {type(module).__name__}.__call__ requires the argument {p.name!r}, but "
                             "from_flax passes only the input and the train flag: give it a default, or keep it in "
@@ -867,13 +845,15 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     the input and the train flag, and ``ValueError`` (one line: the problem and the fix) for a module
     that fails on ``[batch, *input_shape]`` inputs (the exception and the user's file and line), has no
     parameters, could not be built here (its weights' shapes against the device's memory, before any
-    real weight is made: :func:`fedjax_sparse.core.memory.check_weights_fit`) or whose adapted forward pass
-    differs from its own (see the module docstring).
+    real weight is made: :func:`fedjax_sparse.core.memory.check_weights_fit`), multiplies by a kernel no seen
+    layer holds or one its stored kernel is no stack of, runs products inside a ``while`` loop, asks for rng
+    streams other than ``dropout`` or collections other than ``params`` and ``batch_stats``, or whose adapted
+    forward pass (fast paths included) differs from its own on a probe batch (logits to 1e-4 of their scale).
 
     Returns a ``Model`` whose ``params`` are ``{entry: {leaf: array}}`` keyed by module path
     (``"conv1"``, ``"Block_0/Dense_0"``), whose weight layers are the module's parameterised products
     (Dense/Linear, Conv, DenseGeneral/LinearGeneral, Einsum, Embed, recurrent cells' layers) in call
-    order, with MACs from the traced program (see the module docstring for what else is derived).
+    order, with MACs from the traced program (what else is derived: docs/design.md, "Your Flax model").
     """
     input_shape = shape_tuple(input_shape)
     L.resolve_conv_impl(conv_impl)  # validates the name
@@ -906,9 +886,8 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     if extra and any(jax.tree_util.tree_leaves(nested0[c]) for c in extra):
         raise ValueError(f"from_flax: {model_name} has variable collections {extra}; only 'params' and "
                          "'batch_stats' are supported")
-    param_paths = {entry_name(p): p for p in _flatten(_plain(nested0["params"]))}
-    stat_paths = {entry_name(p): p for p in _flatten(_plain(nested0.get("batch_stats", {})))}
-    paths = {**param_paths, **stat_paths}
+    paths = {entry_name(p): p for tree in (nested0["params"], nested0.get("batch_stats", {}))
+             for p in _flatten(_plain(tree))}
 
     # An Embed's table is its entry's "kernel" in the Model's variables (the name every mechanism reads),
     # "embedding" in the module's own; filled once the layers are recorded.
@@ -968,10 +947,8 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
         logits, stats = apply_nested(to_nested(variables), x, calls, train)
         return logits, stats, calls.layer_outputs
 
-    # 2. From the module's own program (every value followed through lifted transforms: nn.remat, nn.scan,
-    # nn.jit, nn.vmap and NNX's): which layer feeds which, each layer's products (its kernel's, with their
-    # contraction, and any beside it), MACs per example (scans times their length; the products of no layer,
-    # attention's scores and values, as Model.other_macs).
+    # 2. From the module's own program (program_flow): which layer feeds which, each layer's products (its
+    # kernel's, with their contraction, and any beside it) and MACs per example; the rest is Model.other_macs.
     flows = _program_flows(model_name, lambda v, x: run("reference", v, x, False)[0], flat0, input_shape, names)
     units = [_units(r) for r in record.recorded]
     input_layers, sequential = link_layers(names, [u[0] for u in units], [u[1] for u in units],
@@ -999,7 +976,7 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
                               f"{', '.join(with_what) if with_what else 'input'}), which its kernel's rows do not "
                               "reach"))
         elif r.path in record.inner:
-            row_leaks.append((layer_name, f"calls layer {entry_name(record.inner[r.path][0])} inside its own call, "
+            row_leaks.append((layer_name, f"calls layer {entry_name(record.inner[r.path])} inside its own call, "
                               "so its output does not follow its kernel's rows"))
     channel_entries = tuple((entry_name(bn), entry_name(layer)) for bn, layer in bn_of.items())
 
