@@ -102,7 +102,6 @@ class _Calls:
         self.bn_of = bn_of or {}          # BatchNorm path -> the layer path it follows
         self.deferred = set(self.bn_of.values())
         self.recorded: list[_Recorded] = []
-        self.seen: set = set()
         self._outputs: dict[int, tuple[Path, Any]] = {}
         self.bn_after: dict[Path, Path] = {}
         self.bn_momentum: dict[Path, float] = {}   # record mode: each BatchNorm's momentum (Model.batch_norm_momentum)
@@ -123,8 +122,6 @@ class _Calls:
             return original()
         if self.mode == "record" and self.active:
             self.inner.setdefault(self.active[-1], path)
-        first = path not in self.seen
-        self.seen.add(path)
         out = _fast_conv(x, kernel, conv, self.conv_impl) if conv is not None and self.mode != "reference" else None
         if out is None:
             self.active.append(path)
@@ -138,7 +135,7 @@ class _Calls:
         if self.mode == "reference":
             return out
         if self.mode == "record":
-            if first:
+            if all(r.path != path for r in self.recorded):   # a layer called again: recorded at its first call
                 self.recorded.append(_Recorded(path, kind, tuple(kernel.shape), tuple(x.shape), out_axes))
             self._outputs[id(out)] = (path, out)
             return out

@@ -301,13 +301,11 @@ def row_leaks(model: Model, variables: dict, x) -> tuple[tuple[str, str], ...]:
     return tuple(leaks)
 
 
-def probe(model: Model, module, input_shape: tuple, variables: dict | None = None) -> Model:
+def probe(model: Model, module, input_shape: tuple, variables: dict) -> Model:
     """The checks ``from_flax`` runs last: raises ``ValueError`` (one line) when padded rows move the
     real ones; returns ``model`` with ``unit_drop_leaks`` set and ``row_leaks`` completed. ``variables``:
-    ``model.init(PRNGKey(0))`` when the caller has it already (one copy of the weights fewer at the peak)."""
+    ``model.init(PRNGKey(0))``, which the caller has already (one copy of the weights fewer at the peak)."""
     key = jax.random.PRNGKey(_PROBE_KEY)
-    if variables is None:
-        variables = model.init(jax.random.PRNGKey(0))
     variables = perturbed(variables, {l.name for l in model.layers}, _PROBE_KEY + 1)
     x = jax.random.normal(key, (_REAL,) + tuple(input_shape), jnp.float32)
     reason = padding_leak(model, module, variables, x)
