@@ -1,23 +1,10 @@
-"""The model abstraction every algorithm works with.
+"""The model abstraction every algorithm works with (docs/design.md, "Models and hooks").
 
-A :class:`Model` is data plus two pure functions:
-
-* ``init(key) -> variables`` with ``variables = {"params": {layer: {...}},
-  "batch_stats": {layer: {"mean", "var"}}}``; each weight layer owns
-  ``params[name]["kernel"]`` (HWIO or [in, out]) and optionally ``"bias"``,
-  ``"bn_scale"``, ``"bn_bias"``.
-* ``apply(variables, x, *, train, hooks, sample_mask) -> (logits, batch_stats)``.
-
-Algorithms change a model without touching it through :class:`Hooks`:
-``hooks.kernel(name, kernel)`` returns the kernel actually used (SpaFL's
-threshold mask, FSL's supermask) and ``hooks.activation(name, h)`` transforms
-the block output after its nonlinearity (FedDrop's SyncDrop; a residual model
-calls it where a layer's output leaves the layer, see its docstring, and on a
-``channel_entries`` entry's output under that entry's name). Hooks are plain
-callables closed over traced arrays, so they compose with jit/vmap/grad.
-
-``layers`` lists every weight layer with its analytic cost, which the cost
-accounting uses (``macs`` is per sample, forward pass).
+A :class:`Model` is its weight layers (:class:`LayerInfo`, with their MACs per example) and two pure
+functions: ``init(key) -> variables``, ``variables = {"params": {layer: {...}}, "batch_stats": {layer:
+{"mean", "var"}}}`` where each weight layer owns ``params[name]["kernel"]`` (HWIO or [in, out]) and
+optionally ``"bias"``, ``"bn_scale"``, ``"bn_bias"``; and ``apply(variables, x, *, train, hooks, sample_mask,
+rng) -> (logits, batch_stats)``. Algorithms change a model without touching it through :class:`Hooks`.
 """
 from __future__ import annotations
 
@@ -40,7 +27,8 @@ _identity_activation = lambda name, h: h  # noqa: E731
 class Hooks:
     """How an algorithm changes a model without touching it: ``kernel(name, kernel)`` returns the
     kernel a weight layer uses (SpaFL's threshold mask, FSL's supermask); ``activation(name, h)``
-    transforms a layer's output ``h [B, ..., channels]`` (FedDrop's SyncDrop, width masks)."""
+    transforms a layer's output ``h [B, ..., channels]`` (FedDrop's SyncDrop, width masks). Plain callables
+    closed over traced arrays: they compose with jit/vmap/grad."""
     kernel: Callable[[str, jax.Array], jax.Array] = _identity_kernel
     activation: Callable[[str, jax.Array], jax.Array] = _identity_activation
 
@@ -112,35 +100,27 @@ class Model:
     layers: tuple[LayerInfo, ...]
     init_fn: Callable[[jax.Array], Variables] = dataclasses.field(repr=False)
     apply_fn: Callable[..., tuple[jax.Array, dict]] = dataclasses.field(repr=False)
-    # False for residual / attention models: a layer's input is not just its
-    # ``input_layer``'s output, so mechanisms that infer input sparsity from
-    # that chain (FedDrop's eq. 10 FLOPs, Caldas' dropout) refuse them.
+    # False when a layer's input is more than its ``input_layer``'s output (residual / attention models):
+    # FedDrop's eq. 10 FLOPs and Caldas' dropout refuse them (docs/design.md, "Models and hooks").
     sequential: bool = True
-    # Entries of ``params``/``batch_stats`` that belong to no weight layer but
-    # hold one value per output channel of one (a ResNet's pre-activation
-    # BatchNorm over the residual stream): (entry name, that layer's name).
+    # (entry, layer): ``params``/``batch_stats`` entries of no weight layer holding one value per output
+    # channel of ``layer`` (a ResNet's pre-activation BatchNorm over the residual stream; docs/design.md).
     channel_entries: tuple[tuple[str, str], ...] = ()
     # True when the layers' widths are fixed by the model's own code (a Flax module from
     # ``from_flax``): a narrower sub-model cannot be cut out of it, only masked (HeteroFL/FjORD's
     # ``sliced=False``). The zoo's models take their widths from the kernels they are given.
     fixed_widths: bool = False
-    # Weight layers whose dropped output units are not zero where the next weight layer reads them (a
-    # normalisation between them that ``from_flax`` does not handle, found on a probe): (layer name, what
-    # leaks). Mechanisms that drop units refuse these layers (``check_unit_drops``); empty for the zoo.
+    # (layer, what leaks): its dropped units are not zero where the next layer reads them, found by
+    # ``from_flax``'s probe; refused by ``check_unit_drops`` (docs/design.md, "Your Flax model"). Empty for the zoo.
     unit_drop_leaks: tuple[tuple[str, str], ...] = ()
-    # Multiply-accumulates per example of products that belong to no weight layer, counted from the
-    # traced program (attention's scores and values, a tied output embedding's ``attend``):
+    # MACs per example of products of no weight layer (attention's scores and values), from the traced program:
     # ``forward_macs`` is then the program's total. 0 for the zoo (hand-written tables).
     other_macs: int = 0
-    # The fraction of its running statistics a BatchNorm keeps per training step (Flax's ``momentum``,
-    # 1 - PyTorch's), the largest over the model's BatchNorms: how slowly the statistics evaluation
-    # reads follow training (``batch_norm_lag``). The zoo's BatchNorm keeps 0.9 (``layers.batch_norm``'s
-    # PyTorch momentum 0.1); ``from_flax`` reads its modules'. Unused by a model without ``batch_stats``.
+    # The slowest BatchNorm's momentum (Flax's, 1 - PyTorch's; the zoo's keeps 0.9), read by ``batch_norm_lag``
+    # (docs/design.md, "BatchNorm in federated runs"). Unused by a model without ``batch_stats``.
     batch_norm_momentum: float = 0.9
-    # Weight layers whose output does not follow their kernel's rows (found by ``from_flax``): a product
-    # beside the kernel's (LoRA's ``x @ lora_a @ lora_b``), another weight layer called inside, or a pruned
-    # row's output still moving with the input: (layer name, what). Mechanisms that threshold rows or drop
-    # units refuse these layers (``check_layer_kinds``); empty for the zoo.
+    # (layer, what): its output does not follow its kernel's rows (a product beside the kernel's, found by
+    # ``from_flax``); refused by ``check_layer_kinds`` (docs/design.md, "Your Flax model"). Empty for the zoo.
     row_leaks: tuple[tuple[str, str], ...] = ()
 
     def init(self, key: jax.Array) -> Variables:
@@ -389,10 +369,8 @@ def sequential(name: str, input_shape: Sequence[int], num_classes: int,
             if block.bias:
                 p["bias"] = torch_default_init(kb, (info.out_units,), info.fan_in)
             if block.batch_norm:
-                p["bn_scale"] = jnp.ones((info.out_units,), jnp.float32)
-                p["bn_bias"] = jnp.zeros((info.out_units,), jnp.float32)
-                stats[info.name] = {"mean": jnp.zeros((info.out_units,), jnp.float32),
-                                    "var": jnp.ones((info.out_units,), jnp.float32)}
+                bn, stats[info.name] = L.batch_norm_variables(info.out_units)
+                p.update(bn)
             params[info.name] = p
         return {"params": params, "batch_stats": stats}
 

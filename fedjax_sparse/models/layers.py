@@ -59,21 +59,7 @@ def resolve_conv_impl(impl: str, platform: str | None = None) -> str:
     return impl
 
 
-def _same_padding(size: int, k: int, stride: int) -> tuple[int, int]:
-    out = -(-size // stride)
-    total = max((out - 1) * stride + k - size, 0)
-    return total // 2, total - total // 2
-
-
 Pads = tuple  # ((top, bottom), (left, right))
-
-
-def _explicit_padding(x_shape, kernel_shape, stride: int, padding: str) -> Pads:
-    if padding == "VALID":
-        return ((0, 0), (0, 0))
-    if padding == "SAME":
-        return (_same_padding(x_shape[1], kernel_shape[0], stride), _same_padding(x_shape[2], kernel_shape[1], stride))
-    raise ValueError(f"padding must be 'SAME' or 'VALID', got {padding!r}")
 
 
 def _native_conv(x, kernel, stride: int, pads: Pads):
@@ -87,13 +73,16 @@ def _im2col_conv(x, kernel, stride: int, pads: Pads):
     if kh == 1 and kw == 1:
         patches = x[:, ::stride, ::stride, :]
     else:
-        ho = (x.shape[1] - kh) // stride + 1
-        wo = (x.shape[2] - kw) // stride + 1
         # Patch channel order (i, j, c) matches kernel.reshape(kh * kw * c, o).
-        patches = jnp.concatenate(
-            [x[:, i:i + stride * (ho - 1) + 1:stride, j:j + stride * (wo - 1) + 1:stride, :]
-             for i in range(kh) for j in range(kw)], axis=-1)
+        patches = jnp.concatenate(_shifted(x, kh, kw, stride), axis=-1)
     return patches @ kernel.reshape(kh * kw * c, o)
+
+
+def _shifted(x, kh: int, kw: int, stride: int) -> list:
+    """The ``kh * kw`` strided slices of x [B, H, W, C] that a VALID window of that size reads, in (i, j) order."""
+    ho, wo = (x.shape[1] - kh) // stride + 1, (x.shape[2] - kw) // stride + 1
+    return [x[:, i:i + stride * (ho - 1) + 1:stride, j:j + stride * (wo - 1) + 1:stride, :]
+            for i in range(kh) for j in range(kw)]
 
 
 def _in_axes(batched) -> tuple:
@@ -153,7 +142,10 @@ def conv2d(x: jax.Array, kernel: jax.Array, *, stride: int = 1,
     layer's, for messages)."""
     if impl not in CONV_IMPLS:
         raise ValueError(f"unknown conv implementation {impl!r}; valid: {CONV_IMPLS}")
-    pads = _explicit_padding(x.shape, kernel.shape, stride, padding)
+    if padding not in ("SAME", "VALID"):
+        raise ValueError(f"padding must be 'SAME' or 'VALID', got {padding!r}")
+    # XLA's own pads ("SAME": the odd one at the bottom/right, as lax.conv pads it).
+    pads = tuple(lax.padtype_to_pads(x.shape[1:3], kernel.shape[:2], (stride, stride), padding))
     if impl == "auto":
         # Both forms are traced; lowering keeps the target platform's alone.
         form = functools.partial(conv2d, stride=stride, padding=padding, name=name)
@@ -179,32 +171,35 @@ def dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
     return x @ kernel
 
 
+def _tiles(x, window: int):
+    """x [B, H, W, C] as [B, H // window, window, W // window, window, C] (floor mode: the remainder dropped)."""
+    b, h, w, c = x.shape
+    ho, wo = h // window, w // window
+    return x[:, :ho * window, :wo * window, :].reshape(b, ho, window, wo, window, c)
+
+
 def max_pool(x: jax.Array, window: int = 2, stride: int | None = None) -> jax.Array:
     """Max pool over H, W of an NHWC tensor (floor mode, like PyTorch)."""
-    stride = window if stride is None else stride
-    b, h, w, c = x.shape
-    if stride == window:
+    if stride is None or stride == window:
         # A reshape + max differentiates to a cheap equality mask; the generic
         # reduce_window gradient (select_and_scatter) is slow on XLA:CPU.
-        ho, wo = h // window, w // window
-        x = x[:, :ho * window, :wo * window, :]
-        return x.reshape(b, ho, window, wo, window, c).max(axis=(2, 4))
+        return _tiles(x, window).max(axis=(2, 4))
     return lax.reduce_window(x, -jnp.inf, lax.max, (1, window, window, 1),
                              (1, stride, stride, 1), "VALID")
 
 
 def avg_pool(x: jax.Array, window: int, stride: int | None = None) -> jax.Array:
     """Average pool over H, W of an NHWC tensor (floor mode, like PyTorch)."""
-    b, h, w, c = x.shape
     if stride is not None and stride != window:
         # Overlapping windows as a sum of shifted strided slices (cheap gradient on CPU).
-        ho, wo = (h - window) // stride + 1, (w - window) // stride + 1
-        total = sum(x[:, i:i + stride * (ho - 1) + 1:stride, j:j + stride * (wo - 1) + 1:stride, :]
-                    for i in range(window) for j in range(window))
-        return jnp.asarray(total) / (window * window)
-    ho, wo = h // window, w // window
-    x = x[:, :ho * window, :wo * window, :]
-    return x.reshape(b, ho, window, wo, window, c).mean(axis=(2, 4))
+        return jnp.asarray(sum(_shifted(x, window, window, stride))) / (window * window)
+    return _tiles(x, window).mean(axis=(2, 4))
+
+
+def batch_norm_variables(features: int) -> tuple[dict, dict]:
+    """A fresh BatchNorm over ``features`` channels: ({"bn_scale": 1, "bn_bias": 0}, {"mean": 0, "var": 1})."""
+    params = {"bn_scale": jnp.ones((features,), jnp.float32), "bn_bias": jnp.zeros((features,), jnp.float32)}
+    return params, {"mean": jnp.zeros((features,), jnp.float32), "var": jnp.ones((features,), jnp.float32)}
 
 
 def batch_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, stats: dict,

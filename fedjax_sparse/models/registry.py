@@ -5,7 +5,7 @@ import inspect
 from typing import Callable
 
 from fedjax_sparse.errors import arg, in_callers_words
-from fedjax_sparse.models.base import Model
+from fedjax_sparse.models.base import Model, sequential
 from fedjax_sparse.schema import Option, resolve
 
 _BUILDERS: dict[str, Callable[..., Model]] = {}
@@ -13,17 +13,14 @@ _BUILDERS: dict[str, Callable[..., Model]] = {}
 
 def register_model(name: str):
     def wrap(builder):
-        if name in _BUILDERS and not _same_definition(_BUILDERS[name], builder):
-            raise ValueError(f"model {name!r} is already registered by {_BUILDERS[name].__module__}."
-                             f"{_BUILDERS[name].__qualname__}; choose another name")
+        old = _BUILDERS.get(name)
+        # A re-run notebook cell (or a reloaded module) defines the same function again: it replaces the old one.
+        if old is not None and (old.__module__, old.__qualname__) != (builder.__module__, builder.__qualname__):
+            raise ValueError(f"model {name!r} is already registered by {old.__module__}.{old.__qualname__}; "
+                             "choose another name")
         _BUILDERS[name] = builder
         return builder
     return wrap
-
-
-def _same_definition(old, new) -> bool:
-    """A re-run notebook cell (or a reloaded module) defines the same function again: replace it."""
-    return (old.__module__, old.__qualname__) == (new.__module__, new.__qualname__)
 
 
 def model_names() -> list[str]:
@@ -33,7 +30,6 @@ def model_names() -> list[str]:
 def model_options(name: str) -> dict[str, object]:
     """The options (``--model-option KEY=VALUE``) model ``name`` accepts, with their defaults.
     A builder's ``**options`` are passed on to ``sequential`` (every builder here does that)."""
-    from fedjax_sparse.models.base import sequential
     parameters = list(inspect.signature(_BUILDERS[name]).parameters.values())[2:]
     accepted = {p.name: p.default for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
     if any(p.kind == p.VAR_KEYWORD for p in parameters):

@@ -1,28 +1,14 @@
 """Any Flax model as a :class:`fedjax_sparse.models.Model`: ``from_flax(module, input_shape=...)``.
 
-Every algorithm works on a ``Model`` (a layer table plus ``init``/``apply`` with :class:`Hooks`); this
-module derives that from a ``flax.linen`` or ``flax.nnx`` module, from one abstract forward pass (no
-FLOPs spent) and the module's own program (:mod:`~fedjax_sparse.models.flax.program_flow`):
-
-* the weight layers, every parameterised product in call order, named by their module path joined with
-  ``/`` (``"conv1"``, ``"Block_0/Dense_0"``), with kind (``LayerInfo.kind``), kernel shape, units, MACs
-  per example, ``contraction``, ``uses`` and ``input_layer``; ``Model.sequential``, ``other_macs``
-  (products of no layer's kernel) and ``row_leaks`` (layers whose output does not follow their rows);
-* ``BatchNorm`` modules reading a weight layer's output directly: per-channel entries of that layer
-  (``Model.channel_entries``), trained with statistics over a padded batch's real samples only;
-* refused in one line: a kernel no seen layer multiplies by, a kernel the stored one is no stack of,
-  products inside a ``while`` loop, rng streams other than ``dropout``, collections other than
-  ``params`` and ``batch_stats``, and any model whose adapted forward pass (fast paths included) differs
-  from the module's own on a probe batch (logits to 1e-4 of their scale).
-
-At run time ``hooks.kernel`` is applied to each layer's kernel before the forward pass and
-``hooks.activation`` to each layer's output (behind its BatchNorm when it has one). Plain 2-D ``Conv``
-layers running Flax's own code in float32 are computed by :func:`fedjax_sparse.models.layers.conv2d`
-(im2col inside the engine's scans on CPU, batched matmuls under a ``vmap`` over clients) and
-non-overlapping ``max_pool`` by :func:`~fedjax_sparse.models.layers.max_pool`; everything else is Flax's
-own code. ``BatchNorm`` and ``Dropout`` follow the adapter's train/eval mode whatever the module fixed.
-The normalisation and padding probes are in :mod:`~fedjax_sparse.models.flax.probes`; the full
-description, with what each mechanism does to each layer kind, is docs/design.md ("Your Flax model").
+From one abstract forward pass of a ``flax.linen`` or ``flax.nnx`` module with its layer calls intercepted
+(``_Calls``) and from the module's own program (:mod:`~fedjax_sparse.models.flax.program_flow`), this module
+derives the weight layers (every parameterised product in call order, named by its module path: ``"conv1"``,
+``"Block_0/Dense_0"``), their MACs and data flow, and the ``BatchNorm`` reading each (``Model.channel_entries``).
+At run time ``hooks.kernel`` is applied to each kernel and ``hooks.activation`` to each layer's output (behind
+its BatchNorm when it has one); plain float32 2-D ``Conv`` layers and non-overlapping ``max_pool`` run as
+:mod:`fedjax_sparse.models.layers`' (``_fast_conv``, ``_zoo_max_pool``), everything else as Flax's own code.
+What it cannot follow is refused in one line; the probes run last are in
+:mod:`~fedjax_sparse.models.flax.probes`. The full description: docs/design.md ("Your Flax model").
 """
 from __future__ import annotations
 
@@ -32,6 +18,7 @@ import inspect
 import math
 import os
 import re
+import traceback
 import zlib
 from typing import Any, Callable, Sequence
 
@@ -40,7 +27,7 @@ import jax.numpy as jnp
 
 from fedjax_sparse.models import layers as L
 from fedjax_sparse.models.flax.program_flow import layer_scope, program_flow
-from fedjax_sparse.models.base import Hooks, LayerInfo, Model, shape_tuple
+from fedjax_sparse.models.base import NO_HOOKS, Hooks, LayerInfo, Model, shape_tuple
 
 Path = tuple  # a module path inside the user's variables, e.g. ("Block_0", "Dense_0") or ("layers", 0)
 
@@ -59,13 +46,9 @@ def _flatten(tree: dict, prefix: Path = ()) -> dict[Path, dict]:
 
 
 def _unflatten(entries: dict[Path, dict]) -> dict:
-    tree: dict = {}
-    for path, leaves in entries.items():
-        node = tree
-        for key in path:
-            node = node.setdefault(key, {})
-        node.update(leaves)
-    return tree
+    from flax import traverse_util
+    return traverse_util.unflatten_dict({path + (leaf,): a for path, leaves in entries.items()
+                                         for leaf, a in leaves.items()})
 
 
 def entry_name(path: Path) -> str:
@@ -99,9 +82,7 @@ class _Recorded:
     kind: str
     kernel_shape: tuple
     in_shape: tuple
-    out_shape: tuple
     out_axes: int = 1       # trailing kernel axes that are output units (0: none, see LayerInfo)
-    nested: bool = False    # called inside a lifted transform (remat, scan, jit): its values live on an inner trace
 
 
 class _Calls:
@@ -121,7 +102,6 @@ class _Calls:
         self.bn_of = bn_of or {}          # BatchNorm path -> the layer path it follows
         self.deferred = set(self.bn_of.values())
         self.recorded: list[_Recorded] = []
-        self.seen: set = set()
         self._outputs: dict[int, tuple[Path, Any]] = {}
         self.bn_after: dict[Path, Path] = {}
         self.bn_momentum: dict[Path, float] = {}   # record mode: each BatchNorm's momentum (Model.batch_norm_momentum)
@@ -129,22 +109,19 @@ class _Calls:
         # Layers whose call is in progress: a subclass's ``__call__`` that calls ``super().__call__``
         # reaches the interception again for the same layer, which is the same use, not a second one.
         self.active: list = []
-        # Weight layers called inside another weight layer's call (record mode): outer path -> inner paths.
-        self.inner: dict[Path, list] = {}
+        # Weight layers called inside another weight layer's call (record mode): outer path -> the first of them.
+        self.inner: dict[Path, Path] = {}
 
     def weight_layer(self, path: Path, kind: str, kernel, x, original: Callable, conv: dict | None, *,
                      out_axes: int = 1, nested: bool = False):
         """``conv``: the layer's configuration when it is Flax's own ``Conv`` code (the fast path may
         replace it), None for a Dense or a subclass that runs its own code. ``out_axes``: the
-        kernel's trailing axes that are output units; ``nested``: see the class docstring."""
+        kernel's trailing axes that are output units; ``nested``: called inside a lifted transform (remat,
+        scan, jit), its values on an inner trace (not in ``layer_outputs``)."""
         if path in self.active:
             return original()
         if self.mode == "record" and self.active:
-            self.inner.setdefault(self.active[-1], [])
-            if path not in self.inner[self.active[-1]]:
-                self.inner[self.active[-1]].append(path)
-        first = path not in self.seen
-        self.seen.add(path)
+            self.inner.setdefault(self.active[-1], path)
         out = _fast_conv(x, kernel, conv, self.conv_impl) if conv is not None and self.mode != "reference" else None
         if out is None:
             self.active.append(path)
@@ -158,9 +135,8 @@ class _Calls:
         if self.mode == "reference":
             return out
         if self.mode == "record":
-            if first:
-                self.recorded.append(_Recorded(path, kind, tuple(kernel.shape), tuple(x.shape), tuple(out.shape),
-                                               out_axes, nested))
+            if all(r.path != path for r in self.recorded):   # a layer called again: recorded at its first call
+                self.recorded.append(_Recorded(path, kind, tuple(kernel.shape), tuple(x.shape), out_axes))
             self._outputs[id(out)] = (path, out)
             return out
         if path not in self.deferred:
@@ -478,47 +454,31 @@ def _nnx_parts(module, train_kwargs):
         cells = {tuple(p) for p, m in nnx.iter_graph(merged) if isinstance(m, nnx.RNNCellBase)}
         bridges: list = []    # the paths of the nnx.bridge.ToNNX modules whose linen module is running
 
-        def layer(self, kind, kernel, x, run, conv=None, out_axes=1):
-            path = _nnx_path(self)
-            if any(path[:i] in cells for i in range(len(path))):
-                kind = "recurrent"
-            # Inside a lifted transform (nnx.remat, nnx.scan, nnx.vmap): another trace, a copy of the module.
-            nested = _current_trace() != calls.outer_trace
-            return calls.weight_layer(path, kind, kernel, x, run, None if nested else conv, out_axes=out_axes,
-                                      nested=nested)
+        def weight_call(cls):
+            # Flax's own weight class, or a subclass in ``overriding``: that one runs its own code (no fast
+            # path), and is a weight layer only while it holds its kernel as an nnx.Param.
+            kind, leaf = weight_classes[next(c for c in cls.__mro__ if c in weight_classes)]
+            run = overriding.get(cls) or originals[cls]
 
-        def linear_general(self, x, *a, **k):
-            features = self.out_features if isinstance(self.out_features, (tuple, list)) else (self.out_features,)
-            out_axes = 0 if getattr(self, "batch_axis", None) else len(features)
-            return layer(self, "dense_general", self.kernel[...], x,
-                         lambda: originals[nnx.LinearGeneral](self, x, *a, **k), out_axes=out_axes)
-
-        def einsum(self, x, *a, **k):
-            spec = k.get("einsum_str") or (a[0] if a else None) or self.einsum_str
-            return layer(self, "einsum", self.kernel[...], x, lambda: originals[nnx.Einsum](self, x, *a, **k),
-                         out_axes=einsum_out_axes(spec or ""))
-
-        def embed(self, x, *a, **k):
-            return layer(self, "embed", self.embedding[...], x, lambda: originals[nnx.Embed](self, x, *a, **k))
-
-        def linear(self, x, *a, **k):
-            return layer(self, "dense", self.kernel[...], x, lambda: originals[nnx.Linear](self, x, *a, **k))
-
-        def conv(self, x, *a, **k):
-            kernel = self.kernel[...]
-            bias = self.bias[...] if self.use_bias else None
-            plain = not a and not k and _runs_flax_code(type(self), nnx.Conv)
-            return layer(self, "conv", kernel, x, lambda: originals[nnx.Conv](self, x, *a, **k),
-                         _conv_config(self, kernel, bias) if plain else None)
-
-        def own_call(cls):
             def call(self, x, *a, **k):
-                base = next(c for c in type(self).__mro__ if c in weight_classes)
-                kind, leaf = weight_classes[base]
                 kernel = getattr(self, leaf, None)
-                if not isinstance(kernel, nnx.Param):
-                    return overriding[cls](self, x, *a, **k)
-                return layer(self, kind, kernel[...], x, lambda: overriding[cls](self, x, *a, **k))
+                if cls in overriding and not isinstance(kernel, nnx.Param):
+                    return run(self, x, *a, **k)
+                kernel, out_axes, conv = kernel[...], 1, None
+                path = _nnx_path(self)
+                # Inside a lifted transform (nnx.remat, nnx.scan, nnx.vmap): another trace, a copy of the module.
+                nested = _current_trace() != calls.outer_trace
+                if cls is nnx.LinearGeneral:
+                    features = self.out_features if isinstance(self.out_features, (tuple, list)) \
+                        else (self.out_features,)
+                    out_axes = 0 if getattr(self, "batch_axis", None) else len(features)
+                elif cls is nnx.Einsum:
+                    out_axes = einsum_out_axes(k.get("einsum_str") or (a[0] if a else None) or self.einsum_str or "")
+                elif cls is nnx.Conv and not nested and not a and not k and _runs_flax_code(type(self), nnx.Conv):
+                    conv = _conv_config(self, kernel, self.bias[...] if self.use_bias else None)
+                in_cell = any(path[:i] in cells for i in range(len(path)))
+                return calls.weight_layer(path, "recurrent" if in_cell else kind, kernel, x,
+                                          lambda: run(self, x, *a, **k), conv, out_axes=out_axes, nested=nested)
             return call
 
         def batch_norm(self, x, *a, **k):
@@ -543,10 +503,8 @@ def _nnx_parts(module, train_kwargs):
             finally:
                 object.__setattr__(self, _NNX_PATH, path)
                 bridges.pop()
-        patched = {nnx.Linear: linear, nnx.Conv: conv, nnx.BatchNorm: batch_norm, nnx.Dropout: dropout,
-                   nnx.LinearGeneral: linear_general, nnx.Einsum: einsum, nnx.Embed: embed,
-                   **({bridge: to_nnx} if bridge is not None else {}),
-                   **{cls: own_call(cls) for cls in overriding}}
+        patched = {**{cls: weight_call(cls) for cls in (*weight_classes, *overriding)},
+                   nnx.BatchNorm: batch_norm, nnx.Dropout: dropout, **({bridge: to_nnx} if bridge is not None else {})}
         try:
             for cls, fn in patched.items():
                 cls.__call__ = fn  # type: ignore[method-assign]
@@ -590,7 +548,9 @@ def _nnx_parts(module, train_kwargs):
 
 
 # ---------------------------------------------------------------- errors in the user's words
-def _library_dirs() -> tuple[str, ...]:
+def _user_frame(error: BaseException) -> tuple[str, int, str] | None:
+    """(file, line, function) of the innermost traceback frame in the user's code: outside jax, flax,
+    numpy, the standard library and fedjax_sparse (whose example models count as the user's)."""
     import sysconfig
 
     import flax
@@ -598,21 +558,12 @@ def _library_dirs() -> tuple[str, ...]:
     import numpy
     dirs = [os.path.dirname(m.__file__ or "") for m in (jax, jaxlib, flax, numpy)]
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return tuple(os.path.join(d, "") for d in dirs + [package, sysconfig.get_paths()["stdlib"]])
-
-
-def _user_frame(error: BaseException) -> tuple[str, int, str] | None:
-    """(file, line, function) of the innermost traceback frame in the user's code: outside jax, flax,
-    numpy, the standard library and fedjax_sparse (whose example models count as the user's)."""
-    libraries = _library_dirs()
+    libraries = tuple(os.path.join(d, "") for d in dirs + [package, sysconfig.get_paths()["stdlib"]])
     found = None
-    tb = error.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        path = os.path.abspath(code.co_filename)
+    for frame, line in traceback.walk_tb(error.__traceback__):
+        path = os.path.abspath(frame.f_code.co_filename)
         if not path.startswith(libraries) or path.endswith(os.path.join("models", "flax_examples.py")):
-            found = (path, tb.tb_lineno, code.co_name)
-        tb = tb.tb_next
+            found = (path, line, frame.f_code.co_name)
     return found
 
 
@@ -621,17 +572,13 @@ _SHAPE_WORDS = ("shape", "dimension", "rank", "axis", "axes", "broadcast", "inco
 
 def _failing_module(error: BaseException, classes: tuple):
     """The innermost module of one of ``classes`` whose method is on the traceback (None if none)."""
-    found = None
-    tb = error.__traceback__
-    while tb is not None:
-        candidate = tb.tb_frame.f_locals.get("self")
-        if isinstance(candidate, classes):
-            found = candidate
-        tb = tb.tb_next
-    return found
+    modules = [frame.f_locals.get("self") for frame, _ in traceback.walk_tb(error.__traceback__)]
+    return next((m for m in reversed(modules) if isinstance(m, classes)), None)
 
 
 def _module_name(module) -> str:
+    if module is None:
+        return "a layer"
     scope = getattr(module, "scope", None)
     path = tuple(scope.path) if scope is not None else ()
     return f"layer {entry_name(path)!r} ({type(module).__name__})" if path else f"{type(module).__name__}.__call__"
@@ -649,7 +596,7 @@ def _engine_error(model_name: str, error: Exception, train: bool) -> Exception |
     stream = re.search(r'needs PRNG for "([^"]*)"', first)
     if stream:
         module = _failing_module(error, (nn.Module,))
-        who = _module_name(module) if module is not None else "a layer"
+        who = _module_name(module)
         if stream.group(1) == "dropout" and not train:
             return ValueError(f"from_flax: {model_name}: {who} asks for a 'dropout' key in evaluation mode{at}; "
                               "evaluation passes none (dropout off): draw it only in training (gate "
@@ -660,7 +607,7 @@ def _engine_error(model_name: str, error: Exception, train: bool) -> Exception |
     axis = re.search(r"unbound axis name: ?([^\s.,]+)", first)
     if isinstance(error, NameError) and axis:
         module = _failing_module(error, (nn.BatchNorm, nnx.BatchNorm))
-        who = _module_name(module) if module is not None else "a layer"
+        who = _module_name(module)
         return ValueError(f"from_flax: {model_name}: {who} computes over the device axis {axis.group(1)!r}{at} "
                           "(BatchNorm axis_name: cross-device statistics), which the engine's vmap over clients "
                           "does not bind: drop axis_name (each client's statistics are its own)")
@@ -750,13 +697,11 @@ def _check_call_arguments(module, call: Callable, train_argument: str | None) ->
     only those): which argument, and the fix."""
     params = list(inspect.signature(call).parameters.values())[1:]  # after self
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if not positional:
-        if not any(p.kind == p.VAR_POSITIONAL for p in params):
-            raise TypeError(f"from_flax: {type(module).__name__}.__call__ takes no input argument; it must take the "
-                            "batch x [batch, *input_shape] as its first argument")
-    rest = [p for p in params if p is not (positional[0] if positional else None)]
+    if not positional and not any(p.kind == p.VAR_POSITIONAL for p in params):
+        raise TypeError(f"from_flax: {type(module).__name__}.__call__ takes no input argument; it must take the "
+                        "batch x [batch, *input_shape] as its first argument")
     flags = {"train", "training", "is_training", "deterministic", train_argument}
-    for p in rest:
+    for p in params[1:] if positional else params:   # all but the input (positional arguments come first)
         if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in flags:
             raise TypeError(f"from_flax: {type(module).__name__}.__call__ requires the argument {p.name!r}, but "
                             "from_flax passes only the input and the train flag: give it a default, or keep it in "
@@ -767,17 +712,17 @@ def _check_call_arguments(module, call: Callable, train_argument: str | None) ->
 _PROBE_KEY = 20240917  # the probe batch's seed: fixed, so a model is checked on the same inputs every time
 
 
-def _check_same_network(model_name: str, model_apply: Callable, reference: Callable, variables: dict,
-                        input_shape: tuple, modes: Sequence[bool], rtol: float = 1e-4) -> None:
-    """Refuses a model whose adapted forward pass (``model_apply(variables, x, train) -> (logits,
-    layer outputs)``, fast paths included, no-op hooks) is not the module's own (``reference``, same
-    signature, Flax's code for every layer) on a probe batch x [2, *input_shape] from a fixed key:
+def _check_same_network(model_name: str, forward: Callable, variables: dict, input_shape: tuple,
+                        modes: Sequence[bool], rtol: float = 1e-4) -> None:
+    """Refuses a model whose adapted forward pass (``forward("run", variables, x, train) -> (logits, _,
+    layer outputs)``, fast paths included, no-op hooks) is not the module's own (``forward("reference",
+    ...)``, Flax's code for every layer) on a probe batch x [2, *input_shape] from a fixed key:
     the logits must agree to ``rtol`` of their scale (max |logit|), in each mode of ``modes``
     (train flags). The first weight layer whose output differs is named when there is one."""
     x = jax.random.normal(jax.random.PRNGKey(_PROBE_KEY), (2,) + tuple(input_shape), jnp.float32)
     for train in modes:
-        got, got_layers = model_apply(variables, x, train)
-        want, want_layers = reference(variables, x, train)
+        got, _, got_layers = forward("run", variables, x, train)
+        want, _, want_layers = forward("reference", variables, x, train)
         got, want = jnp.asarray(got, jnp.float32), jnp.asarray(want, jnp.float32)
         scale = float(jnp.max(jnp.abs(want))) if want.size else 0.0
         diff = float(jnp.max(jnp.abs(got - want))) if want.size else 0.0
@@ -847,12 +792,10 @@ def _check_weights_seen(model_name: str, recorded: Sequence[_Recorded], params: 
     return stacked
 
 
-def _program_flows(model_name: str, apply_nested: Callable, to_nested: Callable, variables: dict,
-                   input_shape: tuple, names: Sequence[str]) -> dict:
-    """{batch: ProgramFlow} of the module's own forward pass (evaluation mode) at batch 1 and 2: the
-    difference of their costs is what one more example costs."""
-    def forward(v, x):
-        return apply_nested(to_nested(v), x, _Calls("reference"), False)[0]
+def _program_flows(model_name: str, forward: Callable, variables: dict, input_shape: tuple,
+                   names: Sequence[str]) -> dict:
+    """{batch: ProgramFlow} of ``forward(variables, x) -> logits``, the module's own forward pass (evaluation
+    mode), at batch 1 and 2: the difference of their costs is what one more example costs."""
     flows = {}
     for batch in (1, 2):
         x_aval = jax.ShapeDtypeStruct((batch,) + input_shape, jnp.float32)
@@ -899,13 +842,15 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     the input and the train flag, and ``ValueError`` (one line: the problem and the fix) for a module
     that fails on ``[batch, *input_shape]`` inputs (the exception and the user's file and line), has no
     parameters, could not be built here (its weights' shapes against the device's memory, before any
-    real weight is made: :func:`fedjax_sparse.core.memory.check_weights_fit`) or whose adapted forward pass
-    differs from its own (see the module docstring).
+    real weight is made: :func:`fedjax_sparse.core.memory.check_weights_fit`), multiplies by a kernel no seen
+    layer holds or one its stored kernel is no stack of, runs products inside a ``while`` loop, asks for rng
+    streams other than ``dropout`` or collections other than ``params`` and ``batch_stats``, or whose adapted
+    forward pass (fast paths included) differs from its own on a probe batch (logits to 1e-4 of their scale).
 
     Returns a ``Model`` whose ``params`` are ``{entry: {leaf: array}}`` keyed by module path
     (``"conv1"``, ``"Block_0/Dense_0"``), whose weight layers are the module's parameterised products
     (Dense/Linear, Conv, DenseGeneral/LinearGeneral, Einsum, Embed, recurrent cells' layers) in call
-    order, with MACs from the traced program (see the module docstring for what else is derived).
+    order, with MACs from the traced program (what else is derived: docs/design.md, "Your Flax model").
     """
     input_shape = shape_tuple(input_shape)
     L.resolve_conv_impl(conv_impl)  # validates the name
@@ -938,17 +883,19 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     if extra and any(jax.tree_util.tree_leaves(nested0[c]) for c in extra):
         raise ValueError(f"from_flax: {model_name} has variable collections {extra}; only 'params' and "
                          "'batch_stats' are supported")
-    param_paths = {entry_name(p): p for p in _flatten(_plain(nested0["params"]))}
-    stat_paths = {entry_name(p): p for p in _flatten(_plain(nested0.get("batch_stats", {})))}
-    paths = {**param_paths, **stat_paths}
+    paths = {entry_name(p): p for tree in (nested0["params"], nested0.get("batch_stats", {}))
+             for p in _flatten(_plain(tree))}
 
     # An Embed's table is its entry's "kernel" in the Model's variables (the name every mechanism reads),
     # "embedding" in the module's own; filled once the layers are recorded.
     embed_entries: set = set()
 
+    def renamed(entries: dict, old: str, new: str) -> dict:
+        return {k: ({(new if leaf == old else leaf): a for leaf, a in v.items()} if k in embed_entries else v)
+                for k, v in entries.items()}
+
     def to_nested(variables: dict) -> dict:
-        params = {k: ({("embedding" if leaf == "kernel" else leaf): a for leaf, a in v.items()}
-                      if k in embed_entries else v) for k, v in variables["params"].items()}
+        params = renamed(variables["params"], "kernel", "embedding")
         out = {"params": _unflatten({paths[k]: v for k, v in params.items()})}
         stats = variables.get("batch_stats", {})
         if stats:
@@ -956,13 +903,14 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
         return out
 
     def to_flat(nested: dict) -> dict:
-        flat = {entry_name(p): dict(v) for p, v in _flatten(_plain(nested)).items()}
-        return {k: ({("kernel" if leaf == "embedding" else leaf): a for leaf, a in v.items()}
-                    if k in embed_entries else v) for k, v in flat.items()}
+        return renamed({entry_name(p): dict(v) for p, v in _flatten(_plain(nested)).items()}, "embedding", "kernel")
+
+    def flat_variables(nested: dict) -> dict:
+        return {"params": to_flat(nested["params"]), "batch_stats": to_flat(nested.get("batch_stats", {}))}
 
     # 1. Record the weight layers, their shapes, and the BatchNorms that read them.
     record = _Calls("record", conv_impl=conv_impl)
-    flat0 = {"params": to_flat(nested0["params"]), "batch_stats": to_flat(nested0.get("batch_stats", {}))}
+    flat0 = flat_variables(nested0)
     try:
         logits_aval = jax.eval_shape(lambda v, x: apply_nested(to_nested(v), x, record, False)[0], flat0, x_aval)
     except Exception as e:  # an NNX module first runs here (its init only reads its weights)
@@ -986,13 +934,19 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     bn_momentum = max(record.bn_momentum.values(), default=Model.batch_norm_momentum)
     scanned = _check_weights_seen(model_name, record.recorded, flat0["params"])
     embed_entries.update(n for n, r in zip(names, record.recorded) if r.kind == "embed")
-    flat0 = {"params": to_flat(nested0["params"]), "batch_stats": to_flat(nested0.get("batch_stats", {}))}
+    flat0 = flat_variables(nested0)
 
-    # 2. From the module's own program (every value followed through lifted transforms: nn.remat, nn.scan,
-    # nn.jit, nn.vmap and NNX's): which layer feeds which, each layer's products (its kernel's, with their
-    # contraction, and any beside it), MACs per example (scans times their length; the products of no layer,
-    # attention's scores and values, as Model.other_macs).
-    flows = _program_flows(model_name, apply_nested, to_nested, flat0, input_shape, names)
+    def run(mode: str, variables: dict, x, train: bool, *, hooks: Hooks = NO_HOOKS, sample_mask=None, rng=None):
+        """The module on the Model's ``variables`` in ``mode`` (see ``_Calls``): (logits, its new batch_stats as
+        the module nests them, each weight layer's output)."""
+        calls = _Calls(mode, train=train, hooks=hooks, sample_mask=sample_mask, bn_of=bn_of, conv_impl=conv_impl,
+                       rng=rng)
+        logits, stats = apply_nested(to_nested(variables), x, calls, train)
+        return logits, stats, calls.layer_outputs
+
+    # 2. From the module's own program (program_flow): which layer feeds which, each layer's products (its
+    # kernel's, with their contraction, and any beside it) and MACs per example; the rest is Model.other_macs.
+    flows = _program_flows(model_name, lambda v, x: run("reference", v, x, False)[0], flat0, input_shape, names)
     units = [_units(r) for r in record.recorded]
     input_layers, sequential = link_layers(names, [u[0] for u in units], [u[1] for u in units],
                                            [frozenset(flows[2].layers[n].sources) for n in names],
@@ -1019,33 +973,28 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
                               f"{', '.join(with_what) if with_what else 'input'}), which its kernel's rows do not "
                               "reach"))
         elif r.path in record.inner:
-            row_leaks.append((layer_name, f"calls layer {entry_name(record.inner[r.path][0])} inside its own call, "
+            row_leaks.append((layer_name, f"calls layer {entry_name(record.inner[r.path])} inside its own call, "
                               "so its output does not follow its kernel's rows"))
     channel_entries = tuple((entry_name(bn), entry_name(layer)) for bn, layer in bn_of.items())
 
     def init_fn(key):
-        nested = init_nested(key, jnp.zeros((1,) + input_shape, jnp.float32))
-        return {"params": to_flat(nested["params"]), "batch_stats": to_flat(nested.get("batch_stats", {}))}
+        return flat_variables(init_nested(key, jnp.zeros((1,) + input_shape, jnp.float32)))
 
     layer_names = set(names)
 
     def apply_fn(variables, x, *, train, hooks, sample_mask, rng):
         params = {k: ({**v, "kernel": hooks.kernel(k, v["kernel"])} if k in layer_names else v)
                   for k, v in variables["params"].items()}
-        calls = _Calls("run", train=train, hooks=hooks, sample_mask=sample_mask, bn_of=bn_of, conv_impl=conv_impl,
-                       rng=rng)
-        logits, stats = apply_nested(to_nested({"params": params, "batch_stats": variables.get("batch_stats", {})}),
-                                     x, calls, train)
+        logits, stats, _ = run("run", {**variables, "params": params}, x, train, hooks=hooks, sample_mask=sample_mask,
+                               rng=rng)
         return logits, to_flat(stats) if stats else dict(variables.get("batch_stats", {}))
 
     # 3. Training mode as the engine's local steps run it (a dropout key, statistics over the real samples):
     # a module asking for another rng stream or a cross-device BatchNorm is refused here, in one line.
-    def train_trace(v, x, key):
-        calls = _Calls("run", train=True, hooks=Hooks(), sample_mask=jnp.ones((x.shape[0],), jnp.float32),
-                       bn_of=bn_of, conv_impl=conv_impl, rng=key)
-        return apply_nested(to_nested(v), x, calls, True)
     try:
-        jax.eval_shape(train_trace, flat0, x_aval, jax.random.PRNGKey(0))
+        jax.eval_shape(lambda v, x, key: apply_fn(v, x, train=True, hooks=NO_HOOKS, rng=key,
+                                                  sample_mask=jnp.ones((x.shape[0],), jnp.float32)),
+                       flat0, x_aval, jax.random.PRNGKey(0))
     except Exception as e:
         if str(e).startswith("from_flax:"):
             raise
@@ -1055,15 +1004,6 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     # 4. Never a different network: the adapted forward pass (fast paths included) against the module's
     # own code on a probe batch, in evaluation mode and, when __call__ takes a train flag, training mode.
     check_key = jax.random.PRNGKey(_PROBE_KEY)  # dropout on in training mode, the same masks on both sides
-
-    def forward(mode):   # "run": the adapted pass (no-op hooks); "reference": the module's own code
-        def apply(variables, x, train):
-            calls = _Calls(mode, train=train, hooks=Hooks(), bn_of=bn_of, conv_impl=conv_impl,
-                           rng=check_key if train else None)
-            params = {"params": variables["params"], "batch_stats": variables.get("batch_stats", {})}
-            logits, _ = apply_nested(to_nested(params), x, calls, train)
-            return logits, calls.layer_outputs
-        return apply
     modes = (False, True) if train_kwargs(True) else (False,)
     # The first real weights: made once, for this check and the probes (memory.check_weights_fit's peak).
     variables = init_fn(jax.random.PRNGKey(0))
@@ -1071,7 +1011,8 @@ def from_flax(module, input_shape: Sequence[int], *, num_classes: int | None = N
     # logits 0 whatever the layers before it compute.
     from fedjax_sparse.models.flax import probes as flax_probes
     probe_variables = flax_probes.perturbed(variables, set(names), _PROBE_KEY + 1)
-    _check_same_network(model_name, forward("run"), forward("reference"), probe_variables, input_shape, modes)
+    _check_same_network(model_name, lambda mode, v, x, train: run(mode, v, x, train, rng=check_key if train else None),
+                        probe_variables, input_shape, modes)
     del probe_variables
 
     # 5. On a probe: padded rows change nothing for the real ones (else refused), and which layers' dropped

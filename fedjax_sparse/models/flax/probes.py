@@ -1,16 +1,8 @@
 """What ``from_flax`` verifies on a probe batch beyond "the same network", on the adapted model itself
-(``Model.apply`` and its hooks, with every parameter and statistic moved off its initial value so that no
-zero maps to zero by luck of the initialisation; docs/design.md has the full description):
-
-* **A dropped unit is zero downstream** (:func:`unit_drop_leaks`): with every other output channel of
-  every hidden layer zeroed by ``hooks.activation``, the gradient of the logits with respect to each next
-  layer's kernel must be exactly zero on the rows reading a dropped channel (row ``f`` reads channel
-  ``f % C``), in training and evaluation mode; else the layer goes into ``Model.unit_drop_leaks`` and
-  the mechanisms that drop its units refuse it (:meth:`Model.check_unit_drops`).
-* **Padded rows change nothing for the real ones** (:func:`padding_leak`): the real rows' logits and
-  batch statistics must not depend on what padded rows hold (training mode with the sample mask,
-  evaluation mode without); else ``from_flax`` refuses the model in one line.
-* **A pruned row computes nothing** (:func:`row_leaks`): see its docstring.
+(``Model.apply`` and its hooks) with every parameter and statistic moved off its initial value (:func:`perturbed`):
+a dropped unit is zero downstream (:func:`unit_drop_leaks`), padded rows change nothing for the real ones
+(:func:`padding_leak`) and a pruned row computes nothing (:func:`row_leaks`). docs/design.md ("Your Flax
+model") has the full description.
 """
 from __future__ import annotations
 
@@ -146,17 +138,18 @@ def _events_of(model: Model, module, variables: dict, x, train: bool, sample_mas
 # ---------------------------------------------------------------- a dropped unit is zero downstream
 def unit_drop_leaks(model: Model, module, variables: dict, x) -> tuple[tuple[str, str], ...]:
     """((layer, what leaks), ...): the hidden layers whose zeroed output channels reach the next weight
-    layer's input as nonzero values (see the module docstring); ``variables`` already perturbed."""
+    layer's input as nonzero values; ``variables`` already perturbed. With every other output channel of every
+    hidden layer zeroed by ``hooks.activation``, the gradient of the logits with respect to each next layer's
+    kernel must be exactly zero on the rows reading a dropped channel (row ``f`` reads channel ``f % C``), in
+    training and evaluation mode; a leaking layer goes into ``Model.unit_drop_leaks``, refused by the
+    mechanisms that drop its units (:meth:`Model.check_unit_drops`)."""
     layers = model.layers
     dropped = {l.name: jnp.asarray(np.arange(l.out_units) % 2 == 0, jnp.float32)
                for l in layers[:-1] if l.out_units >= 2}
-    readers = []
-    for m in layers:
-        src = next((l for l in layers if l.name == m.input_layer), None)
-        if (src is None or src.name not in dropped or m.kind not in ("conv", "dense") or len(m.kernel_shape) < 2
-                or m.kernel_shape[-2] != m.in_units or m.in_units % src.out_units):
-            continue
-        readers.append((m, src))
+    by_name = {l.name: l for l in layers}
+    readers = [(m, by_name[m.input_layer]) for m in layers   # (a next layer, the layer it reads)
+               if m.input_layer in dropped and m.kind in ("conv", "dense") and len(m.kernel_shape) >= 2
+               and m.kernel_shape[-2] == m.in_units and m.in_units % by_name[m.input_layer].out_units == 0]
     if not readers:
         return ()
 
@@ -204,8 +197,8 @@ def unit_drop_leaks(model: Model, module, variables: dict, x) -> tuple[tuple[str
 # ---------------------------------------------------------------- padded rows change nothing
 def padding_leak(model: Model, module, variables: dict, x_real) -> str | None:
     """None when the real rows' logits and batch statistics ignore what padded rows hold (training
-    mode with the sample mask, evaluation mode without), else the one-line reason (see the module
-    docstring); ``variables`` already perturbed."""
+    mode with the sample mask, evaluation mode without), else the one-line reason (``from_flax`` refuses
+    the model with it); ``variables`` already perturbed."""
     pad_shape = (_PADDED,) + tuple(x_real.shape[1:])
     fill = 5.0 + 10.0 * jax.random.normal(jax.random.PRNGKey(_PROBE_KEY + 2), pad_shape, jnp.float32)
     batches = [jnp.concatenate([x_real, jnp.zeros(pad_shape, x_real.dtype)]),
@@ -233,10 +226,8 @@ def padding_leak(model: Model, module, variables: dict, x_real) -> str | None:
         first = next((n for n in names if n in a_out and n in b_out
                       and not _same(a_out[n][:_REAL], b_out[n][:_REAL])), None)
         seen = [n for n in names if n in a_out]   # the layers' call order
-        if first is not None:
-            previous = seen[seen.index(first) - 1] if seen.index(first) > 0 else None
-        else:
-            previous = seen[-1] if seen else None
+        before = seen[:seen.index(first)] if first is not None else seen
+        previous = before[-1] if before else None
         events = _events_of(model, module, variables, batches[0], train, mask if train else None)
         who = _between(events, previous, first, set(names))
         where = f"before the output of layer {first!r}" if first else "after the last layer"
@@ -270,14 +261,10 @@ def _same(a, b) -> bool:
 def row_leaks(model: Model, variables: dict, x) -> tuple[tuple[str, str], ...]:
     """((layer, what), ...): the layers whose pruned rows still compute something from their input.
 
-    SpaFL zeroes a pruned unit's row ``kernel[..., i]`` through ``hooks.kernel`` and books the unit's
-    products as not computed; FedDrop, Caldas and the widths drop units the same way. With every other row
-    of every layer zeroed (``variables`` perturbed), a pruned unit's output must be what the row-less
-    layer gives every example and position alike (its bias, BatchNorm'd): a path beside the kernel (a
-    LoRA side product, ``x @ (kernel + a @ b)``, an input added inside the layer's call) makes it vary. The
-    outputs are read by a callback from the activation hook, so layers inside lifted transforms (remat,
-    scan, vmap) are read too; in evaluation mode (a side path is a product of the layer's code, not of a mode;
-    training mode's BatchNorm would map a constant unit to a constant all the same)."""
+    With every other row of every layer zeroed through ``hooks.kernel`` (``variables`` perturbed), a pruned
+    unit's output must be the same for every example and position (its bias, BatchNorm'd); a path beside the
+    kernel (LoRA's side product, ``x @ (kernel + a @ b)``) makes it vary. Evaluation mode, outputs read by a
+    callback from the activation hook (layers inside lifted transforms too); docs/design.md, "Your Flax model"."""
     rows = {l.name: l for l in model.layers if l.out_axes >= 1 and l.out_units >= 2}
     if not rows:
         return ()
@@ -314,13 +301,11 @@ def row_leaks(model: Model, variables: dict, x) -> tuple[tuple[str, str], ...]:
     return tuple(leaks)
 
 
-def probe(model: Model, module, input_shape: tuple, variables: dict | None = None) -> Model:
+def probe(model: Model, module, input_shape: tuple, variables: dict) -> Model:
     """The checks ``from_flax`` runs last: raises ``ValueError`` (one line) when padded rows move the
     real ones; returns ``model`` with ``unit_drop_leaks`` set and ``row_leaks`` completed. ``variables``:
-    ``model.init(PRNGKey(0))`` when the caller has it already (one copy of the weights fewer at the peak)."""
+    ``model.init(PRNGKey(0))``, which the caller has already (one copy of the weights fewer at the peak)."""
     key = jax.random.PRNGKey(_PROBE_KEY)
-    if variables is None:
-        variables = model.init(jax.random.PRNGKey(0))
     variables = perturbed(variables, {l.name for l in model.layers}, _PROBE_KEY + 1)
     x = jax.random.normal(key, (_REAL,) + tuple(input_shape), jnp.float32)
     reason = padding_leak(model, module, variables, x)

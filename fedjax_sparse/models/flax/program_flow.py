@@ -1,21 +1,11 @@
 """What a traced forward pass says about each weight layer: its inputs, its products, their contraction.
 
-``from_flax`` runs the module's own code with each weight layer's call inside a ``jax.named_scope``
-tagged with its name (:func:`layer_scope`) and reads the jaxpr once (:func:`program_flow`), following
-every value through sub-programs (``pjit``, ``remat``, ``custom_jvp``/``custom_vjp``, ``cond``: sources
-from every branch, MACs of the largest; ``scan``: its carry to a fixed point, its body's products times
-its length; docs/design.md, "Your Flax model"). Per weight layer (:class:`LayerFlow`):
-
-* ``sources``: the layers (``-1``: the model input) whose outputs reach the layer's call without passing
-  another weight layer (a value computed inside a layer's call is that layer's output);
-* the products inside its call that multiply by its own kernel (``kernel_products``, ``kernel_macs``,
-  ``contractions``: entries each output sums over), and the other products there that involve data
-  (``side_macs``, ``side``: LoRA's ``x @ lora_a @ lora_b``), which the kernel's rows do not reach.
-
-MACs of a product, from its shapes: ``dot_general`` prod(lhs shape) x prod(rhs dims neither contracted
-nor batch); ``conv_general_dilated`` prod(output shape) x kh x kw x in/groups. Dependencies are followed
-conservatively (an equation's outputs depend on all its inputs). Products inside a ``while`` loop are
-refused (``ValueError``): the program does not say its trip count.
+``from_flax`` runs the module's own code with each weight layer's call in a scope tagged with its name
+(:func:`layer_scope`) and reads the jaxpr once (:func:`program_flow`), following every value through
+sub-programs (``cond``: sources from every branch, MACs of the largest; ``scan``: its carry to a fixed point,
+its body's products times its length) and conservatively (an equation's outputs depend on all its inputs).
+Products inside a ``while`` loop are refused (``ValueError``): the program does not say its trip count.
+docs/design.md, "Your Flax model", has the full description.
 """
 from __future__ import annotations
 
@@ -39,13 +29,18 @@ _PRODUCTS = ("dot_general", "conv_general_dilated")
 
 @dataclasses.dataclass
 class LayerFlow:
-    """What the program does inside one weight layer's call (see the module docstring)."""
+    """What the program does inside one weight layer's call. ``sources``: the layers (``-1``: the model input)
+    whose outputs reach the call without passing another weight layer (a value computed inside a layer's call
+    is that layer's output); the products there that multiply by the layer's own kernel (``kernel_products``,
+    ``kernel_macs``, ``contractions``: entries each output sums over), and the others that involve data
+    (``side_macs``, ``side``: per product, the parameters it multiplies; LoRA's ``x @ lora_a @ lora_b``),
+    which the kernel's rows do not reach."""
     sources: set = dataclasses.field(default_factory=set)
     kernel_macs: int = 0
     kernel_products: int = 0
     contractions: set = dataclasses.field(default_factory=set)
     side_macs: int = 0
-    side: list = dataclasses.field(default_factory=list)   # per side product: the parameters it multiplies
+    side: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -59,13 +54,6 @@ def layer_scope(name: str):
     """The ``jax.named_scope`` that attributes the products traced inside it to the layer ``name``
     (whose ``/`` are written ``::``: the name stack joins scopes with ``/``)."""
     return jax.named_scope(TAG + name.replace("/", "::"))
-
-
-def layer_of(eqn, inherited: str | None) -> str | None:
-    """The innermost layer tag on the equation's name stack (a transform writes its scopes inside
-    its own name, ``vmap(fjs_layer:conv1)``: ``nn.vmap``), else ``inherited``."""
-    found = _TAGGED.findall(str(eqn.source_info.name_stack))
-    return found[-1].replace("::", "/") if found else inherited
 
 
 def _sub(value):
@@ -107,13 +95,13 @@ def _contraction(eqn, weight: int) -> int:
 
 
 def product_macs(eqn) -> int:
-    """MACs of one ``dot_general`` or ``conv_general_dilated`` equation (see the module docstring)."""
+    """MACs of one equation, from its shapes: ``dot_general`` prod(lhs shape) x prod(rhs dims neither contracted
+    nor batch); ``conv_general_dilated`` prod(output shape) x kh x kw x in/groups."""
     if eqn.primitive.name == "dot_general":
         lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
         (_, rc), (_, rb) = eqn.params["dimension_numbers"]
         return int(math.prod(lhs)) * int(math.prod(d for i, d in enumerate(rhs) if i not in tuple(rc) + tuple(rb)))
-    rhs, out = eqn.invars[1].aval.shape, eqn.outvars[0].aval.shape
-    return int(math.prod(out)) * (int(math.prod(rhs)) // int(rhs[eqn.params["dimension_numbers"].rhs_spec[0]]))
+    return int(math.prod(eqn.outvars[0].aval.shape)) * _contraction(eqn, 1)
 
 
 class _Flow:
@@ -138,7 +126,10 @@ class _Flow:
                 mine.side += f.side
 
     def scope(self, eqn, inherited):
-        layer = layer_of(eqn, inherited)
+        """The layer of the innermost tag on the equation's name stack (a transform writes its scopes inside
+        its own name, ``vmap(fjs_layer:conv1)``: ``nn.vmap``), else ``inherited``."""
+        found = _TAGGED.findall(str(eqn.source_info.name_stack))
+        layer = found[-1].replace("::", "/") if found else inherited
         return layer if layer in self.index else inherited
 
     def entering(self, deps: tuple, where) -> tuple:
@@ -241,17 +232,12 @@ def program_flow(jaxpr, in_labels: Sequence, layers: Sequence[str]) -> ProgramFl
     """The flow of ``jaxpr`` (its first output: the logits) for the weight layers ``layers`` (their scopes
     tagged by :func:`layer_scope`). ``in_labels``: per input variable, ``("input",)`` for the model's
     input (source ``-1``), a parameter's label (``("params", entry, leaf)``; a layer's kernel is
-    ``("params", name, "kernel")``) or None (a constant)."""
+    ``("params", name, "kernel")``)."""
     index = {name: i for i, name in enumerate(layers)}
-    deps: list[tuple] = []
-    for label in in_labels:
-        if label == ("input",):
-            deps.append((frozenset({-1}), frozenset(), None))
-        else:
-            deps.append((frozenset(), frozenset({label}) if label is not None else frozenset(), None))
+    deps = [(frozenset({-1}), frozenset(), None) if label == ("input",) else (frozenset(), frozenset({label}), None)
+            for label in in_labels]
     flow = _Flow(index)
-    outs = flow.run(jaxpr, deps, None, 1, True)
-    logits = flow.entering(outs[0], None) if outs else _NONE
+    logits = flow.entering(flow.run(jaxpr, deps, None, 1, True)[0], None)
     return ProgramFlow(flow.layers, logits[0], flow.other_macs)
 
 

@@ -1,12 +1,6 @@
-"""The FedDrop paper's CNNs (App. E, Tables 6-8). All layers carry biases (the
-tables' parameter counts include them); no BatchNorm. FedDrop places a
-SyncDrop layer after every conv+ReLU (see fedjax_sparse.mechanisms.syncdrop).
-
-The tables list the 5x5 (FMNIST) and 3x3 (SVHN) maps being average-pooled
-to 2x2 before the classifier; the parameter counts fix the classifier input
-at 64*2*2 = 256. This is PyTorch's AdaptiveAvgPool2d(2), i.e. a 3x3 window
-with stride 2 on 5x5 maps and a 2x2 window with stride 1 on 3x3 maps (the
-"2x2 stride 1" in Table 6 cannot give 2x2 from 5x5).
+"""The FedDrop paper's CNNs (App. E, Tables 6-8): every layer with a bias, no BatchNorm; FedDrop places a
+SyncDrop layer after every conv+ReLU (:mod:`fedjax_sparse.mechanisms.syncdrop`). The tables' average pool
+to 2x2 is PyTorch's ``AdaptiveAvgPool2d(2)`` (docs/feddrop.md, "Models", says why).
 """
 from __future__ import annotations
 

@@ -18,20 +18,9 @@ LeNet-5-Caffe (FMNIST) is ``lenet5_caffe`` in :mod:`fedjax_sparse.models.zoo.gen
   linears are thresholded; patch embedding, embeddings, LayerNorms and the
   head are not.
 
-Conventions of the project's models (see :mod:`fedjax_sparse.models.base`):
-``params[name]["kernel"]`` for every weight layer in ``model.layers``; a layer
-whose kernel passes through ``hooks.kernel(name, kernel)`` is one an algorithm
-may mask (SpaFL puts its thresholds exactly on those); BatchNorm after a
-weight layer lives in that layer's entry (``bn_scale``/``bn_bias``,
-``batch_stats[name]``); ResNet's pre-activation BatchNorms have entries of
-their own (``"<block>_preact"``, declared in ``Model.channel_entries`` as
-per-channel values over the residual stream, i.e. the output channels of the
-block's ``input_layer``). The ResNet calls ``hooks.activation`` where each
-layer's output leaves it: after BN + ReLU (stem and each block's first conv),
-before the residual add (second convs and shortcut convs), and on each
-pre-activation under ``"<block>_preact"``; width scaling (HeteroFL, FjORD)
-zeroes dropped channels there. Both are ``sequential=False``. The ViT does not
-call ``hooks.activation``.
+The ResNet's pre-activation BatchNorms have entries of their own (``"<block>_preact"``,
+``Model.channel_entries``), and it calls ``hooks.activation`` where each layer's output leaves it
+(docs/baselines.md has where and why); the ViT does not call it. Both are ``sequential=False``.
 """
 from __future__ import annotations
 
@@ -63,12 +52,6 @@ def cnn7(input_shape, num_classes, **options):
 
 
 # ---------------------------------------------------------------------------- ResNet-18
-def _bn_entry(features: int):
-    params = {"bn_scale": jnp.ones((features,), jnp.float32), "bn_bias": jnp.zeros((features,), jnp.float32)}
-    stats = {"mean": jnp.zeros((features,), jnp.float32), "var": jnp.ones((features,), jnp.float32)}
-    return params, stats
-
-
 def _conv_pt(x, kernel, stride: int, impl: str):
     """PyTorch-style conv: symmetric zero padding (k-1)/2, then VALID.
 
@@ -124,11 +107,11 @@ def resnet18_narrow(input_shape, num_classes, *, width: int = 32, init: str = "t
         for info in infos:
             params[info.name] = {"kernel": init_w(next(keys), info.kernel_shape, info.fan_in)}
         params["linear"]["bias"] = torch_default_init(next(keys), (num_classes,), pooled)
-        bn, stats["conv1"] = _bn_entry(width)
+        bn, stats["conv1"] = L.batch_norm_variables(width)
         params["conv1"].update(bn)
         for prefix, cin, planes, _ in blocks:
-            params[f"{prefix}_preact"], stats[f"{prefix}_preact"] = _bn_entry(cin)
-            bn, stats[f"{prefix}_conv1"] = _bn_entry(planes)  # the BN between the two convs
+            params[f"{prefix}_preact"], stats[f"{prefix}_preact"] = L.batch_norm_variables(cin)
+            bn, stats[f"{prefix}_conv1"] = L.batch_norm_variables(planes)  # the BN between the two convs
             params[f"{prefix}_conv1"].update(bn)
         return {"params": params, "batch_stats": stats}
 
