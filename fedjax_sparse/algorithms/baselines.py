@@ -14,14 +14,15 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from fedjax_sparse.errors import arg
 from fedjax_sparse.core import accounting
 from fedjax_sparse.algorithms.fedavg_family import (FedAvgServerState, client_mean, dense_client_update,
-                                                    global_model_predict, model_server)
+                                                    global_model_predict, model_server, whole_state)
 from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics, mean_weights, replicate, tree_weighted_mean
 from fedjax_sparse.algorithms.registry import register_algorithm
-from fedjax_sparse.algorithms.supervised import local_train, sgd, zeros_like_tree
+from fedjax_sparse.algorithms.supervised import local_train, sgd
 from fedjax_sparse.models.base import Hooks, Model, check_layer_kinds
 from fedjax_sparse.core.training import masked_cross_entropy, model_rng, run_local_epochs
 
@@ -48,8 +49,7 @@ class CaldasServerState(NamedTuple):
 
 
 def tree_sq_distance(a, b) -> jax.Array:
-    return jnp.asarray(sum(jnp.sum(jnp.square(x - y)) for x, y in zip(jax.tree_util.tree_leaves(a),
-                                                                       jax.tree_util.tree_leaves(b))))
+    return optax.tree.norm(optax.tree.sub(a, b), squared=True)
 
 
 # ---------------------------------------------------------------- FedProx
@@ -93,7 +93,7 @@ def full_local_gradient(model: Model, params: dict, stats: dict, data, *, batch_
         n = batch.mask.sum()
         return jax.tree_util.tree_map(lambda s, g: s + n * g, grad_sum, grads), loss
 
-    grad_sum, local = run_local_epochs(step, zeros_like_tree(params), data, jax.random.PRNGKey(0), epochs=1,
+    grad_sum, local = run_local_epochs(step, optax.tree.zeros_like(params), data, jax.random.PRNGKey(0), epochs=1,
                                        batch_size=batch_size, preprocess=preprocess, shuffle=False)
     count = jnp.maximum(data.count, 1).astype(jnp.float32)
     return jax.tree_util.tree_map(lambda s: s / count, grad_sum), local
@@ -109,24 +109,18 @@ def scaffold(task: Task, *, variant, server_lr, weighted) -> Algorithm:
 
     def init(key):
         variables = model.init(key)
-        control = zeros_like_tree(variables["params"])
+        control = optax.tree.zeros_like(variables["params"])
         return (ScaffoldServerState(control=control, variables=variables),
                 ScaffoldClientState(control=replicate(control, task.num_clients)))
-
-    def broadcast(server_state, round_index):
-        return server_state
 
     def client_update(payload: ScaffoldServerState, client_state: ScaffoldClientState, data, ctx):
         variables, c_server = payload.variables, payload.control
         c_client = client_state.control
         correction = jax.tree_util.tree_map(lambda ci, c: c - ci, c_client, c_server)
-
-        def corrected(grads):
-            return jax.tree_util.tree_map(jnp.add, grads, correction)
         new_vars, _, stats = local_train(
             model, optimizer, variables, optimizer.init(variables["params"]), data, ctx.key,
             epochs=task.local_epochs, batch_size=task.batch_size, preprocess=task.preprocess,
-            grad_transform=corrected)
+            grad_transform=lambda grads: jax.tree_util.tree_map(jnp.add, grads, correction))
         x, y = variables["params"], new_vars["params"]
         flops = accounting.training_flops(model, stats.num_examples)
         if variant == "I":
@@ -154,7 +148,7 @@ def scaffold(task: Task, *, variant, server_lr, weighted) -> Algorithm:
                                          server_state.control, messages["delta_control"])
         return ScaffoldServerState(control=control, variables=new), {}
 
-    return Algorithm("scaffold", init, broadcast, client_update, server_update,
+    return Algorithm("scaffold", init, whole_state, client_update, server_update,
                      global_predict=global_model_predict(model))
 
 
@@ -203,15 +197,13 @@ def _inclusion_like(params: dict, inclusion: dict, channel_entries=()) -> dict:
     entry of a layer (``Model.channel_entries``: a Flax model's BatchNorm) its layer's output
     channels, and any other entry (a LayerNorm, an embedding) is always included."""
     follows = dict(channel_entries)
-    out = {}
-    for name, p in params.items():
+
+    def entry(name, key, value):
         layer = name if name in inclusion else follows.get(name)
         if layer is None:
-            out[name] = {k: jnp.ones(v.shape, jnp.float32) for k, v in p.items()}
-            continue
-        out[name] = {k: (inclusion[layer]["kernel"] if k == "kernel" and layer == name else inclusion[layer]["bias"])
-                     for k in p}
-    return out
+            return jnp.ones(value.shape, jnp.float32)
+        return inclusion[layer]["kernel" if key == "kernel" and layer == name else "bias"]
+    return {name: {key: entry(name, key, value) for key, value in p.items()} for name, p in params.items()}
 
 
 @register_algorithm("caldas", CALDAS_OPTIONS, description="federated dropout: each client trains a random sub-model",
@@ -239,9 +231,6 @@ def caldas(task: Task, *, keep, drop_dense, per_client, rescale, weighted) -> Al
         if per_client:
             key = jax.random.fold_in(key, client_id)
         return sample_unit_masks(key, model, layers, keep)
-
-    def broadcast(server_state, round_index):
-        return server_state
 
     def client_update(payload: CaldasServerState, client_state, data, ctx):
         variables = payload.variables
@@ -283,7 +272,7 @@ def caldas(task: Task, *, keep, drop_dense, per_client, rescale, weighted) -> Al
         return CaldasServerState(mask_key=server_state.mask_key,
                                  variables={"params": params, "batch_stats": stats}), {}
 
-    return Algorithm("caldas", init, broadcast, client_update, server_update,
+    return Algorithm("caldas", init, whole_state, client_update, server_update,
                      global_predict=global_model_predict(model))
 
 

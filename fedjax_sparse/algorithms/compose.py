@@ -68,10 +68,6 @@ class StatisticsSplit:
         paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
         return cls(treedef, tuple(_is_statistics(path) for path, _ in paths))
 
-    @property
-    def any(self) -> bool:
-        return any(self.statistics)
-
     def split(self, tree) -> tuple[list, list]:
         leaves = self.treedef.flatten_up_to(tree)
         return ([leaf for leaf, stat in zip(leaves, self.statistics) if not stat],
@@ -143,24 +139,17 @@ class Aggregator:
         a mean of some clients' values, so a running variance stays >= 0."""
         k = flat.shape[0]
         f = self.assumed_malicious(k, ctx.client_ids)
-        selected = None
+        metrics = {}
         if self.name == "trimmed_mean":
-            aggregate, metrics = trimmed_mean(flat, f), {}
+            aggregate, reduce = trimmed_mean(flat, f), (lambda rows: trimmed_mean(rows, f))
         elif self.name == "multi_krum":
             aggregate, selected = multi_krum(flat, f, self.num_select(k, f))
-            if self.threat is None:
-                metrics = {"krum_selected": selected.sum()}
-            else:
-                metrics = {"malicious_selected": (selected & self.threat.split(ctx.client_ids)[0]).sum()}
+            reduce = lambda rows: masked_mean(rows, selected)
+            metrics = ({"krum_selected": selected.sum()} if self.threat is None
+                       else {"malicious_selected": (selected & self.threat.split(ctx.client_ids)[0]).sum()})
         else:
-            aggregate, metrics = flat.mean(0), {}
-        if statistics is None:
-            return aggregate, metrics
-        if self.name == "trimmed_mean":
-            return aggregate, metrics, trimmed_mean(statistics, f)
-        if selected is not None:
-            return aggregate, metrics, masked_mean(statistics, selected)
-        return aggregate, metrics, statistics.mean(0)
+            aggregate, reduce = flat.mean(0), (lambda rows: rows.mean(0))
+        return (aggregate, metrics) if statistics is None else (aggregate, metrics, reduce(statistics))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,19 +182,18 @@ class AggregatingServer:
     aggregator: Aggregator
 
     def __call__(self, server_state, messages, ctx: ServerContext):
+        # Running statistics neither decide nor get decided like updates: the aggregator selects and
+        # trims by the parameters alone and reduces the statistics over the same rows.
         split = StatisticsSplit.of(messages)
-        if split.any:
-            # Running statistics neither decide nor get decided like updates: the aggregator selects and
-            # trims by the parameters alone and reduces the statistics over the same rows.
-            others, statistics = split.split(messages)
-            flat, unravel = flatten_messages(others)
+        others, statistics = split.split(messages)
+        flat, unravel = flatten_messages(others)
+        if statistics:
             flat_stats, unravel_stats = flatten_messages(statistics)
             aggregate, metrics, stats_aggregate = self.aggregator(flat, ctx, flat_stats)
-            row = split.join(unravel(aggregate), unravel_stats(stats_aggregate))
+            statistics = unravel_stats(stats_aggregate)
         else:
-            flat, unravel = flatten_messages(messages)
             aggregate, metrics = self.aggregator(flat, ctx)
-            row = unravel(aggregate)
+        row = split.join(unravel(aggregate), statistics)
         robust = jax.tree_util.tree_map(lambda leaf, ref: jnp.broadcast_to(leaf, ref.shape).astype(ref.dtype),
                                         row, messages)
         new_state, inner_metrics = self.server_update(server_state, robust, ctx)
@@ -284,8 +272,7 @@ def with_attack(alg: Algorithm, attack: str, *, num_clients: int | None = None,
         others, statistics = split.split(messages)
         flat, unravel = flatten_messages(others)
         payload = alg.broadcast(server_state, ctx.round)
-        row_structure = jax.tree_util.tree_structure(jax.tree_util.tree_map(lambda x: x[0], messages))
-        model_shaped = jax.tree_util.tree_structure(payload) == row_structure
+        model_shaped = jax.tree_util.tree_structure(payload) == jax.tree_util.tree_structure(messages)
         if model_shaped:
             reference = ravel_pytree(split.split(payload)[0])[0].astype(jnp.float32)
         else:

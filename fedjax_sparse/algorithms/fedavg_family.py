@@ -16,7 +16,6 @@ persists across rounds.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -44,6 +43,11 @@ def model_server(model: Model, state: Callable[[dict], Any] = FedAvgServerState)
     """(``init``, ``broadcast``) of a server holding the global model alone, as ``state(variables)``:
     no client state; the clients receive the model."""
     return (lambda key: (state(model.init(key)), ())), (lambda server, round_index: server.variables)
+
+
+def whole_state(server_state, round_index):
+    """``broadcast`` of a server whose clients receive its whole state."""
+    return server_state
 
 
 def client_mean(messages, ctx, weighted: bool, empty):
@@ -222,14 +226,6 @@ def fedavg(task: Task, *, momentum, weight_decay, server_lr, weighted, clip_norm
                         clip_norm=clip_norm, server_optimizer=server_optimizer, **server_hparams)
 
 
-@dataclasses.dataclass(frozen=True)
-class FedAvgMOptions:
-    server_momentum: float = 0.9   # beta
-    server_lr: float = 1.0         # eta
-    momentum: float = 0.0          # the clients' SGD momentum
-    weighted: bool = True          # data-size weighted mean of the client models
-
-
 def _register_server_optimizer(name: str, optimizer: str, options, description: str, paper: str):
     """``name``: FedAvg with ``optimizer`` fixed, its options those its optimiser reads."""
     @register_algorithm(name, options, description=description, paper=paper)
@@ -245,8 +241,10 @@ def _adaptive_options(optimizer: str, server_lr: float) -> dict:
     return dict(server_lr=server_lr, **{key: SERVER_HPARAMS[key] for key in reads}, **CLIENT_OPTIONS)
 
 
-# FedAvgM keeps its options of before (FedAvgMOptions), its state (velocity) and its numbers.
-fedavgm = _register_server_optimizer("fedavgm", "momentum", FedAvgMOptions,
+# FedAvgM keeps its options of before (server_momentum: Hsu et al.'s beta; momentum: the clients'), its state
+# (velocity) and its numbers.
+fedavgm = _register_server_optimizer("fedavgm", "momentum",
+                                     dict(server_momentum=0.9, server_lr=1.0, momentum=0.0, weighted=True),
                                      "FedAvg with server momentum (fedavg --option server_optimizer=momentum)",
                                      "Hsu et al. 2019")
 # Default server lr 0.01: a starting point to tune (docs/design.md, "FedAvg's server optimisers").

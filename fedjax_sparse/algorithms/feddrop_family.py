@@ -28,7 +28,7 @@ import optax
 from fedjax_sparse.errors import arg
 from fedjax_sparse.core import accounting
 from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics, tree_weighted_mean
-from fedjax_sparse.algorithms.fedavg_family import global_model_predict
+from fedjax_sparse.algorithms.fedavg_family import global_model_predict, whole_state
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.algorithms.supervised import sgd, sgd_step
 from fedjax_sparse.mechanisms.syncdrop import (INIT_SCHEMES, ChannelLayout, SparseFlopsModel, channel_scale_hooks,
@@ -260,14 +260,12 @@ UNIDROP_OPTIONS = dict(budget=0.5, synchronized=False, rescale=True, init="paper
 def _dropout_fedavg(task: Task, name: str, *, budget, mu, synchronized, rescale, init, optimize, opt_lr,
                     opt_iters, opt_check_every, opt_tol, min_keep, psd_shift, dense_input_sparsity,
                     count_activations) -> Algorithm:
-    if init not in INIT_SCHEMES:
-        raise ValueError(f"{name}: unknown init {init!r}; valid: {', '.join(INIT_SCHEMES)}")
-    if psd_shift not in PSD_SHIFTS:
-        raise ValueError(f"{name}: unknown psd_shift {psd_shift!r}; valid: {', '.join(PSD_SHIFTS)}")
-    if not 0.0 < budget <= 1.0:
-        raise ValueError(f"{name}: budget must be in (0, 1], got {budget}")
-    if not 0.0 < min_keep <= 1.0:
-        raise ValueError(f"{name}: min_keep must be in (0, 1], got {min_keep}")
+    for option, value, valid in (("init", init, INIT_SCHEMES), ("psd_shift", psd_shift, PSD_SHIFTS)):
+        if value not in valid:
+            raise ValueError(f"{name}: unknown {option} {value!r}; valid: {', '.join(valid)}")
+    for option, value in (("budget", budget), ("min_keep", min_keep)):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"{name}: {option} must be in (0, 1], got {value}")
     model = task.model
     check_layer_kinds(model, name, ("dense", "conv"), "drops output channels of conv layers (input sparsity of "
                       "dense ones)", other_macs=False, grouped=False)
@@ -296,9 +294,6 @@ def _dropout_fedavg(task: Task, name: str, *, budget, mu, synchronized, rescale,
         variables = dropout_aware_init(key_init, model.init(key_model), model, layout, p0, init)
         keep_probs = jnp.full((task.num_clients, layout.total), p0, jnp.float32)
         return FedDropServerState(keep_probs=keep_probs, variables=variables), ()
-
-    def broadcast(server_state, round_index):
-        return server_state
 
     def client_update(payload: FedDropServerState, client_state, data, ctx):
         variables = payload.variables
@@ -344,7 +339,7 @@ def _dropout_fedavg(task: Task, name: str, *, budget, mu, synchronized, rescale,
 
     hparams = {"initial_keep_prob": p0, "num_dropout_channels": layout.total,
                "dropout_layers": list(layout.names)}
-    return Algorithm(name, init_fn, broadcast, client_update, server_update,
+    return Algorithm(name, init_fn, whole_state, client_update, server_update,
                      personal_predict=None, global_predict=global_model_predict(model), hparams=hparams)
 
 

@@ -24,6 +24,7 @@ import optax
 
 from fedjax_sparse.core import accounting
 from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics, tree_weighted_mean
+from fedjax_sparse.algorithms.fedavg_family import whole_state
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.models.base import Hooks, Model
 from fedjax_sparse.core.training import masked_cross_entropy, model_rng, run_local_epochs
@@ -102,10 +103,9 @@ class FedPMMessage(NamedTuple):
                     description="FedPM: Bayesian supermasks of a frozen random network",
                     paper="Isik et al., ICLR 2023; SpaFL's Table 2")
 def fedpm(task: Task, *, weight_scale: float, estimator: str, epsilon: float, eval_mask: str) -> Algorithm:
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"fedpm: unknown estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")
-    if eval_mask not in EVAL_MASKS:
-        raise ValueError(f"fedpm: unknown eval_mask {eval_mask!r}; valid: {', '.join(EVAL_MASKS)}")
+    for option, value, valid in (("estimator", estimator, ESTIMATORS), ("eval_mask", eval_mask, EVAL_MASKS)):
+        if value not in valid:
+            raise ValueError(f"fedpm: unknown {option} {value!r}; valid: {', '.join(valid)}")
     if not 0.0 <= epsilon < 0.5:
         raise ValueError(f"fedpm: epsilon must be in [0, 0.5), got {epsilon}")
     model = task.model
@@ -124,9 +124,6 @@ def fedpm(task: Task, *, weight_scale: float, estimator: str, epsilon: float, ev
         probs = {n: jax.nn.sigmoid(jax.random.normal(jax.random.fold_in(k_probs, i), model.layers[i].kernel_shape))
                  for i, n in enumerate(names)}
         return FedPMServerState(variables.get("batch_stats", {}), k_eval, probs, frozen["params"]), ()
-
-    def broadcast(server: FedPMServerState, round_index):
-        return server
 
     def client_update(server: FedPMServerState, client_state, data, ctx):
         weights = kernels(server.weights)
@@ -174,6 +171,6 @@ def fedpm(task: Task, *, weight_scale: float, estimator: str, epsilon: float, ev
                              hooks=mask_hooks(kernels(server.weights), masks))
         return out
 
-    return Algorithm("fedpm", init, broadcast, client_update, server_update, global_predict=global_predict,
+    return Algorithm("fedpm", init, whole_state, client_update, server_update, global_predict=global_predict,
                      hparams=dict(optimizer="adam", weight_scale=weight_scale, estimator=estimator,
                                   eval_mask=eval_mask))

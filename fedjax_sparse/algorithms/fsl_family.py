@@ -101,12 +101,11 @@ def fsl_local_step(model, optimizer: optax.GradientTransformation, params: dict,
     return (scores, opt_state), loss
 
 # Why --aggregator / --attack (algorithms.compose) cannot wrap FSL: it has its own vote and attack.
-def fsl_unwrappable(options) -> str:
-    return ("its clients send rankings (integers), not float updates, and the server votes on them (FSL has its own "
-            f"attack: {arg('option', 'malicious_fraction=F')})")
+FSL_UNWRAPPABLE = ("its clients send rankings (integers), not float updates, and the server votes on them (FSL has "
+                   f"its own attack: {arg('option', 'malicious_fraction=F')})")
 
 
-@register_algorithm("fsl", FSL_OPTIONS, unwrappable=fsl_unwrappable,
+@register_algorithm("fsl", FSL_OPTIONS, unwrappable=FSL_UNWRAPPABLE,
                     description="FSL: federated supermask learning, clients exchange edge rankings of a frozen "
                     "network", paper="ICLR 2022 submission; docs/fsl.md")
 def fsl(task: Task, *, subnet_fraction, upload_fraction, weight_init, mask_by, momentum, weight_decay,
@@ -206,7 +205,7 @@ def fsl(task: Task, *, subnet_fraction, upload_fraction, weight_init, mask_by, m
                      extra_clients=attacker_training if attacking and population else None)
 
 
-@register_algorithm("sfsl", dict(FSL_OPTIONS, upload_fraction=0.5), unwrappable=fsl_unwrappable,
+@register_algorithm("sfsl", dict(FSL_OPTIONS, upload_fraction=0.5), unwrappable=FSL_UNWRAPPABLE,
                     description="Sparse-FSL: FSL whose clients upload only their top ranks",
                     paper="FSL paper; docs/fsl.md")
 def sfsl(task: Task, **options) -> Algorithm:

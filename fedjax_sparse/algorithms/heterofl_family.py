@@ -15,6 +15,7 @@ cross-entropy are left out. Details: docs/baselines.md, "HeteroFL".
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -109,24 +110,18 @@ def heterofl(task: Task, *, rates: str, eval_rate: float, momentum: float, weigh
                            epochs=task.local_epochs, batch_size=task.batch_size, preprocess=task.preprocess,
                            hooks=hooks)
 
-    def train_level(level):
-        static = layout.static_counts(level)
+    def train_sliced(static, variables, data, key):
+        new_sub, _, stats = train(layout.slice(variables, static), data, key, NO_HOOKS)
+        return layout.unslice(variables, new_sub, static), stats
 
-        def run(variables, data, key):
-            new_sub, _, stats = train(layout.slice(variables, static), data, key, NO_HOOKS)
-            return layout.unslice(variables, new_sub, static), stats
-        return run
-
-    branches = [train_level(level) for level in levels]
+    branches = [functools.partial(train_sliced, layout.static_counts(level)) for level in levels]
 
     def client_update(variables, client_state, data, ctx):
         level = ctx.client_id % len(levels)
         counts = table[level]
         if not sliced:
             new_vars, _, stats = train(variables, data, ctx.key, layout.hooks(counts))
-        elif len(levels) == 1:
-            new_vars, stats = branches[0](variables, data, ctx.key)
-        else:
+        else:   # one level: switch calls its branch directly
             new_vars, stats = jax.lax.switch(level, branches, variables, data, ctx.key)
         bits = layout.bits(counts)
         metrics = client_metrics(

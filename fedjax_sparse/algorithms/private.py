@@ -89,12 +89,7 @@ class DpMechanism:
             raise ValueError(f"with_dp(clients_per_round={self.clients_per_round}) received {k} client updates; "
                              "pass the engine's clients_per_round")
         clipped, norms = clip_rows(updates, self.clip_norm)
-        if mask is None:
-            mean = noisy_sum(clipped, self.noise_stddev, key) / self.clients_per_round
-            metrics = {"dp_clipped_fraction": jnp.mean((norms > self.clip_norm).astype(jnp.float32)),
-                       "dp_update_norm": jnp.mean(norms)}
-            return mean, metrics
-        real = mask.astype(jnp.float32)
+        real = jnp.ones((k,), jnp.float32) if mask is None else mask.astype(jnp.float32)
         mean = noisy_sum(clipped * real[:, None], self.noise_stddev, key) / self.clients_per_round
         count = jnp.maximum(real.sum(), 1.0)
         metrics = {"dp_clipped_fraction": jnp.sum((norms > self.clip_norm).astype(jnp.float32) * real) / count,

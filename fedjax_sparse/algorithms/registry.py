@@ -111,33 +111,23 @@ def _type_name(kind: type) -> str:
         kind, f"a {kind.__name__}")
 
 
+# What a CLI string means as a boolean option.
+_BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
 def coerce_option(name: str, key: str, value: Any, kind: type) -> Any:
     """``value`` (a CLI string or a JSON value) as a ``kind``; a one-line ValueError otherwise."""
-    def bad():
-        return ValueError(f"--option {key}={value!r} of algorithm {name}: expected {_type_name(kind)}")
-    if isinstance(value, str) and kind is not str:
+    bad = ValueError(f"--option {key}={value!r} of algorithm {name}: expected {_type_name(kind)}")
+    if isinstance(value, str) and kind in (bool, int, float):
         text = value.strip().lower()
         try:
-            if kind is bool:
-                if text in ("1", "true", "yes", "on"):
-                    return True
-                if text in ("0", "false", "no", "off"):
-                    return False
-                raise bad()
-            if kind is int:
-                return int(text)
-            if kind is float:
-                return float(text)
-        except ValueError:
-            raise bad() from None
+            return _BOOLEANS[text] if kind is bool else kind(text)
+        except (KeyError, ValueError):
+            raise bad from None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if kind is bool and not isinstance(value, bool):
-        raise bad()
-    if kind in (int, float) and isinstance(value, bool):
-        raise bad()
-    if not isinstance(value, kind):
-        raise bad()
+    if not isinstance(value, kind) or (kind in (int, float) and isinstance(value, bool)):
+        raise bad
     return value
 
 

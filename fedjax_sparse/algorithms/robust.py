@@ -20,7 +20,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.flatten_util import ravel_pytree
 
 from fedjax_sparse.errors import arg
@@ -29,7 +28,7 @@ from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics, mean_w
 from fedjax_sparse.algorithms.compose import ATTACKS, WRAPPER_AGGREGATORS, UpdateServer, with_aggregator, with_attack
 from fedjax_sparse.algorithms.fedavg_family import FedAvgServerState, global_model_predict, model_server
 from fedjax_sparse.algorithms.registry import register_algorithm
-from fedjax_sparse.algorithms.supervised import local_train
+from fedjax_sparse.algorithms.supervised import local_train, sgd
 from fedjax_sparse.mechanisms.attacks import DEVIATIONS, Threat, sign_reverse_attack
 from fedjax_sparse.mechanisms.robust_aggregation import sign_majority, topk_sparsify
 from fedjax_sparse.mechanisms.supermask import kept_count
@@ -77,8 +76,7 @@ def train_update(task: Task, variables: dict, data, ctx, *, momentum, weight_dec
     def schedule(count):
         return local_lr(task.lr, lr_decay, ctx.round, count, num_steps, task.local_epochs, lr_schedule)
 
-    parts = [optax.add_decayed_weights(weight_decay)] if weight_decay else []
-    optimizer = optax.chain(*parts, optax.sgd(schedule, momentum=momentum or None))
+    optimizer = sgd(schedule, momentum, weight_decay)
     new_vars, _, stats = local_train(
         task.model, optimizer, variables, optimizer.init(variables["params"]), data, ctx.key,
         epochs=task.local_epochs, batch_size=task.batch_size, preprocess=task.preprocess)
@@ -88,14 +86,6 @@ def train_update(task: Task, variables: dict, data, ctx, *, momentum, weight_dec
 
 
 # ---------------------------------------------------------------- shared pieces
-def _num_params_without_batch_norm(task: Task, name: str) -> int:
-    variables = jax.eval_shape(task.model.init, jax.random.PRNGKey(0))
-    if jax.tree_util.tree_leaves(variables.get("batch_stats", {})):
-        raise ValueError(f"{name} aggregates flat parameter updates and does not handle BatchNorm "
-                         f"statistics; model {task.model.name!r} has BatchNorm")
-    return accounting.num_values(variables["params"])
-
-
 TRAIN_OPTIONS = dict(momentum=0.9, weight_decay=1e-4, lr_decay=0.999, lr_schedule="cosine_epoch")
 THREAT_OPTIONS = dict(malicious_fraction=0.0, attacker_knowledge="all", malicious_seed=-1)
 
@@ -110,14 +100,22 @@ def make_threat(task: Task, malicious_fraction: float, attacker_knowledge: str, 
 def _make_base(task: Task, name: str, *, momentum, weight_decay, lr_decay, lr_schedule):
     """init / broadcast / train / apply / model / predict shared by the FedAvg-shaped baselines."""
     _check("lr_schedule", lr_schedule, LR_SCHEDULES)
-    num_params = _num_params_without_batch_norm(task, name)
+    shapes = jax.eval_shape(task.model.init, jax.random.PRNGKey(0))
+    if jax.tree_util.tree_leaves(shapes.get("batch_stats", {})):
+        raise ValueError(f"{name} aggregates flat parameter updates and does not handle BatchNorm "
+                         f"statistics; model {task.model.name!r} has BatchNorm")
+    num_params = accounting.num_values(shapes["params"])
     model = task.model
 
     init, broadcast = model_server(model)
 
-    def train(variables, data, ctx):
-        return train_update(task, variables, data, ctx, momentum=momentum, weight_decay=weight_decay,
-                            lr_decay=lr_decay, lr_schedule=lr_schedule)
+    def train(variables, data, ctx, uplink_bits):
+        """``train_update``: (delta [P], the client's metrics: ``uplink_bits`` up, the dense model down)."""
+        delta, stats = train_update(task, variables, data, ctx, momentum=momentum, weight_decay=weight_decay,
+                                    lr_decay=lr_decay, lr_schedule=lr_schedule)
+        return delta, client_metrics(
+            loss=stats.loss, flops=accounting.training_flops(model, stats.num_examples), uplink_bits=uplink_bits,
+            downlink_bits=num_params * accounting.FLOAT_BITS, density=1.0, num_examples=stats.num_examples)
 
     def global_vector(server_state: FedAvgServerState):
         return ravel_pytree(server_state.variables["params"])[0]
@@ -138,13 +136,9 @@ def paper_fedavg(task: Task, *, server_lr: float = 1.0, weighted: bool = False, 
     an ``UpdateServer``, adds ``server_lr`` times their mean (uniform, or data-size ``weighted``)."""
     num_params, init, broadcast, train, apply_update, global_vector, global_predict = _make_base(
         task, name, momentum=momentum, weight_decay=weight_decay, lr_decay=lr_decay, lr_schedule=lr_schedule)
-    bits = num_params * accounting.FLOAT_BITS
 
     def client_update(variables, client_state, data, ctx):
-        delta, stats = train(variables, data, ctx)
-        metrics = client_metrics(
-            loss=stats.loss, flops=accounting.training_flops(task.model, stats.num_examples),
-            uplink_bits=bits, downlink_bits=bits, density=1.0, num_examples=stats.num_examples)
+        delta, metrics = train(variables, data, ctx, num_params * accounting.FLOAT_BITS)
         return client_state, delta, metrics
 
     def mean(updates, ctx):
@@ -205,7 +199,7 @@ def multi_krum_algorithm(task: Task, **options) -> Algorithm:
 SIGNSGD_OPTIONS = dict(server_lr=1e-3, attack="reverse", **TRAIN_OPTIONS, **THREAT_OPTIONS)
 
 
-@register_algorithm("signsgd", SIGNSGD_OPTIONS, unwrappable=lambda options: "its clients send signs (int8), not float "
+@register_algorithm("signsgd", SIGNSGD_OPTIONS, unwrappable="its clients send signs (int8), not float "
                     "updates, and the server takes their majority vote (SignSGD has its own attack: "
                     f"{arg('option', 'malicious_fraction=F')})",
                     description="SignSGD with majority vote", paper="Bernstein et al., ICLR 2019",
@@ -220,13 +214,8 @@ def signsgd(task: Task, *, server_lr, attack, momentum, weight_decay, lr_decay, 
     threat = make_threat(task, malicious_fraction, attacker_knowledge, malicious_seed)
 
     def client_update(variables, client_state, data, ctx):
-        delta, stats = train(variables, data, ctx)
-        signs = jnp.where(delta >= 0, 1, -1).astype(jnp.int8)   # 1 bit: zero is sent as +
-        metrics = client_metrics(
-            loss=stats.loss, flops=accounting.training_flops(task.model, stats.num_examples),
-            uplink_bits=num_params, downlink_bits=num_params * accounting.FLOAT_BITS, density=1.0,
-            num_examples=stats.num_examples)
-        return client_state, signs, metrics
+        delta, metrics = train(variables, data, ctx, num_params)
+        return client_state, jnp.where(delta >= 0, 1, -1).astype(jnp.int8), metrics   # 1 bit: zero is sent as +
 
     def server_update(server_state, signs, ctx):
         is_mal, known = threat.split(ctx.client_ids)
@@ -272,14 +261,10 @@ def topk(task: Task, *, fraction, error_feedback, index_coding, server_lr, momen
         return server, TopkClientState(residual)
 
     def client_update(variables, client_state: TopkClientState, data, ctx):
-        delta, stats = train(variables, data, ctx)
+        delta, metrics = train(variables, data, ctx, up_bits)
         if error_feedback:
             delta = delta + client_state.residual
         sent = topk_sparsify(delta, fraction)
-        metrics = client_metrics(
-            loss=stats.loss, flops=accounting.training_flops(task.model, stats.num_examples),
-            uplink_bits=up_bits, downlink_bits=num_params * accounting.FLOAT_BITS, density=1.0,
-            num_examples=stats.num_examples)
         return TopkClientState(delta - sent if error_feedback else None), sent, metrics
 
     server = UpdateServer(mean=lambda sent, ctx: sent.mean(0),

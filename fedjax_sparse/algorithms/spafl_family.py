@@ -26,11 +26,13 @@ from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fedjax_sparse.errors import arg
 from fedjax_sparse.core import accounting
 from fedjax_sparse.core.algorithm import Algorithm, Task, client_metrics, cohort_mean, replicate
+from fedjax_sparse.algorithms.fedavg_family import whole_state
 from fedjax_sparse.algorithms.registry import register_algorithm
 from fedjax_sparse.data.federated import ClientData
 from fedjax_sparse.mechanisms import threshold_masks as masks_lib
@@ -107,13 +109,8 @@ def eq13_divisors(layers: tuple[LayerInfo, ...], mode: str = "fan_in") -> dict[s
     "kernel_area" = kh*kw for convs and in_features for linears (code)."""
     if mode not in EQ13_DIVISORS:
         raise ValueError(f"unknown eq13_divisor {mode!r}; valid: {EQ13_DIVISORS}")
-    out = {}
-    for layer in layers:
-        if mode == "fan_in" or layer.kind != "conv":
-            out[layer.name] = float(layer.fan_in)
-        else:
-            out[layer.name] = float(layer.kernel_shape[0] * layer.kernel_shape[1])
-    return out
+    return {layer.name: float(layer.fan_in if mode == "fan_in" or layer.kind != "conv"
+                              else layer.kernel_shape[0] * layer.kernel_shape[1]) for layer in layers}
 
 
 # ---------------------------------------------------------------------------- pure pieces
@@ -137,11 +134,6 @@ def reset_layer_thresholds(tau: Thresholds, kept: Mapping[str, jax.Array]) -> di
 
 def kept_fractions(row_mask: Mapping[str, jax.Array]) -> dict:
     return {name: masks_lib.kept_fraction(m) for name, m in row_mask.items()}
-
-
-def mean_density(kept: Mapping[str, jax.Array]) -> jax.Array:
-    """The paper's density: mean over thresholded layers of the kept fraction."""
-    return jnp.mean(jnp.stack([jnp.asarray(v, jnp.float32) for v in kept.values()]))
 
 
 def kept_row_counts(model: Model, row_mask: Mapping[str, jax.Array]) -> jax.Array:
@@ -169,11 +161,8 @@ def flatten_thresholds(tau: Thresholds, layers: tuple[LayerInfo, ...]) -> jax.Ar
 
 
 def unflatten_thresholds(flat: jax.Array, layers: tuple[LayerInfo, ...]) -> dict:
-    out, start = {}, 0
-    for layer in layers:
-        out[layer.name] = flat[start:start + layer.out_units]
-        start += layer.out_units
-    return out
+    parts = jnp.split(flat, np.cumsum([layer.out_units for layer in layers])[:-1])
+    return {layer.name: part for layer, part in zip(layers, parts)}
 
 
 def regulariser(tau: Thresholds) -> jax.Array:
@@ -202,14 +191,6 @@ class SpaflSetup:
     train_weights: bool = True
     clamp: bool = False
     dense_layers: tuple[str, ...] = ()   # layers left dense (option dense_layers): no thresholds
-
-    @property
-    def num_thresholds(self) -> int:
-        return num_thresholds(self.layers)
-
-    @property
-    def num_thresholded_weights(self) -> int:
-        return sum(layer.num_weights for layer in self.layers)
 
     @property
     def replays_history(self) -> bool:
@@ -288,11 +269,10 @@ def check_no_dead_layers(setup: SpaflSetup, model: Model, name: str = "spafl") -
 
 
 def mean_layer_density(setup: SpaflSetup, kept: Mapping[str, jax.Array]) -> jax.Array:
-    """The ``density`` metric: :func:`mean_density` over the thresholded layers' kept fractions and
-    the ``dense_layers`` (each fully kept: 1)."""
-    if not setup.dense_layers:
-        return mean_density(kept)
-    return mean_density({**kept, **{name: jnp.ones((), jnp.float32) for name in setup.dense_layers}})
+    """The ``density`` metric, the paper's: the mean kept fraction ({name: []}) over the thresholded
+    layers and the ``dense_layers`` (each fully kept: 1)."""
+    kept = {**kept, **{name: jnp.ones((), jnp.float32) for name in setup.dense_layers}}
+    return jnp.mean(jnp.stack([jnp.asarray(v, jnp.float32) for v in kept.values()]))
 
 
 def replay_eq13(setup: SpaflSetup, params: dict, history: jax.Array, start: jax.Array,
@@ -384,18 +364,14 @@ def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum,
         eval_thresholds=eval_thresholds, clamp=clamp, dense_layers=dense_layers))
     check_no_dead_layers(setup, model, name)
     layers = setup.layers
-    use_ramp = bool(ramp)
-    n_tau = setup.num_thresholds
+    n_tau = num_thresholds(layers)
     comm_bits = n_tau * accounting.FLOAT_BITS if share_thresholds else 0
-    eq13_flops = EQ13_FLOPS_PER_WEIGHT * setup.num_thresholded_weights
+    eq13_flops = EQ13_FLOPS_PER_WEIGHT * sum(layer.num_weights for layer in layers)
     row_flops = accounting.row_training_flops(model)   # [L] exact training FLOPs of one row, one example
     # SGD with momentum as PyTorch does it (buf = m*buf + g; p -= lr*buf); the
     # learning rate is applied by hand so it can change per round.
     optimizer = optax.chain(*([optax.clip_by_global_norm(clip_norm)] if clip_norm else []),
                             optax.trace(decay=momentum) if momentum else optax.identity())
-
-    def trainable_of(variables, tau):
-        return {"params": variables["params"], "tau": tau}
 
     def init(key):
         variables = model.init(key)
@@ -404,7 +380,7 @@ def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum,
         client = SpaflClientState(
             batch_stats=variables.get("batch_stats", {}),
             kept={layer.name: jnp.ones((), jnp.float32) for layer in layers},
-            opt_state=optimizer.init(trainable_of(variables, tau0)) if keep_optimizer_state else None,
+            opt_state=optimizer.init({"params": variables["params"], "tau": tau0}) if keep_optimizer_state else None,
             params=variables["params"], synced=jnp.zeros((), jnp.int32) if history else None, tau=tau0)
         server = SpaflServerState(None, None, None, None)
         if share_thresholds:
@@ -413,9 +389,6 @@ def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum,
                 history=jnp.zeros((task.rounds, n_tau), jnp.float32) if history else None,
                 num_deltas=jnp.zeros((), jnp.int32) if history else None, tau=tau0)
         return server, replicate(client, task.num_clients)
-
-    def broadcast(server_state: SpaflServerState, round_index):
-        return server_state
 
     def client_update(server_state: SpaflServerState, client_state: SpaflClientState, data: ClientData, ctx):
         params = client_state.params
@@ -435,7 +408,7 @@ def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum,
         trainable = {"params": params, "tau": tau}
         opt_state = client_state.opt_state if keep_optimizer_state else optimizer.init(trainable)
         lr_t = jnp.maximum(task.lr * jnp.power(lr_decay, ctx.round.astype(jnp.float32)), lr_min)
-        coeff_t = alpha * (regulariser_ramp(ctx.round) if use_ramp else 1.0)
+        coeff_t = alpha * (regulariser_ramp(ctx.round) if ramp else 1.0)
         carry = SpaflCarry(trainable, client_state.batch_stats, opt_state, client_state.kept,
                            jnp.zeros((len(model.layers),), jnp.int32), jnp.zeros((), jnp.float32))
 
@@ -486,7 +459,7 @@ def build_spafl(task: Task, *, name: str = "spafl", alpha, ramp: bool, momentum,
 
     hparams = {"num_thresholds": n_tau, "thresholded_layers": [layer.name for layer in layers],
                "eq13_effective": setup.eq13}
-    return Algorithm(name, init, broadcast, client_update, server_update,
+    return Algorithm(name, init, whole_state, client_update, server_update,
                      personal_predict=personal_predict, global_predict=None, hparams=hparams,
                      personal_density=personal_density, varying_cohort=True)
 

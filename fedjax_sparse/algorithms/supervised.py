@@ -4,7 +4,6 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from fedjax_sparse.data.federated import ClientData
@@ -12,7 +11,7 @@ from fedjax_sparse.models.base import Hooks, Model, NO_HOOKS
 from fedjax_sparse.core.training import Batch, masked_cross_entropy, model_rng, run_local_epochs
 
 
-def sgd(lr: float, momentum: float = 0.0, weight_decay: float = 0.0, clip_norm: float | None = None):
+def sgd(lr: optax.ScalarOrSchedule, momentum: float = 0.0, weight_decay: float = 0.0, clip_norm: float | None = None):
     """SGD as PyTorch defines it (weight decay added to the gradient)."""
     parts = []
     if clip_norm:
@@ -67,7 +66,3 @@ def local_train(model: Model, optimizer: optax.GradientTransformation, variables
 
 def predict_fn(model: Model, variables: dict, hooks: Hooks = NO_HOOKS):
     return lambda x: model.apply(variables, x, train=False, hooks=hooks)[0]
-
-
-def zeros_like_tree(tree):
-    return jax.tree_util.tree_map(jnp.zeros_like, tree)
