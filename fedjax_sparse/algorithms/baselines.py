@@ -1,12 +1,7 @@
-"""FedDrop's baselines on the round engine: FedProx (Li et al. 2020: local loss +
-mu/2 ||w - w_global||^2), SCAFFOLD (Karimireddy et al. 2020, Alg. 1, options I
-and II: client control variates c_i in the client state, server c; twice the
-communication) and the federated dropout of Caldas et al. 2018 (each round a
-random ``keep`` fraction of every hidden layer's units, simulated by a 0/1
-activation mask; the server averages each weight over the clients whose
-sub-model holds it; both links carry the sub-model, FLOPs scale by kept inputs
-x kept outputs). FedAvg itself is in fedavg_family.py. Details: docs/feddrop.md,
-"Options".
+"""FedDrop's baselines on the round engine: FedProx (Li et al. 2020), SCAFFOLD
+(Karimireddy et al. 2020, Alg. 1, options I and II) and the federated dropout of Caldas et al. 2018
+(each client trains a random sub-model; the server averages each weight over the clients holding it).
+FedAvg itself is in fedavg_family.py. Details: docs/feddrop.md, "Options".
 """
 from __future__ import annotations
 

@@ -2,23 +2,15 @@
 any algorithm whose client messages are float pytrees, so every attack meets
 every aggregator (docs/design.md, "Composition"). An algorithm whose clients
 send something else declares it when it registers
-(``register_algorithm(..., unwrappable=...)``), and ``config.validate`` refuses
-``--aggregator`` / ``--attack`` around it in one line.
+(``register_algorithm(..., unwrappable=...)``).
 
     alg = with_attack(with_aggregator(make_algorithm("spafl", task), "trimmed_mean"),
                       "min_max", malicious_fraction=0.2, num_clients=task.num_clients, seed=0)
 
-The server side of a round then runs, outermost first: the attack replaces the
-sampled malicious clients' messages, the aggregator reduces the [K, P]
-flattened messages to one robust aggregate, then the wrapped server applies it.
-Around an ``UpdateServer`` (flat float updates it averages) the aggregate is
-applied exactly and the attack perturbs the updates; around any other server
-the aggregator hands it K copies of the aggregate (a server that uses the
-individual messages beyond their mean, like FedDrop's, sees K identical rows)
-and the attack works on ``message - payload`` when the messages have the
-payload's structure. The malicious clients are ``mechanisms.attacks.Threat``'s
-fixed seeded subset; pass the same ``threat`` to both wrappers and
-``trim_fraction < 0`` for aggregators that know how many were sampled.
+Outermost first, the attack replaces the sampled malicious clients' messages, then the aggregator
+reduces them to one robust aggregate: applied exactly by an ``UpdateServer``, handed to any other
+server as K copies. Pass the same ``mechanisms.attacks.Threat`` to both wrappers for aggregators
+that know how many malicious clients were sampled (``trim_fraction < 0``).
 """
 from __future__ import annotations
 
@@ -41,10 +33,8 @@ WRAPPER_ATTACKS = ("min_max",)
 ATTACKS = ("none", "min_max", "tailored", "scale")
 
 
-# The collection of a model's variables that holds BatchNorm running statistics (models.base). They are
-# not parameters: a client's are averages over its data, evaluation divides by the running variance, and
-# nothing trains them. The wrappers here (and DP-FedAvg's, algorithms.private) leave them out of what
-# they clip, noise, select by or attack, so a running variance is only ever averaged (never negative).
+# The collection of a model's variables that holds BatchNorm running statistics (models.base): not
+# parameters, so the wrappers (and algorithms.private) only average them (docs/design.md, "Composition").
 STATISTICS = "batch_stats"
 
 

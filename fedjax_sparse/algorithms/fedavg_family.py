@@ -1,18 +1,11 @@
 """FedAvg (McMahan et al. 2017) with any server optimiser from optax, and Local training (no
 communication).
 
-FedAvg: the server model goes down, each sampled client runs local SGD from it (optimizer state fresh
-each round) and sends its model back. The server takes the data-size weighted mean of the client models
-(``weighted=False``: uniform) and, as in Reddi et al., "Adaptive Federated Optimization" (ICLR 2021),
-hands the pseudo-gradient ``g = w - mean`` to an optax optimiser, ``server_optimizer``: ``sgd``
-(``server_lr = 1`` is FedAvg), ``momentum`` (FedAvgM), ``adam``, ``yogi``, ``adagrad`` (FedAdam,
-FedYogi, FedAdagrad); ``fedavgm``, ``fedadam``, ``fedyogi`` and ``fedadagrad`` are FedAvg with that
-optimiser fixed. The optimiser moves the parameters; BatchNorm running statistics follow the clients'
-mean. How tau maps to optax's eps and where optax differs from the paper: docs/design.md, "FedAvg's
-server optimisers". Communication: the whole model (float32) each way.
-
-Local: every client trains its own model on its own data and never communicates; its optimizer state
-persists across rounds.
+FedAvg's server hands the pseudo-gradient ``g = w - mean`` of the clients' (weighted) mean model to
+``server_optimizer`` (Reddi et al., ICLR 2021): ``sgd`` (``server_lr = 1`` is FedAvg), ``momentum``,
+``adam``, ``yogi``, ``adagrad``; ``fedavgm``, ``fedadam``, ``fedyogi`` and ``fedadagrad`` fix it. Each
+optimiser's formula, how tau maps to optax's eps and where optax differs from the paper: docs/design.md,
+"FedAvg's server optimisers". Local: every client trains its own model and never communicates.
 """
 from __future__ import annotations
 
@@ -120,7 +113,7 @@ FEDAVG_OPTIONS = dict(momentum=0.0, weight_decay=0.0, server_lr=1.0, weighted=Tr
 def make_server_optimizer(name: str, server_lr, *, server_momentum=0.9, server_b1=0.9, server_b2=0.99,
                           server_tau=1e-3) -> optax.GradientTransformation:
     """The optax optimiser ``name`` (one of SERVER_OPTIMIZERS) the server applies to the pseudo-gradient
-    (the module docstring gives each one's formula and how tau maps to optax's eps)."""
+    (docs/design.md, "FedAvg's server optimisers", gives each one's formula and how tau maps to eps)."""
     if name == "sgd":
         return optax.sgd(server_lr)
     if name == "momentum":

@@ -1,21 +1,9 @@
 """FedDrop (trajectory-weighted SyncDrop on FedAvg) and UniDrop.
 
-FedDrop, one round (paper Alg. 1): client c trains from the global model with
-SyncDrop after every conv+ReLU, at its own keep probabilities ``p_c`` (row
-``ctx.client_id`` of the server's ``[N, num_channels]`` table) and with
-uniforms shared by the round's clients (``fedjax_sparse.mechanisms.syncdrop``);
-the server averages the models (data-weighted FedAvg), measures per channel n
-the trajectory similarity ``S_ij^n = l_i l_j max(p_i^n, p_j^n) dtheta_i^n .
-dtheta_j^n`` and re-optimises the sampled clients' keep probabilities by
-minimising eq. (8), ``sum_nij S_ij^n / max(q_i^n, q_j^n) - mu log g(q)``
-(``optimise_keep_probs``: projected gradient descent on x = 1/q, always finite
-and strictly within the budget g >= 0 of eq. 5). UniDrop: the same client at
-one constant keep probability meeting the budget (independent draws by default).
-
-Accounting: FLOPs = 3 x expected forward FLOPs (eq. 10) x examples (the drawn
-masks' FLOPs go to the server metric ``sampled_flops``); the dense model both
-ways, plus the keep probabilities (32 bits each) down for FedDrop. Details:
-docs/feddrop.md.
+FedDrop's clients train with SyncDrop at their own per-channel keep probabilities, and the server
+re-optimises the sampled clients' probabilities from their trajectory similarity (eq. 8,
+``optimise_keep_probs``); UniDrop keeps one constant probability meeting the budget. The round, the
+FLOPs model (eq. 10), the options and the costs: docs/feddrop.md.
 """
 from __future__ import annotations
 
@@ -102,14 +90,9 @@ def dropout_objective(inv_keep: jax.Array, similarity: jax.Array) -> jax.Array:
 
 
 def dropout_objective_and_grad(inv_keep: jax.Array, similarity: jax.Array):
-    """Eq. (7) and its gradient in one pass over S (symmetric S).
-
-    d/dx_i = 2 sum_j S_ij w_ij with w_ij = 1[x_i < x_j] + 1/2 1[x_i = x_j]
-    (ties split evenly, as autodiff of ``minimum`` does), and since the
-    objective is positively homogeneous of degree 1 its value is x . grad
-    (Euler); unlike autodiff of ``dropout_objective`` it materialises no extra
-    [total, K, K] temporaries (about 20x cheaper on CPU: docs/feddrop.md).
-    """
+    """Eq. (7) and its gradient ``2 sum_j S_ij (1[x_i < x_j] + 1/2 1[x_i = x_j])`` in one pass over a
+    symmetric S, its value x . grad (degree-1 homogeneity): no extra [total, K, K] temporaries, about
+    20x cheaper on CPU than autodiff of ``dropout_objective`` (docs/feddrop.md)."""
     x = inv_keep.T  # [total, K]
     xi, xj = x[:, :, None], x[:, None, :]
     weights = jnp.where(xi < xj, 1.0, jnp.where(xi == xj, 0.5, 0.0))

@@ -1,15 +1,8 @@
 """FedPM (Isik et al., ICLR 2023): federated probabilistic masks over frozen
 random weights.
 
-Every kernel entry is a frozen ``+-weight_scale / sqrt(fan_in)`` with a random
-sign (the shared seed's; never trained or sent). A client trains mask logits
-``s = logit(p)`` with Adam on ``w * m``, m ~ Bernoulli(sigmoid(s)) drawn every
-step with a straight-through gradient, then uploads one mask sample (1 bit per
-weight). The server's p is the Beta(1, 1) posterior mode of the eps-smoothed
-samples (``estimator="mean"``: the posterior mean); evaluation masks the
-global model with one sample of p (``eval_mask="threshold"``: ``p > 0.5``).
-Downlink 32 bits per kernel entry; BatchNorm running statistics, if any, are
-averaged and sent at 32 bits both ways; FLOPs are dense training's.
+Clients train Bernoulli mask logits over the seed's frozen ``+-weight_scale / sqrt(fan_in)`` kernels
+and upload one mask sample (1 bit per weight); the server's p is the Beta posterior of the samples.
 The reference code's choices and the costs: docs/baselines.md, "FedPM".
 """
 from __future__ import annotations

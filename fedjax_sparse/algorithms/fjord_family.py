@@ -1,14 +1,8 @@
 """FjORD (Horváth et al., NeurIPS 2021): ordered dropout.
 
-Every local step draws a width p ~ U(p_min, p_max) (the client's private key)
-and trains HeteroFL's nested width-p sub-model (``mechanisms.widths.WidthLayout``):
-channels beyond it get zero gradient. The client downloads the p_max sub-model
-and uploads the prefix of its widest draw; the server averages every entry over
-the clients that uploaded it. ``sliced=True`` trains the cut-out p_max sub-model,
-``sliced=False`` the full model (same numbers, dense cost). FLOPs are exact:
-per layer ``sum_steps in_kept * out_kept * examples`` (an int32 count) times
-6 x the MACs of one channel pair. Self-distillation and discrete width tiers
-are left out. Details: docs/baselines.md, "FjORD".
+Every local step draws a width p ~ U(p_min, p_max) and trains HeteroFL's nested width-p sub-model
+(``mechanisms.widths.WidthLayout``); the server averages every entry over the clients that uploaded
+it. Details and costs: docs/baselines.md, "FjORD".
 """
 from __future__ import annotations
 

@@ -1,24 +1,9 @@
 """FSL: Federated Supermask Learning, and Sparse-FSL (seed 003, Algorithms 1-3).
 
-Server and clients build the same supernetwork from one seed: frozen weights
-and initial scores. What is federated is, per layer, a *ranking* of the edges
-(int32 permutation, least to most important). One round: the server sends the
-global ranking R_g; each sampled client reorders the seed's initial scores by
-R_g, trains them with edge-popup (mask = top ``subnet_fraction`` of each layer)
-and uploads ``argsort(scores)`` (Sparse-FSL, ``upload_fraction`` < 1: only its
-most important part); the server's VOTE sums every edge's positions over the
-clients and argsorts the sums into the new R_g. The global model is the
-supernetwork masked by the reordered initial scores.
-
-Attack (``malicious_fraction`` > 0, App. A.1 Alg. 3): the malicious clients
-VOTE over benign rankings they know (``attacker_knowledge``; by default those of
-``attacker_clients`` malicious clients drawn from the whole malicious
-population, trained as ``Algorithm.extra_clients`` and not counted in the costs)
-and every sampled malicious client submits the reverse. ``mask_by``: ``abs``
-(the authors' code) or ``raw`` (eq. 6). Communication counts only the rankings,
-``sum_l m_l * ceil(log2 n_l)`` bits each way. Options, deviations and the
-simulation shortcuts (the seed's weights and sorted scores kept in the server
-state): docs/fsl.md.
+Clients train edge-popup scores over one seed's frozen supernetwork and upload each layer's ranking
+of the edges (Sparse-FSL: only its top ``upload_fraction``); the server's VOTE turns the rankings
+into the global one; malicious clients submit the reverse (App. A.1). The round, the options, the
+communication count, the deviations and the simulation shortcuts: docs/fsl.md.
 """
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
 """HeteroFL (Diao, Ding & Tarokh, ICLR 2021): width-scaled nested sub-models.
 
-A client of rate p trains the first ``ceil(p C)`` output channels of every
-layer but the last, fed by the previous layer's kept channels (nested
-prefixes); ``rates="1,0.5,0.25"`` gives client c level ``c % 3``. The server
-averages every entry over the sampled clients holding it (:func:`per_entry_mean`;
-an entry nobody held keeps its value). ``sliced=True`` trains the cut-out
-sub-model (:class:`WidthLayout`, the level picked by ``lax.switch``);
-``sliced=False`` zeroes the dropped channels' activations in the full model,
-the same computation at dense cost. Evaluation: the global model cut to
-``eval_rate``. Costs (exact): the sub-model's values at 32 bits each way,
-6 x its MACs per example. HeteroFL's "Scaler", static BatchNorm and masked
-cross-entropy are left out. Details: docs/baselines.md, "HeteroFL".
+A client of rate p trains the first ``ceil(p C)`` output channels of every layer but the last; the
+server averages every entry over the sampled clients holding it (:func:`per_entry_mean`).
+``sliced=True`` trains the cut-out sub-model, ``sliced=False`` the full model with the dropped
+channels zeroed (same numbers, dense cost). Details and costs: docs/baselines.md, "HeteroFL".
 """
 from __future__ import annotations
 

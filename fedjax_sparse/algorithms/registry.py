@@ -1,13 +1,9 @@
 """Name -> algorithm builder, with typed options.
 
-Every algorithm registers once (:func:`register_algorithm`) with its options: a
-frozen dataclass, or a dict of defaults from which that dataclass is made.
-``resolve_options`` turns user input (CLI strings from ``--option KEY=VALUE``,
-or JSON values from a config file) into an instance of it, with a one-line
-error that names the flag. The registration also says whether the composition
-wrappers (``--aggregator``, ``--attack``) apply (``unwrappable=``) and what
-``python -m fedjax_sparse list`` shows (``description``, ``paper``, default
-``lr``), so a new algorithm is one file.
+Every algorithm registers once (:func:`register_algorithm`: its options, whether the composition
+wrappers apply, what ``list`` shows), so a new algorithm is one file. ``resolve_options`` turns user
+input (CLI strings from ``--option KEY=VALUE``, or JSON values from a config file) into an instance of
+its options dataclass, with a one-line error that names the flag.
 """
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
 """The FSL paper's (seed 003) weight-training baselines: FedAvg under robust aggregators and
 model-poisoning attacks (Table 2), SignSGD and TopK (Table 1).
 
-All of them train the global model locally as the authors' code does (SGD, momentum, weight
-decay, lr ``lr * lr_decay**round`` with a cosine over the local epochs: ``local_lr``,
-``train_update``) and send their update ``delta = w_local - w_global`` flattened to one vector
-[P]; downloads are the dense float32 model. ``paper_fedavg``'s server is an
-``algorithms.compose.UpdateServer``; ``fedavg_robust`` (aliases ``trimmed_mean``, ``multi_krum``)
-wraps it with ``compose.with_aggregator`` and ``compose.with_attack``, both given one
-``mechanisms.attacks.Threat`` (the malicious clients: a fixed seeded subset of ids). ``signsgd``
-(clients send signs, the server takes their majority vote; attack ``reverse``) and ``topk``
-(the largest-magnitude coordinates of delta, optional error feedback; an ``UpdateServer``) are
-algorithms of their own. Options and attacks: docs/fsl.md, "Baselines".
+All train the global model locally as the authors' code does (``train_update``) and send their
+update ``delta = w_local - w_global`` [P]; ``fedavg_robust`` wraps ``paper_fedavg`` (an
+``algorithms.compose.UpdateServer``) with ``compose.with_aggregator`` and ``compose.with_attack``.
+Options and attacks: docs/fsl.md, "Baselines".
 """
 from __future__ import annotations
 

@@ -1,23 +1,10 @@
 """SpaFL (Kim, Saad, Debbah, Hong; NeurIPS 2024): federated learning of sparse
 structures by sharing only one trainable threshold per neuron / conv filter.
 
-Per thresholded layer (a layer whose kernel the model routes through
-``hooks.kernel``) row i is kept iff ``mean_j |w_ij| > tau_i`` (eq. 1,
-:func:`fedjax_sparse.mechanisms.threshold_masks.threshold_row_mask`,
-straight-through gradients). One round (Algorithm 1): the server broadcasts the
-global thresholds ``tau`` and their last change ``dtau``; each sampled client
-moves its personal weights by eq. (13), then trains weights and thresholds on
-``CE + alpha * c(t) * sum exp(-tau)`` (eq. 5, with the <= 1 % reset rule) and
-uploads its thresholds; the new ``tau`` is their uniform mean (eq. 7).
-Weights, BatchNorm statistics, own thresholds and (optionally) the optimiser
-state are personal client state; evaluation masks each client's own weights
-with its own thresholds (``personal_predict``; no global model).
-
-Options (defaults in :data:`SPAFL_OPTIONS`), aliases (``spafl_no_eq13``,
-``spafl_thresholds_only``, ``spafl_local``), the refusal of layers that start
-fully pruned (``dense_layers``) and the exact cost accounting (32 bits per
-threshold each way; FLOPs of the kept rows, plus 1.5 x thresholded weights per
-eq. (13)): docs/spafl.md.
+Row i of a thresholded layer is kept iff ``mean_j |w_ij| > tau_i`` (eq. 1); clients train personal
+weights and thresholds on ``CE + alpha * c(t) * sum exp(-tau)`` (eq. 5) after moving their weights by
+eq. (13), and the server averages the uploaded thresholds (eq. 7). The round, the options, the
+aliases, ``dense_layers`` and the cost accounting: docs/spafl.md.
 """
 from __future__ import annotations
 
