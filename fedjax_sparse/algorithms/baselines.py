@@ -136,9 +136,8 @@ def scaffold(task: Task, *, variant, server_lr, weighted) -> Algorithm:
 
     def server_update(server_state: ScaffoldServerState, messages, ctx):
         weights = mean_weights(ctx, weighted)
-        old = server_state.variables
         mean = tree_weighted_mean(messages["variables"], weights)
-        new = jax.tree_util.tree_map(lambda o, m: o + server_lr * (m - o), old, mean)
+        new = jax.tree_util.tree_map(lambda o, m: o + server_lr * (m - o), server_state.variables, mean)
         control = jax.tree_util.tree_map(lambda c, dc: c + dc.sum(0) / task.num_clients,
                                          server_state.control, messages["delta_control"])
         return ScaffoldServerState(control=control, variables=new), {}
