@@ -1,22 +1,14 @@
-"""Evaluation of a federated state: personalised accuracy (every client on its
-own test set, with its personal model when the algorithm has one, else the
-global model) and global accuracy (the global model on the union of the
-clients' test sets).
-
-Two ways to compute the personalised numbers, giving the same counts (tested):
-``shared global pass`` (algorithms without a personal model: one pass of the
-global model over the union of the test sets, per-client hits and losses
-gathered from the per-example results) and ``per_client`` (one jitted call per
-client on its whole test set, padded to a multiple of
-``per_client_granularity``). Both trace their batches outside any loop
-(``models.layers.outside_loops``), where convolutions are XLA's native ones.
-Details and the measurements: docs/design.md, "Evaluation".
+"""Evaluation of a federated state: personalised accuracy (every client on its own test set, with its
+personal model when the algorithm has one, else the global model) and global accuracy (the global model
+on the union of the clients' test sets). ``per_client`` makes one jitted call per client; without a
+personal model one ``shared_pass`` of the global model gives both (same counts, tested). How and the
+measurements: docs/design.md, "Evaluation".
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -172,13 +164,11 @@ class Evaluator:
     @functools.cached_property
     def _density_fn(self):
         """jitted state -> [] mean over all N clients of the density of the model each holds."""
-        personal_density = self.algorithm.personal_density
-        assert personal_density is not None, "only for algorithms with personal_density"
-        density: Callable[[Any, Any], jax.Array] = personal_density
+        density = self.algorithm.personal_density
+        assert density is not None, "only for algorithms with personal_density"
 
         def all_clients(state):
-            per_client = jax.lax.map(lambda c: density(state.server, c), state.clients)
-            return jnp.mean(per_client)
+            return jnp.mean(jax.lax.map(lambda c: density(state.server, c), state.clients))
         return jax.jit(all_clients)
 
     # ---------------------------------------------------------------- host side
