@@ -131,9 +131,8 @@ def choose_pack_width(steps: np.ndarray, clients_per_round: int, target: float =
                       cohorts: np.ndarray | None = None, draws: int = 256, seed: int = 0) -> tuple[int, float]:
     """The widest lockstep group (a divisor of K) whose mean executed / useful client-steps ratio
     stays at most ``target`` over ``cohorts`` ([R, K] client ids: the pinned schedule) or ``draws``
-    uniform cohorts of K of the N clients whose local step counts are ``steps`` [N] (a fixed
-    host-side draw: the choice is a function of the data). Returns (width, its mean ratio);
-    width 1 (one client after another, ratio 1) when no wider group meets the target."""
+    uniform cohorts (a fixed host-side draw) of K of the N clients whose step counts are ``steps`` [N].
+    Returns (width, its mean ratio); (1, 1.0) (one client after another) when no wider group meets it."""
     steps = np.asarray(steps, np.int64)
     if cohorts is None:
         rng = np.random.default_rng(seed)
@@ -345,9 +344,7 @@ class Engine:
         missing = [k for k in REQUIRED_CLIENT_METRICS if k not in metrics]
         if missing:
             raise ValueError(f"{alg.name}.client_update must report metrics {missing}")
-        server_ctx = ServerContext(state.round, ids, counts.astype(jnp.float32), key_server)
-        if mask is not None:
-            server_ctx = server_ctx._replace(mask=mask)
+        server_ctx = ServerContext(state.round, ids, counts.astype(jnp.float32), key_server, mask=mask)
         if alg.extra_clients is not None:
             server_ctx = self._extra_updates(state, data, payload, key_shared, server_ctx, one_client)
         server, server_metrics = alg.server_update(state.server, messages, server_ctx)
@@ -477,9 +474,8 @@ def reduce_client_metrics(metrics: dict, mask: jax.Array | None = None) -> dict:
     examples, other floats averaged; the exact counts (FLOPs, bits: ``Cost``
     with [K] factors; ``num_examples`` [K] int32) stay per client, for the
     host to sum exactly (:func:`metrics_to_host`). ``mask`` [K] (a Poisson cohort's real
-    slots): the floats are averaged over the real clients only, and are NaN in an empty round (no
-    client trained: there is no loss or density to report, and 0 would read as one; the runner
-    writes them as null and does not take that NaN for divergence); padded slots report zero costs
+    slots): the floats are averaged over the real clients only, and are NaN in an empty round
+    (written as null, not taken for divergence: docs/privacy.md); padded slots report zero costs
     and examples already."""
     examples = metrics["num_examples"].astype(jnp.float32)
     empty = None if mask is None else ~mask.any()
