@@ -92,9 +92,8 @@ class Evaluator:
     @functools.cached_property
     def _global_batch_fn(self):
         """(server, data, start) -> ([B] hits, [B] losses) of the global model on rows
-        ``start .. start+B`` of the union of the test sets (zero past its end). Called once per
-        batch from the host, outside any loop, so convolutions are XLA's native ones (the faster
-        form there on CPU: ``models.layers.outside_loops``)."""
+        ``start .. start+B`` of the union of the test sets (zero past its end), called once per batch
+        from the host (traced outside any loop, ``models.layers.outside_loops``: docs/design.md)."""
         alg = self.algorithm
         size = self.global_eval_batch_size
 
@@ -116,15 +115,12 @@ class Evaluator:
         m = int(data.global_test_idx.shape[0])
         size = self.global_eval_batch_size
         pending = [self._global_batch_fn(state.server, data, jnp.int32(start)) for start in range(0, m, size)]
-        fetched = jax.device_get(pending)
-        hits = np.concatenate([h for h, _ in fetched])[:m]
-        losses = np.concatenate([loss for _, loss in fetched])[:m]
+        hits, losses = (np.concatenate(part)[:m] for part in zip(*jax.device_get(pending)))
         return hits, losses
 
     def global_stats(self, state, data: FederatedData) -> EvalStats:
         """The global model's EvalStats over the union of the test sets (host numbers)."""
-        hits, losses = self.global_examples(state, data)
-        return _totals(hits, losses)
+        return _totals(*self.global_examples(state, data))
 
     def shared_pass(self, state, data: FederatedData) -> tuple[EvalStats, EvalStats]:
         """Personal stats of a model shared by all clients, and the global stats, from one pass of the
@@ -133,8 +129,7 @@ class Evaluator:
         hits, losses = self.global_examples(state, data)
         rows = np.asarray(data.global_test_idx)
         pool = int(data.test_y.shape[0])
-        hit_of_row = np.zeros(pool, np.float64)
-        loss_of_row = np.zeros(pool, np.float64)
+        hit_of_row, loss_of_row = np.zeros((2, pool), np.float64)
         hit_of_row[rows], loss_of_row[rows] = hits, losses
         test_idx, counts = np.asarray(data.test_idx), np.asarray(data.test_count)
         valid = np.arange(test_idx.shape[1]) < counts[:, None]
@@ -179,12 +174,10 @@ class Evaluator:
         ids = np.flatnonzero(counts > 0)
         # Dispatched one after another without waiting; fetched together.
         pending = [self._per_client_fn(state, data, jnp.int32(c), int(-(-counts[c] // g) * g)) for c in ids]
-        correct = np.zeros(self.num_clients, np.float64)
-        loss_sum = np.zeros(self.num_clients, np.float64)
-        if pending:
-            fetched = jax.device_get(pending)
-            correct[ids] = [h for h, _ in fetched]
-            loss_sum[ids] = [s for _, s in fetched]
+        correct, loss_sum = np.zeros((2, self.num_clients), np.float64)
+        fetched = jax.device_get(pending)
+        correct[ids] = [h for h, _ in fetched]
+        loss_sum[ids] = [s for _, s in fetched]
         return EvalStats(jnp.asarray(correct), jnp.asarray(loss_sum), jnp.asarray(counts))
 
     def evaluate(self, state, data: FederatedData) -> dict:
