@@ -9,21 +9,11 @@ d loss / d mask``.
 
 FSL (seed 003) federates *rankings*: the ranking of a layer's scores is
 ``argsort(scores)`` (edge ids from least to most important, int32, a
-permutation of ``[0, n)``). Everything here works on one layer's flat vector;
-an algorithm maps it over layers (``jax.tree_util.tree_map``) and clients
+permutation of ``[0, n)``), which the server combines by ``vote`` over the clients' ``reputations``
+(``vote_sparse``: Sparse-FSL's top ids) and the clients turn back into scores by ``reorder_scores``
+(Algorithm 2's "theta_s[R_g] = SORT(theta_s)"; docs/fsl.md, "FSL round"). Everything here works on one
+layer's flat vector; an algorithm maps it over layers (``jax.tree_util.tree_map``) and clients
 (``jax.vmap``).
-
-* ``reputations(ranking)``: the position of every edge in a ranking (the
-  inverse permutation): ``rep[ranking[i]] = i``.
-* ``vote(rankings [K, n])``: FSL's VOTE: sum the K clients' reputations per
-  edge, argsort the sums -> the new global ranking.
-* ``sparse_reputations(top [m], n)``: Sparse-FSL: a client sends only its
-  ``m`` most important edge ids (the last ``m`` of its ranking); those keep
-  their reputation ``n - m + j`` and every other edge gets 0.
-* ``reorder_scores(sorted_scores, ranking)``: ``out[ranking[i]] =
-  sorted_scores[i]`` - the client's (and server's) "theta_s[R_g] =
-  SORT(theta_s)" of Algorithm 2, so the i-th least important edge receives
-  the i-th smallest initial score.
 
 Sorting: ``argsort`` calls numpy through ``jax.pure_callback`` on the CPU (XLA:CPU's comparator sort is
 several times slower; docs/fsl.md) and ``jnp.argsort`` elsewhere, both stable with floats ordered
