@@ -220,8 +220,7 @@ class WidthLayout:
     def bits(self, counts) -> accounting.Cost:
         """Exact 32-bit size of the sub-model with (traced) ``counts``."""
         counts = jnp.asarray(counts, jnp.int32)
-        units = [accounting.FLOAT_BITS * u for u in self.kernel_unit] + \
-                [accounting.FLOAT_BITS * v for v in self.vectors]
+        units = [accounting.FLOAT_BITS * u for u in self.kernel_unit + self.vectors]
         a = jnp.concatenate([self.in_counts(counts), counts])
         b = jnp.concatenate([counts, jnp.ones_like(counts)])
         return accounting.Cost.terms(units, a, b)
