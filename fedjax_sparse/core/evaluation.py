@@ -175,9 +175,7 @@ class Evaluator:
         # Dispatched one after another without waiting; fetched together.
         pending = [self._per_client_fn(state, data, jnp.int32(c), int(-(-counts[c] // g) * g)) for c in ids]
         correct, loss_sum = np.zeros((2, self.num_clients), np.float64)
-        fetched = jax.device_get(pending)
-        correct[ids] = [h for h, _ in fetched]
-        loss_sum[ids] = [s for _, s in fetched]
+        correct[ids], loss_sum[ids] = np.reshape(jax.device_get(pending), (-1, 2)).T   # the fetched pairs' columns
         return EvalStats(jnp.asarray(correct), jnp.asarray(loss_sum), jnp.asarray(counts))
 
     def evaluate(self, state, data: FederatedData) -> dict:
@@ -185,13 +183,12 @@ class Evaluator:
         without test data are skipped) and global-model accuracy on the union of
         the clients' test sets (None without a global model)."""
         alg = self.algorithm
-        g = None
+        g: EvalStats | None
         if alg.personal_predict is None and alg.global_predict is not None and self.eval_shared_global_pass:
             stats, g = self.shared_pass(state, data)
         else:
             stats = self.personal_stats(state, data)
-            if alg.global_predict is not None:
-                g = self.global_stats(state, data)
+            g = None if alg.global_predict is None else self.global_stats(state, data)
         out = {**personal_summary(stats.correct, stats.loss_sum, stats.count), "global_accuracy": None}
         if g is not None:
             out["global_accuracy"] = float(g.correct / max(int(g.count), 1))
