@@ -353,9 +353,8 @@ class Engine:
         if mask is None:
             clients = jax.tree_util.tree_map(lambda all_, new: all_.at[rows_of].set(new), state.clients, new_states)
         else:
-            out_of_bounds = jax.tree_util.tree_leaves(state.clients)[0].shape[0] if jax.tree_util.tree_leaves(
-                state.clients) else 0
-            scatter_rows = jnp.where(mask, rows_of, out_of_bounds)
+            leaves = jax.tree_util.tree_leaves(state.clients)
+            scatter_rows = jnp.where(mask, rows_of, leaves[0].shape[0] if leaves else 0)   # padded slots: out of bounds
             clients = jax.tree_util.tree_map(lambda all_, new: all_.at[scatter_rows].set(new, mode="drop"),
                                              state.clients, new_states)
         round_metrics = reduce_client_metrics(metrics, mask)
