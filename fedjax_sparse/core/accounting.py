@@ -1,16 +1,10 @@
-"""Cost accounting: training FLOPs and communication bits.
+"""Cost accounting: training FLOPs and communication bits, exactly (docs/design.md, "Cost accounting").
 
-Conventions (papers' appendices): a multiply-accumulate is 2 FLOPs; backward =
-2 x forward, so one training example costs 3 x forward; a layer whose kept
-fraction is d costs d x its dense FLOPs; communication counts 32-bit floats
-unless an algorithm says otherwise, summed over the sampled clients of a round.
-
-Exactness: bits and FLOPs routinely exceed 2^24 per client (float32 loses units
-there). A client reports a :class:`Cost`, a sum of terms ``unit * a * b`` with a
-static Python-number ``unit`` and small int32 counts ``a, b`` traced on the
-device; the host multiplies and sums them as Python ints (:func:`cost_per_round`).
-Only expectations (FedDrop's FLOPs under keep probabilities) use float factors,
-summed in float64. docs/design.md, "Cost accounting".
+A multiply-accumulate is 2 FLOPs, one training example 3 x forward, a layer whose kept fraction is d costs
+d x its dense FLOPs; communication counts 32-bit floats unless an algorithm says otherwise. A client
+reports a :class:`Cost` (terms ``unit * a * b``: a static Python-number ``unit``, small int32 counts traced
+on the device), which the host multiplies and sums as Python ints (:func:`cost_per_round`); only
+expectations (FedDrop's FLOPs under keep probabilities) use float factors, summed in float64.
 """
 from __future__ import annotations
 
@@ -50,28 +44,25 @@ def training_flops(model: Model, num_examples) -> "Cost":
     return Cost.term(training_flops_per_example(model), num_examples)
 
 
+def _training_flops_per(model: Model, units: str, refusal: str) -> tuple[int, ...]:
+    """[L] 6 x MACs / ``getattr(layer, units)`` of each layer, exactly (``refusal``: the error's end)."""
+    for layer in model.layers:
+        if layer.macs % getattr(layer, units):
+            raise ValueError(f"layer {layer.name}: {layer.macs} MACs " + refusal.format(getattr(layer, units)))
+    return tuple(6 * (layer.macs // getattr(layer, units)) for layer in model.layers)
+
+
 def row_training_flops(model: Model) -> tuple[int, ...]:
     """[L] exact training FLOPs of one example through one output row (neuron /
     filter) of each layer: 3 x 2 x MACs / out_units (an integer: a row's MACs
     are its fan-in times the output positions)."""
-    out = []
-    for layer in model.layers:
-        if layer.macs % layer.out_units:
-            raise ValueError(f"layer {layer.name}: {layer.macs} MACs do not split into {layer.out_units} rows")
-        out.append(6 * (layer.macs // layer.out_units))
-    return tuple(out)
+    return _training_flops_per(model, "out_units", "do not split into {} rows")
 
 
 def weight_training_flops(model: Model) -> tuple[int, ...]:
     """[L] exact training FLOPs of one example through one weight of each layer:
     3 x 2 x (output positions) = 6 x MACs / num_weights."""
-    out = []
-    for layer in model.layers:
-        if layer.macs % layer.num_weights:
-            raise ValueError(f"layer {layer.name}: {layer.macs} MACs are not a multiple of its "
-                             f"{layer.num_weights} weights")
-        out.append(6 * (layer.macs // layer.num_weights))
-    return tuple(out)
+    return _training_flops_per(model, "num_weights", "are not a multiple of its {} weights")
 
 
 def num_values(tree) -> int:
@@ -168,10 +159,9 @@ def cost_per_round(cost: Cost, leading_axes: int = 1):
     factors = np.asarray(cost.factors)
     if leading_axes == 0:
         factors = factors[None]
-    if np.issubdtype(factors.dtype, np.integer):
-        products = factors[..., 0].astype(np.int64) * factors[..., 1].astype(np.int64)   # [R, K, T]
-        per_term = products.sum(axis=1)                                                  # [R, T] int64
+    exact = np.issubdtype(factors.dtype, np.integer)
+    wide = factors.astype(np.int64 if exact else np.float64)
+    per_term = (wide[..., 0] * wide[..., 1]).sum(axis=1)                                   # [R, T]
+    if exact:
         return [sum(int(c) * u for c, u in zip(row, cost.units)) for row in per_term]
-    real_products = factors[..., 0].astype(np.float64) * factors[..., 1].astype(np.float64)
-    real_per_term = real_products.sum(axis=1)
-    return [float(sum(float(c) * float(u) for c, u in zip(row, cost.units))) for row in real_per_term]
+    return [float(sum(float(c) * float(u) for c, u in zip(row, cost.units))) for row in per_term]

@@ -146,7 +146,4 @@ def cohort_mean(stacked, weights: jax.Array, mask: jax.Array, empty):
 def tree_weighted_mean(stacked, weights: jax.Array):
     """Weighted mean over the leading axis: stacked leaves [K, ...], weights [K]."""
     w = weights / jnp.maximum(weights.sum(), 1e-12)
-
-    def mean(x):
-        return jnp.tensordot(w.astype(x.dtype), x, axes=1)
-    return jax.tree_util.tree_map(mean, stacked)
+    return jax.tree_util.tree_map(lambda x: jnp.tensordot(w.astype(x.dtype), x, axes=1), stacked)

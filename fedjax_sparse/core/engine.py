@@ -1,36 +1,14 @@
-"""The round engine: runs any :class:`Algorithm` the same way.
+"""The round engine: runs any :class:`Algorithm` the same way (docs/design.md, "The round engine").
 
-One round (pure, jittable)::
-
-    sample K of N clients without replacement (a new cohort every
-        ``resample_every`` rounds; the cohort's key is the key of its first round)
-    gather their persistent state and data rows
-    map the algorithm's client_update over them      (vmap, lax.map, or packed)
-    server_update on the stacked messages
-    scatter the new client states back
-
-Rounds are composed with ``lax.scan`` in chunks (``run_rounds``); a thin
-Python driver (``fedjax_sparse.driver.runner``) evaluates, logs and checkpoints
-between chunks. ``round_fn`` is the same round jitted alone.
-
-Client schedules (``client_parallelism``; docs/design.md, "Client schedules"): ``"vmap"`` runs
-the sampled clients in lockstep (the longest client's step count), ``"map"`` one after another,
-each its own step count, ``"packed"`` groups of ``pack_width`` clients sorted by training-set size
-(``choose_pack_width``); ``"auto"``: map on a CPU, packed on one accelerator, vmap across several.
-All give the same numbers (tested). With ``local_epochs`` and ``batch_size`` set, each round
-reports ``client_steps`` and ``client_steps_executed`` (padding included).
-
-Poisson client sampling (``client_sampling="poisson"``; docs/privacy.md, "Poisson client
-sampling"): every client joins with probability q = K / N; the round runs ``cohort_capacity``
-slots (``poisson_capacity``), the members in increasing id order, then padded slots (id N,
-training-set size 0, ``mask`` False) that train on nothing, count for nothing, write no state back
-and reach the server with weight 0; only algorithms declaring ``Algorithm.varying_cohort`` take
-it. Rows gain ``clients`` and ``cohort_overflow`` (members beyond the capacity, left out).
-
-Devices: with more than one device and ``vmap``, the sampled clients are sharded over a 1-D
-``clients`` mesh (K must divide evenly; otherwise the round runs on one device). In a multi-process
-run (``fedjax_sparse.driver.distributed``) the population's state is split along N
-(``population_sharding``) and metrics and the server state come back replicated.
+One round (``round_step``: pure, jittable) samples K of N clients without replacement (a new cohort
+every ``resample_every`` rounds, drawn from the key of its first round; or each client with probability
+q = K / N under ``client_sampling="poisson"``, padded to ``cohort_capacity`` slots: docs/privacy.md,
+"Poisson client sampling"), gathers their states and data rows, maps ``client_update`` over them by the
+``client_parallelism`` schedule (docs/design.md, "Client schedules"), calls ``server_update`` on the
+stacked messages and scatters the new client states back. ``run_rounds`` composes rounds with
+``lax.scan``; ``round_fn`` is the same round jitted alone. With several devices and ``vmap`` the
+sampled clients are sharded over a 1-D ``clients`` mesh; a multi-process run splits the population's
+state along N (``population_sharding``).
 """
 from __future__ import annotations
 
@@ -153,9 +131,8 @@ def choose_pack_width(steps: np.ndarray, clients_per_round: int, target: float =
                       cohorts: np.ndarray | None = None, draws: int = 256, seed: int = 0) -> tuple[int, float]:
     """The widest lockstep group (a divisor of K) whose mean executed / useful client-steps ratio
     stays at most ``target`` over ``cohorts`` ([R, K] client ids: the pinned schedule) or ``draws``
-    uniform cohorts of K of the N clients whose local step counts are ``steps`` [N] (a fixed
-    host-side draw: the choice is a function of the data). Returns (width, its mean ratio);
-    width 1 (one client after another, ratio 1) when no wider group meets the target."""
+    uniform cohorts (a fixed host-side draw) of K of the N clients whose step counts are ``steps`` [N].
+    Returns (width, its mean ratio); (1, 1.0) (one client after another) when no wider group meets it."""
     steps = np.asarray(steps, np.int64)
     if cohorts is None:
         rng = np.random.default_rng(seed)
@@ -246,9 +223,6 @@ class Engine:
     def mode(self) -> str:
         return resolve_parallelism(self.client_parallelism)
 
-    def _map(self, fn, *args, sizes=None):
-        return _map_clients(fn, self.mode, *args, sizes=sizes, pack_width=self.pack_width)
-
     @functools.cached_property
     def client_sharding(self):
         """NamedSharding of the client axis over all devices (every process's, in a multi-process
@@ -286,16 +260,12 @@ class Engine:
         shardings = self.state_shardings
         if shardings is None:
             return state, metrics
-        constrain = lambda tree, sharding: jax.tree_util.tree_map(  # noqa: E731
-            lambda x: jax.lax.with_sharding_constraint(x, sharding), tree)
-        state = EngineState(*(constrain(part, sharding) for part, sharding in zip(state, shardings)))
-        return state, constrain(metrics, shardings.server)
+        constrain = jax.lax.with_sharding_constraint   # a pytree, one sharding for all its leaves
+        return EngineState(*map(constrain, state, shardings)), constrain(metrics, shardings.server)
 
     def _shard(self, tree):
         sharding = self.client_sharding
-        if sharding is None:
-            return tree
-        return jax.tree_util.tree_map(lambda x: jax.lax.with_sharding_constraint(x, sharding), tree)
+        return tree if sharding is None else jax.lax.with_sharding_constraint(tree, sharding)
 
     # ------------------------------------------------------------------ state
     def init(self, key: jax.Array) -> EngineState:
@@ -361,7 +331,8 @@ class Engine:
                                      ClientData(data.train_x, data.train_y, rows, count), ctx)
 
         per_client = self._shard((client_states, idx_rows, counts, ids, client_keys))
-        new_states, messages, metrics = self._map(one_client, *per_client, sizes=counts)
+        new_states, messages, metrics = _map_clients(one_client, self.mode, *per_client, sizes=counts,
+                                                      pack_width=self.pack_width)
         if mask is not None:
             # Padded slots trained on nothing (size 0: zero local steps); their messages and metrics are
             # zeroed (costs, examples, floats), and their states are not written back (below). No lax.cond
@@ -373,9 +344,7 @@ class Engine:
         missing = [k for k in REQUIRED_CLIENT_METRICS if k not in metrics]
         if missing:
             raise ValueError(f"{alg.name}.client_update must report metrics {missing}")
-        server_ctx = ServerContext(state.round, ids, counts.astype(jnp.float32), key_server)
-        if mask is not None:
-            server_ctx = server_ctx._replace(mask=mask)
+        server_ctx = ServerContext(state.round, ids, counts.astype(jnp.float32), key_server, mask=mask)
         if alg.extra_clients is not None:
             server_ctx = self._extra_updates(state, data, payload, key_shared, server_ctx, one_client)
         server, server_metrics = alg.server_update(state.server, messages, server_ctx)
@@ -384,9 +353,8 @@ class Engine:
         if mask is None:
             clients = jax.tree_util.tree_map(lambda all_, new: all_.at[rows_of].set(new), state.clients, new_states)
         else:
-            out_of_bounds = jax.tree_util.tree_leaves(state.clients)[0].shape[0] if jax.tree_util.tree_leaves(
-                state.clients) else 0
-            scatter_rows = jnp.where(mask, rows_of, out_of_bounds)
+            leaves = jax.tree_util.tree_leaves(state.clients)
+            scatter_rows = jnp.where(mask, rows_of, leaves[0].shape[0] if leaves else 0)   # padded slots: out of bounds
             clients = jax.tree_util.tree_map(lambda all_, new: all_.at[scatter_rows].set(new, mode="drop"),
                                              state.clients, new_states)
         round_metrics = reduce_client_metrics(metrics, mask)
@@ -431,29 +399,22 @@ class Engine:
 
     @functools.cached_property
     def _scan_fn(self):
-        def run(state, data, num_rounds):
-            def body(s, _):
-                return self.round_step(s, data)
-            return jax.lax.scan(body, state, None, length=num_rounds)
-        return jax.jit(run, static_argnums=2, donate_argnums=0)
+        """(state, data, resident or None, num_rounds) -> the rounds' lax.scan, jitted."""
+        def run(state, data, resident, num_rounds):
+            return jax.lax.scan(lambda s, _: self.round_step(s, data, resident), state, None, length=num_rounds)
+        return jax.jit(run, static_argnums=3, donate_argnums=0)
 
     def run_rounds(self, state: EngineState, data: FederatedData, num_rounds: int):
         """``num_rounds`` rounds in one jitted scan. Returns (state, host metrics:
         see :func:`metrics_to_host`, one entry per round)."""
-        state, metrics = self._scan_fn(state, data, int(num_rounds))
+        state, metrics = self._scan_fn(state, data, None, int(num_rounds))
         return state, metrics_to_host(metrics)
-
-    @functools.cached_property
-    def _resident_scan_fn(self):
-        def run(state, data, resident, num_rounds):
-            return jax.lax.scan(lambda s, _: self.round_step(s, data, resident), state, None, length=num_rounds)
-        return jax.jit(run, static_argnums=3, donate_argnums=0)
 
     def run_rounds_resident(self, state: EngineState, data: FederatedData, resident: jax.Array, num_rounds: int):
         """As :meth:`run_rounds`, with ``state.clients`` holding only the rows of the sorted client
         ids ``resident`` [U] (every client the ``num_rounds`` cohorts sample: see
         :meth:`cohorts`). Returns (state, device metrics: :func:`metrics_to_host` them)."""
-        return self._resident_scan_fn(state, data, resident, int(num_rounds))
+        return self._scan_fn(state, data, resident, int(num_rounds))
 
     def cohorts(self, run_key: jax.Array, first_round: int, num_rounds: int) -> np.ndarray:
         """[num_rounds, K] client ids of rounds ``first_round ...`` (what the rounds will sample),
@@ -512,9 +473,8 @@ def reduce_client_metrics(metrics: dict, mask: jax.Array | None = None) -> dict:
     examples, other floats averaged; the exact counts (FLOPs, bits: ``Cost``
     with [K] factors; ``num_examples`` [K] int32) stay per client, for the
     host to sum exactly (:func:`metrics_to_host`). ``mask`` [K] (a Poisson cohort's real
-    slots): the floats are averaged over the real clients only, and are NaN in an empty round (no
-    client trained: there is no loss or density to report, and 0 would read as one; the runner
-    writes them as null and does not take that NaN for divergence); padded slots report zero costs
+    slots): the floats are averaged over the real clients only, and are NaN in an empty round
+    (written as null, not taken for divergence: docs/privacy.md); padded slots report zero costs
     and examples already."""
     examples = metrics["num_examples"].astype(jnp.float32)
     empty = None if mask is None else ~mask.any()

@@ -1,22 +1,14 @@
-"""Evaluation of a federated state: personalised accuracy (every client on its
-own test set, with its personal model when the algorithm has one, else the
-global model) and global accuracy (the global model on the union of the
-clients' test sets).
-
-Two ways to compute the personalised numbers, giving the same counts (tested):
-``shared global pass`` (algorithms without a personal model: one pass of the
-global model over the union of the test sets, per-client hits and losses
-gathered from the per-example results) and ``per_client`` (one jitted call per
-client on its whole test set, padded to a multiple of
-``per_client_granularity``). Both trace their batches outside any loop
-(``models.layers.outside_loops``), where convolutions are XLA's native ones.
-Details and the measurements: docs/design.md, "Evaluation".
+"""Evaluation of a federated state: personalised accuracy (every client on its own test set, with its
+personal model when the algorithm has one, else the global model) and global accuracy (the global model
+on the union of the clients' test sets). ``per_client`` makes one jitted call per client; without a
+personal model one ``shared_pass`` of the global model gives both (same counts, tested). How and the
+measurements: docs/design.md, "Evaluation".
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -100,9 +92,8 @@ class Evaluator:
     @functools.cached_property
     def _global_batch_fn(self):
         """(server, data, start) -> ([B] hits, [B] losses) of the global model on rows
-        ``start .. start+B`` of the union of the test sets (zero past its end). Called once per
-        batch from the host, outside any loop, so convolutions are XLA's native ones (the faster
-        form there on CPU: ``models.layers.outside_loops``)."""
+        ``start .. start+B`` of the union of the test sets (zero past its end), called once per batch
+        from the host (traced outside any loop, ``models.layers.outside_loops``: docs/design.md)."""
         alg = self.algorithm
         size = self.global_eval_batch_size
 
@@ -124,15 +115,12 @@ class Evaluator:
         m = int(data.global_test_idx.shape[0])
         size = self.global_eval_batch_size
         pending = [self._global_batch_fn(state.server, data, jnp.int32(start)) for start in range(0, m, size)]
-        fetched = jax.device_get(pending)
-        hits = np.concatenate([h for h, _ in fetched])[:m]
-        losses = np.concatenate([loss for _, loss in fetched])[:m]
+        hits, losses = (np.concatenate(part)[:m] for part in zip(*jax.device_get(pending)))
         return hits, losses
 
     def global_stats(self, state, data: FederatedData) -> EvalStats:
         """The global model's EvalStats over the union of the test sets (host numbers)."""
-        hits, losses = self.global_examples(state, data)
-        return _totals(hits, losses)
+        return _totals(*self.global_examples(state, data))
 
     def shared_pass(self, state, data: FederatedData) -> tuple[EvalStats, EvalStats]:
         """Personal stats of a model shared by all clients, and the global stats, from one pass of the
@@ -141,8 +129,7 @@ class Evaluator:
         hits, losses = self.global_examples(state, data)
         rows = np.asarray(data.global_test_idx)
         pool = int(data.test_y.shape[0])
-        hit_of_row = np.zeros(pool, np.float64)
-        loss_of_row = np.zeros(pool, np.float64)
+        hit_of_row, loss_of_row = np.zeros((2, pool), np.float64)
         hit_of_row[rows], loss_of_row[rows] = hits, losses
         test_idx, counts = np.asarray(data.test_idx), np.asarray(data.test_count)
         valid = np.arange(test_idx.shape[1]) < counts[:, None]
@@ -172,13 +159,11 @@ class Evaluator:
     @functools.cached_property
     def _density_fn(self):
         """jitted state -> [] mean over all N clients of the density of the model each holds."""
-        personal_density = self.algorithm.personal_density
-        assert personal_density is not None, "only for algorithms with personal_density"
-        density: Callable[[Any, Any], jax.Array] = personal_density
+        density = self.algorithm.personal_density
+        assert density is not None, "only for algorithms with personal_density"
 
         def all_clients(state):
-            per_client = jax.lax.map(lambda c: density(state.server, c), state.clients)
-            return jnp.mean(per_client)
+            return jnp.mean(jax.lax.map(lambda c: density(state.server, c), state.clients))
         return jax.jit(all_clients)
 
     # ---------------------------------------------------------------- host side
@@ -189,12 +174,8 @@ class Evaluator:
         ids = np.flatnonzero(counts > 0)
         # Dispatched one after another without waiting; fetched together.
         pending = [self._per_client_fn(state, data, jnp.int32(c), int(-(-counts[c] // g) * g)) for c in ids]
-        correct = np.zeros(self.num_clients, np.float64)
-        loss_sum = np.zeros(self.num_clients, np.float64)
-        if pending:
-            fetched = jax.device_get(pending)
-            correct[ids] = [h for h, _ in fetched]
-            loss_sum[ids] = [s for _, s in fetched]
+        correct, loss_sum = np.zeros((2, self.num_clients), np.float64)
+        correct[ids], loss_sum[ids] = np.reshape(jax.device_get(pending), (-1, 2)).T   # the fetched pairs' columns
         return EvalStats(jnp.asarray(correct), jnp.asarray(loss_sum), jnp.asarray(counts))
 
     def evaluate(self, state, data: FederatedData) -> dict:
@@ -202,13 +183,12 @@ class Evaluator:
         without test data are skipped) and global-model accuracy on the union of
         the clients' test sets (None without a global model)."""
         alg = self.algorithm
-        g = None
+        g: EvalStats | None
         if alg.personal_predict is None and alg.global_predict is not None and self.eval_shared_global_pass:
             stats, g = self.shared_pass(state, data)
         else:
             stats = self.personal_stats(state, data)
-            if alg.global_predict is not None:
-                g = self.global_stats(state, data)
+            g = None if alg.global_predict is None else self.global_stats(state, data)
         out = {**personal_summary(stats.correct, stats.loss_sum, stats.count), "global_accuracy": None}
         if g is not None:
             out["global_accuracy"] = float(g.correct / max(int(g.count), 1))

@@ -1,15 +1,9 @@
-"""The local training loop over one client's padded data.
+"""The local training loop over one client's padded data (docs/design.md, "Replicas": the local loop).
 
-Convention for clients of unequal size (as in the papers' PyTorch code): a
-client runs ``epochs`` full passes over *its own* samples, each pass a fresh
-shuffle cut into ``ceil(count / batch_size)`` batches, the last one partial
-(PyTorch ``DataLoader(drop_last=False)``). So a client with more data takes
-more steps. Padding never enters a loss or metric: every batch carries a 0/1
-``mask`` and losses are means over real samples.
-
-The loop is a ``fori_loop`` with a data-dependent trip count: under ``lax.map``
-each client runs exactly its own steps; under ``vmap`` the longest client's, the
-finished ones frozen by a select (identical results).
+As in the papers' PyTorch code, a client runs ``epochs`` passes over *its own* samples, each a fresh
+shuffle cut into ``ceil(count / batch_size)`` batches, the last one partial (``drop_last=False``) and
+masked, so padding never enters a loss or metric. The loop is a ``fori_loop`` of the client's own trip
+count (under ``vmap``: the longest client's, the finished ones frozen by a select).
 """
 from __future__ import annotations
 

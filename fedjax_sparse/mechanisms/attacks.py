@@ -1,27 +1,11 @@
 """Model-poisoning attacks by colluding malicious clients, as pure array functions.
 
-* The threat model, one for every attack: ``malicious_clients`` (a fixed,
-  seeded subset of client ids) and ``Threat`` (that subset plus what the
-  attackers know, ``KNOWLEDGE``: every sampled client's update, or only the
-  sampled malicious clients' own), whose ``split(client_ids)`` gives the
-  ``is_malicious`` / ``known`` rows of a round.
-* Shejwalkar & Houmansadr (NDSS 2021), on float updates ``[K, P]``: the
-  malicious rows become ``mean - gamma * dev`` (``deviation``: ``std``,
-  ``sign`` or ``unit_vec``), gamma found by ``halving_search``:
-  ``min_max_attack`` (AGR-agnostic), ``tailored_trimmed_mean_attack`` and
-  ``tailored_multi_krum_attack`` (DYN-OPT, AGR-tailored).
-* The FSL authors' attack on plain FedAvg: ``scale_attack`` (the malicious
-  rows become a large multiple of the global model).
-* SignSGD: ``sign_reverse_attack`` (``-sign`` of the known votes).
-* FSL (App. A.1, Alg. 3): ``reverse_attack`` (the reverse of the VOTE over
-  the attacker's benign rankings).
-
-``is_malicious`` [K] marks the rows the attack replaces, ``known`` [K] the
-rows the attacker sees. Deciding when and how to attack: the wrapper
-``fedjax_sparse.algorithms.compose.with_attack`` (float updates of any
-algorithm), SignSGD in ``fedjax_sparse.algorithms.robust`` and FSL in
-``fedjax_sparse.algorithms.fsl_family``; all of them draw the malicious clients
-through ``Threat``.
+One threat model for every attack: ``Threat`` (a fixed, seeded subset of client ids,
+``malicious_clients``, and what the attackers know, ``KNOWLEDGE``), whose ``split(client_ids)`` gives
+a round's ``is_malicious`` [K] (the rows an attack replaces) and ``known`` [K] (the rows the attacker
+sees). Deciding when and how to attack: ``fedjax_sparse.algorithms.compose.with_attack`` (float updates
+of any algorithm), SignSGD in ``fedjax_sparse.algorithms.robust`` and FSL in
+``fedjax_sparse.algorithms.fsl_family`` (docs/design.md, "Composition: any attack meets any aggregator").
 """
 from __future__ import annotations
 
@@ -107,7 +91,8 @@ def halving_search(accept, gamma_init: float, steps: int, carry_init=None):
 
 
 def min_max_attack(updates, is_malicious, known, *, kind="std", gamma_init=10.0, steps=20):
-    """AGR-agnostic min-max: replaces the malicious rows of [K, P] by mean - gamma * dev."""
+    """AGR-agnostic min-max (Shejwalkar & Houmansadr, NDSS 2021): replaces the malicious rows of [K, P]
+    by mean - gamma * dev (``deviation``: ``std``, ``sign`` or ``unit_vec``), gamma from ``halving_search``."""
     mean = masked_mean(updates, known)
     dev = deviation(updates, known, kind)
     d2 = pairwise_sq_distances(updates)
@@ -127,7 +112,7 @@ def min_max_attack(updates, is_malicious, known, *, kind="std", gamma_init=10.0,
 
 def tailored_trimmed_mean_attack(updates, is_malicious, known, trim, *, kind="std", gamma_init=10.0,
                                  steps=20):
-    """DYN-OPT against Trimmed-mean: keeps gamma while |TrMean(messages) - mean| grows."""
+    """DYN-OPT (AGR-tailored) against Trimmed-mean: keeps gamma while |TrMean(messages) - mean| grows."""
     mean = masked_mean(updates, known)
     dev = deviation(updates, known, kind)
     benign = ~is_malicious
@@ -150,7 +135,7 @@ def tailored_trimmed_mean_attack(updates, is_malicious, known, trim, *, kind="st
 
 def tailored_multi_krum_attack(updates, is_malicious, known, f, num_select, *, kind="std",
                                gamma_init=10.0, steps=20):
-    """DYN-OPT against Multi-Krum: keeps gamma while every malicious update is selected."""
+    """DYN-OPT (AGR-tailored) against Multi-Krum: keeps gamma while every malicious update is selected."""
     mean = masked_mean(updates, known)
     dev = deviation(updates, known, kind)
     d2_honest = pairwise_sq_distances(updates)
@@ -187,7 +172,7 @@ def sign_reverse_attack(signs, is_malicious, known):
 
 def reverse_attack(messages: dict, sizes: dict, is_malicious, known, upload_fraction: float,
                    knowledge: dict | None = None) -> dict:
-    """App. A.1: the malicious rows become the reverse of the VOTE over the
+    """FSL's attack (App. A.1, Alg. 3): the malicious rows become the reverse of the VOTE over the
     attacker's benign rankings: ``knowledge`` ({layer: [M, ...]}) when given,
     else the rows of ``messages`` with ``known`` true."""
     out = {}

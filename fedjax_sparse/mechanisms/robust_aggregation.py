@@ -1,15 +1,7 @@
-"""Robust aggregation of K client updates ``[K, P]`` (FSL paper's baselines, seed 003).
-
-* Trimmed-mean (Yin et al. 2018): coordinate-wise mean after dropping the
-  ``trim`` largest and smallest values (``trimmed_mean``, ``sort_rows``), and
-  the same for a set of rows plus copies of one row without sorting again
-  (``trimmed_mean_with_copies``, what the DYN-OPT attack on it evaluates);
-* Multi-Krum (Blanchard et al. 2017): repeatedly picks the remaining update
-  with the smallest sum of squared distances to its ``r - f - 2`` nearest
-  remaining neighbours, ``K - 2f - 2`` picks by default, and averages them
-  (``multi_krum``, ``multi_krum_select``, ``krum_count``);
-* SignSGD's majority vote (Bernstein et al. 2019): ``sign_majority``;
-* TopK sparsification (Aji & Heafield 2017): ``topk_sparsify``.
+"""Robust aggregation of K client updates ``[K, P]`` (the FSL paper's baselines, seed 003): Trimmed-mean
+(Yin et al. 2018: ``trimmed_mean``; ``trimmed_mean_with_copies``, what the DYN-OPT attack on it
+evaluates), Multi-Krum (Blanchard et al. 2017: ``multi_krum``), SignSGD's majority vote (Bernstein et
+al. 2019: ``sign_majority``) and TopK sparsification (Aji & Heafield 2017: ``topk_sparsify``).
 
 Pure array functions (jit/vmap-friendly; ``f``, ``trim`` and ``num_select``
 may be traced); the wrappers using them are in

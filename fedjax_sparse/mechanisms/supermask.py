@@ -9,21 +9,11 @@ d loss / d mask``.
 
 FSL (seed 003) federates *rankings*: the ranking of a layer's scores is
 ``argsort(scores)`` (edge ids from least to most important, int32, a
-permutation of ``[0, n)``). Everything here works on one layer's flat vector;
-an algorithm maps it over layers (``jax.tree_util.tree_map``) and clients
+permutation of ``[0, n)``), which the server combines by ``vote`` over the clients' ``reputations``
+(``vote_sparse``: Sparse-FSL's top ids) and the clients turn back into scores by ``reorder_scores``
+(Algorithm 2's "theta_s[R_g] = SORT(theta_s)"; docs/fsl.md, "FSL round"). Everything here works on one
+layer's flat vector; an algorithm maps it over layers (``jax.tree_util.tree_map``) and clients
 (``jax.vmap``).
-
-* ``reputations(ranking)``: the position of every edge in a ranking (the
-  inverse permutation): ``rep[ranking[i]] = i``.
-* ``vote(rankings [K, n])``: FSL's VOTE: sum the K clients' reputations per
-  edge, argsort the sums -> the new global ranking.
-* ``sparse_reputations(top [m], n)``: Sparse-FSL: a client sends only its
-  ``m`` most important edge ids (the last ``m`` of its ranking); those keep
-  their reputation ``n - m + j`` and every other edge gets 0.
-* ``reorder_scores(sorted_scores, ranking)``: ``out[ranking[i]] =
-  sorted_scores[i]`` - the client's (and server's) "theta_s[R_g] =
-  SORT(theta_s)" of Algorithm 2, so the i-th least important edge receives
-  the i-th smallest initial score.
 
 Sorting: ``argsort`` calls numpy through ``jax.pure_callback`` on the CPU (XLA:CPU's comparator sort is
 several times slower; docs/fsl.md) and ``jnp.argsort`` elsewhere, both stable with floats ordered
@@ -35,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 from typing import Sequence
 
 import jax
@@ -127,18 +116,13 @@ def _numpy_argsort(x: np.ndarray) -> np.ndarray:
     n = keys.shape[-1]
     out = np.empty(keys.shape, np.int32)
     index = np.arange(n, dtype=np.uint32)
-    if sys.byteorder == "little":
-        pairs = np.empty((n, 2), np.uint32)       # as uint64: low word [:, 0], high word [:, 1]
-        packed = pairs.view(np.uint64).reshape(n)
-        for i, row in enumerate(keys):
-            pairs[:, 0], pairs[:, 1] = index, row
-            packed.sort()
-            out[i] = pairs[:, 0]
-    else:
-        for i, row in enumerate(keys):
-            packed = (row.astype(np.uint64) << np.uint64(32)) | index
-            packed.sort()
-            out[i] = (packed & np.uint64(0xFFFFFFFF)).astype(np.int32)
+    # Little-endian words whatever the host's byte order: as a uint64, [:, 0] is the low word, [:, 1] the high.
+    pairs = np.empty((n, 2), "<u4")
+    packed = pairs.view("<u8").reshape(n)
+    for i, row in enumerate(keys):
+        pairs[:, 0], pairs[:, 1] = index, row
+        packed.sort()
+        out[i] = pairs[:, 0]
     return out.reshape(x.shape)
 
 
@@ -192,17 +176,17 @@ def vote(rankings: jax.Array, include: jax.Array | None = None) -> jax.Array:
     """
     k, n = rankings.shape
     _check_sum_fits(k, n)
-    reps = jax.vmap(reputations)(rankings)
-    if include is not None:
-        reps = reps * include[:, None].astype(jnp.int32)
-    return argsort(reps.sum(0))
+    return _summed_ranking(jax.vmap(reputations)(rankings), include)
 
 
 def vote_sparse(tops: jax.Array, n: int, include: jax.Array | None = None) -> jax.Array:
     """Sparse-FSL's VOTE: [K, m] top edge ids per client -> [n] global ranking."""
-    k = tops.shape[0]
-    _check_sum_fits(k, n)
-    reps = jax.vmap(lambda t: sparse_reputations(t, n))(tops)
+    _check_sum_fits(tops.shape[0], n)
+    return _summed_ranking(jax.vmap(lambda t: sparse_reputations(t, n))(tops), include)
+
+
+def _summed_ranking(reps: jax.Array, include: jax.Array | None) -> jax.Array:
+    """[K, n] reputations -> [n] the argsort of their sums over the clients ``include``s (all: None)."""
     if include is not None:
         reps = reps * include[:, None].astype(jnp.int32)
     return argsort(reps.sum(0))
@@ -457,11 +441,7 @@ def rank_bits(n: int) -> int:
 def ranking_bits(layer_sizes: Sequence[int], fraction: float = 1.0) -> int:
     """Bits of one client's per-layer rankings: sum_l m_l * ceil(log2 n_l), with
     m_l = n_l for a full ranking and ``kept_count(n_l, fraction)`` for Sparse-FSL."""
-    total = 0
-    for n in layer_sizes:
-        m = n if fraction >= 1.0 else kept_count(n, fraction)
-        total += m * rank_bits(n)
-    return total
+    return sum((n if fraction >= 1.0 else kept_count(n, fraction)) * rank_bits(n) for n in layer_sizes)
 
 
 def mebibytes(bits: float) -> float:

@@ -1,22 +1,12 @@
 """Channel dropout with per-client keep probabilities (FedDrop's SyncDrop) and
-the FLOPs model of the resulting sparse networks.
+the FLOPs model of the resulting sparse networks (docs/feddrop.md, "FedDrop round").
 
-SyncDrop (FedDrop paper, Sec. 3.3, eq. 3): after every conv+ReLU, channel n
-of client c is kept iff ``u^n < p_c^n`` and kept channels are scaled by
-``1 / p_c^n``. The uniforms ``u`` are drawn from a key all clients of a round
-share (``ClientContext.shared_key``) folded with the local step and the
-layer, so clients drop *correlated* channel sets without communicating:
-``E[d_i d_j] = min(p_i, p_j)`` (eq. 4). Evaluation runs without dropout.
-
-Keep probabilities are one flat vector per client, ``[num_channels]``, laid
-out layer after layer by a :class:`ChannelLayout`; that is the shape the
-server optimises and stores (``[N, num_channels]``).
-
-FLOPs (App. B, eq. 9-10): a weight layer whose output channels are kept with
-mean probability ``m_out`` and whose input channels (the channels of
-``LayerInfo.input_layer``) with ``m_in`` costs ``m_out * m_in`` of its dense
-FLOPs in expectation; channels of different layers are drawn independently,
-so the expectation factorises. Layers without dropout have ``m = 1``.
+SyncDrop (eq. 3): channel n of client c is kept iff ``u^n < p_c^n`` and scaled by ``1 / p_c^n``; the
+uniforms ``u`` come from the round's shared key (``channel_uniforms``), so clients drop *correlated*
+channel sets without communicating: ``E[d_i d_j] = min(p_i, p_j)`` (eq. 4). A client's keep
+probabilities are one flat vector ``[num_channels]`` laid out layer after layer by a
+:class:`ChannelLayout`, the shape the server optimises and stores (``[N, num_channels]``). FLOPs:
+:class:`SparseFlopsModel` (App. B, eq. 9-10).
 """
 from __future__ import annotations
 
@@ -128,17 +118,13 @@ class SparseFlopsModel:
         """``input_sparsity_in_dense``: a dense layer fed by dropped conv channels
         costs less too (eq. 10); False treats dense layers as fixed cost (the
         reference code's model)."""
-        groups = {name: g for g, name in enumerate(layout.names)}
-        dense, act, out_g, in_g = [], [], [], []
-        for layer in model.layers:
-            dense.append(2.0 * layer.macs)
-            act.append(2.0 * layer.macs / layer.fan_in if count_activations else 0.0)
-            out_g.append(groups.get(layer.name, -1))
-            src = groups.get(layer.input_layer, -1) if layer.input_layer is not None else -1
-            if layer.kind == "dense" and not input_sparsity_in_dense:
-                src = -1
-            in_g.append(src)
-        return cls(layout, tuple(dense), tuple(act), tuple(out_g), tuple(in_g))
+        # A layer fed by the model input (input_layer None) or by a layer without dropout: group -1.
+        groups: dict[str | None, int] = {name: g for g, name in enumerate(layout.names)}
+        rows = [(2.0 * layer.macs, 2.0 * layer.macs / layer.fan_in if count_activations else 0.0,
+                 groups.get(layer.name, -1),
+                 -1 if layer.kind == "dense" and not input_sparsity_in_dense else groups.get(layer.input_layer, -1))
+                for layer in model.layers]
+        return cls(layout, *map(tuple, zip(*rows)))
 
     @property
     def dense_total(self) -> float:
@@ -227,10 +213,8 @@ def dropout_aware_init(key: jax.Array, variables: dict, model: Model, layout: Ch
     if scheme == "model":
         return variables
     targets = set(layout.names)
-    if scheme == "reference":
-        first_dense = next((l.name for l in model.layers if l.kind == "dense"), None)
-        if first_dense is not None:
-            targets.add(first_dense)
+    if scheme == "reference":   # and the first dense layer, if any
+        targets.update([l.name for l in model.layers if l.kind == "dense"][:1])
     params = dict(variables["params"])
     for i, layer in enumerate(model.layers):
         if layer.name not in targets:

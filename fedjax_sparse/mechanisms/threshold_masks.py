@@ -10,11 +10,7 @@ SpaFL (Kim et al.) prunes whole rows with one trainable threshold per row::
 
 The step has zero derivative almost everywhere, so its backward pass is
 replaced by a straight-through estimator (STE); gradients then reach both the
-weights (through ``mean |w|``) and the thresholds.
-
-Everything here is a small pure function of arrays: it composes with
-jit/vmap/grad and knows nothing about models or algorithms. FSL's top-k
-supermask is in :mod:`fedjax_sparse.mechanisms.supermask`.
+weights (through ``mean |w|``) and the thresholds (docs/spafl.md).
 """
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ class WidthLayout:
     kernel_unit: tuple[int, ...]      # kernel entries per (kept input channel, kept output channel)
     flops_unit: tuple[int, ...]       # training FLOPs per example per (input channel, output channel)
     vectors: tuple[int, ...]          # per-output-channel values (bias, BN params, running stats)
-    attached: tuple[tuple[str, int], ...] = ()   # (entry name, layer index)
+    attached: tuple[tuple[str, int], ...] = dataclasses.field(default=(), kw_only=True)   # (entry name, layer index)
 
     @classmethod
     def from_model(cls, model: Model, variables: dict) -> "WidthLayout":
@@ -79,7 +79,7 @@ class WidthLayout:
                     raise ValueError(f"{model.name}: {entry}/{key} has shape {value.shape}, not one value per "
                                      f"output channel of {model.layers[i].name} ({model.layers[i].out_units})")
                 attached_values[i] += 1
-        names, outs, scal, src, ins, per, ku, fu, vec = [], [], [], [], [], [], [], [], []
+        rows = []   # one per layer: the fields from names to vectors
         for i, layer in enumerate(model.layers):
             s = index[layer.input_layer] if layer.input_layer is not None else -1
             channels_in = layer.in_units if s < 0 else model.layers[s].out_units
@@ -87,23 +87,15 @@ class WidthLayout:
                 raise ValueError(f"{model.name}: layer {layer.name} has {layer.in_units} inputs, not a multiple "
                                  f"of the {channels_in} channels feeding it; width scaling needs a sequential model")
             p = layer.in_units // channels_in
-            spatial = int(math.prod(layer.kernel_shape[:-2]))
             groups = channels_in * layer.out_units
             if layer.macs % groups:
                 raise ValueError(f"layer {layer.name}: {layer.macs} MACs do not split into {groups} channel pairs")
             params = variables["params"][layer.name]
             stats = variables.get("batch_stats", {}).get(layer.name, {})
-            names.append(layer.name)
-            outs.append(layer.out_units)
-            scal.append(i < len(model.layers) - 1)
-            src.append(s)
-            ins.append(layer.in_units)
-            per.append(p)
-            ku.append(spatial * p)
-            fu.append(6 * (layer.macs // groups))
-            vec.append(sum(k in params for k in _PER_CHANNEL) + len(stats) + attached_values[i])
-        return cls(tuple(names), tuple(outs), tuple(scal), tuple(src), tuple(ins), tuple(per), tuple(ku),
-                   tuple(fu), tuple(vec), attached)
+            rows.append((layer.name, layer.out_units, i < len(model.layers) - 1, s, layer.in_units, p,
+                         int(math.prod(layer.kernel_shape[:-2])) * p, 6 * (layer.macs // groups),
+                         sum(k in params for k in _PER_CHANNEL) + len(stats) + attached_values[i]))
+        return cls(*map(tuple, zip(*rows)), attached=attached)
 
     # ---- sub-models
     def counts(self, rate) -> jax.Array:
@@ -228,8 +220,7 @@ class WidthLayout:
     def bits(self, counts) -> accounting.Cost:
         """Exact 32-bit size of the sub-model with (traced) ``counts``."""
         counts = jnp.asarray(counts, jnp.int32)
-        units = [accounting.FLOAT_BITS * u for u in self.kernel_unit] + \
-                [accounting.FLOAT_BITS * v for v in self.vectors]
+        units = [accounting.FLOAT_BITS * u for u in self.kernel_unit + self.vectors]
         a = jnp.concatenate([self.in_counts(counts), counts])
         b = jnp.concatenate([counts, jnp.ones_like(counts)])
         return accounting.Cost.terms(units, a, b)

@@ -223,8 +223,8 @@ def test_large_layers_bisect_off_the_cpu_and_radix_select_on_it():
 
 @pytest.mark.parametrize("byteorder", ["little", "big"])
 def test_numpy_argsort_packs_key_and_index_into_a_stable_order(monkeypatch, byteorder):
-    """Both packings (uint32 halves on little-endian hosts, shifts elsewhere) give numpy's stable
-    argsort, ties by index, over the int32 and float32 extremes and rows of a 2-D input."""
+    """The packing (uint32 halves of an explicitly little-endian uint64, whatever the host's byte order)
+    gives numpy's stable argsort, ties by index, over the int32 and float32 extremes and rows of a 2-D input."""
     monkeypatch.setattr(sys, "byteorder", byteorder)
     rng = np.random.default_rng(0)
     ints = np.concatenate([rng.integers(-3, 3, 500), [np.iinfo(np.int32).min, np.iinfo(np.int32).max, -1, 0]])
