@@ -1,42 +1,7 @@
 """Pinned random draws: replay another implementation's partition, initial
 weights and client-sampling sequence exactly (``--partition-file``,
-``--init-params``, ``--cohort-schedule``).
-
-A seed fixes three independent draws in every FL simulator: which samples each
-client holds, the initial model, and which clients are sampled in each round.
-Two implementations of one algorithm with the same seed still draw different
-numbers, and early curves of personalised methods (SpaFL) depend strongly on
-them, so a side-by-side comparison is only meaningful on identical draws. The
-three file formats below are plain and documented, so any implementation can
-write them.
-
-Partition file (JSON, also written by ``python -m fedjax_sparse partition --out``)::
-
-    {"format": "fedjax_sparse.partition/1", "dataset": "fashion_mnist",
-     "num_clients": 100, "test_from_train": false,
-     "clients": [{"client": 0, "train_indices": [...], "test_indices": [...]}, ...]}
-
-Indices are 0-based positions in the dataset's standard train and test arrays
-in file order (into the *train* array for both when ``test_from_train``).
-Extra keys (``seed``, ``spec``, label counts) are allowed and ignored.
-
-Initial parameters (``.npz``): one array per variable, keyed by its path in
-the model's variables, ``params/<layer>/<name>`` (and ``batch_stats/<layer>/
-<name>`` for BatchNorm statistics), e.g. ``params/conv1/kernel``. Layouts are
-the project's: conv kernels HWIO ``[kh, kw, in, out]``, dense kernels
-``[in, out]``, and a dense layer fed by a flattened conv map reads it in NHWC
-order ``(h, w, c)``. :func:`params_from_torch` converts a PyTorch state dict
-(OIHW convs, ``[out, in]`` linears, NCHW flattening). Every variable of the
-model must be present with its exact shape. FSL reads the frozen weights from
-``params/...`` and, when present, its initial scores from ``scores/<layer>/kernel``.
-
-Cohort schedule (JSON)::
-
-    {"format": "fedjax_sparse.cohorts/1", "rounds": [[3, 17, ...], [...], ...]}
-
-Row r holds the 0-based ids of the clients sampled in round r (r = 0, 1,
-...): exactly ``--clients-per-round`` distinct ids in ``[0, --num-clients)``,
-at least ``--rounds`` rows. It replaces the engine's sampling.
+``--init-params``, ``--cohort-schedule``). The three file formats are in
+docs/running.md, "Pinned draws".
 """
 from __future__ import annotations
 
@@ -97,7 +62,7 @@ def load_partition_file(path: str | Path, dataset, num_clients: int):
     if not isinstance(doc, dict) or doc.get("format") != PARTITION_FORMAT or not isinstance(doc.get("clients"), list):
         raise PinningError(f"{flag} {path} is not a {PARTITION_FORMAT} file (a JSON object with "
                            f"\"format\": \"{PARTITION_FORMAT}\" and a \"clients\" list); "
-                           "see fedjax_sparse/driver/pinning.py")
+                           "see docs/running.md, \"Pinned draws\"")
     name = doc.get("dataset")
     if name is not None and name != dataset.name:
         raise PinningError(f"{flag} {path} partitions dataset {name!r}, but {arg('dataset')} is {dataset.name!r}")
@@ -163,7 +128,7 @@ def load_init_params(path: str | Path, template: Mapping, *,
         if tuple(arrays[key].shape) != tuple(ref.shape):
             raise PinningError(f"{flag} {path}: {key} has shape {tuple(arrays[key].shape)}, the model needs "
                                f"{tuple(ref.shape)} (layouts: conv HWIO, dense [in, out]; "
-                               "see fedjax_sparse/driver/pinning.py)")
+                               "see docs/running.md, \"Pinned draws\")")
         if not np.all(np.isfinite(arrays[key])):
             raise PinningError(f"{flag} {path}: {key} holds NaN or inf values")
     variables = traverse_util.unflatten_dict({key: arrays[key].astype(ref.dtype) for key, ref in expected.items()},

@@ -145,7 +145,7 @@ class RunFields:
                            "`partition --out` writes one)")
     init_params: str | None = setting(
         group="model", help="pinned initial weights: .npz keyed params/<layer>/<name> (layouts in "
-                            "fedjax_sparse/driver/pinning.py)")
+                            "docs/running.md, \"Pinned draws\")")
     cohort_schedule: str | None = setting(
         group="algorithm", help="pinned cohorts: a fedjax_sparse.cohorts/1 JSON, the client ids of every round")
     options: dict = setting(factory=dict, group="algorithm", flag="--option",
