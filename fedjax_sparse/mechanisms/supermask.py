@@ -18,8 +18,8 @@ layer's flat vector; an algorithm maps it over layers (``jax.tree_util.tree_map`
 Sorting: ``argsort`` calls numpy through ``jax.pure_callback`` on the CPU (XLA:CPU's comparator sort is
 several times slower; docs/fsl.md) and ``jnp.argsort`` elsewhere, both stable with floats ordered
 totally, so results are identical. Top-k masks never sort: ``topk_mask`` finds the k-th largest value
-over order-preserving integer keys (a radix select, or a bisection on small layers) and breaks ties by
-index, keeping exactly ``n - int((1 - k) n)`` edges like edge-popup.
+over order-preserving integer keys (a radix select or a bisection, by layer size and platform:
+``kth_largest_key``) and breaks ties by index, keeping exactly ``n - int((1 - k) n)`` edges like edge-popup.
 """
 from __future__ import annotations
 
